@@ -1,0 +1,47 @@
+"""What the scheduler hands the model runner for one step: plain data, picklable across processes
+(the TP driver broadcasts it to the other ranks).
+
+A step's batch is a list of chunks, one per scheduled sequence. A chunk is `token_ids` at
+positions [start_pos, start_pos + len(token_ids)); the KV of positions [0, start_pos) is already in
+the blocks of `block_table`, and the new tokens' KV is written into the same table (which already
+holds enough blocks for start_pos + len(token_ids) tokens). A decode step is a chunk of length 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SequenceChunk:
+    request_id: str
+    token_ids: list[int]  # the new tokens to compute this step
+    start_pos: int  # how many tokens of this sequence already have KV
+    block_table: list[int]
+    # Whether the logits of the chunk's last token are wanted (False for a non-final prefill chunk).
+    sample: bool = True
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens with KV after this step."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    chunks: list[SequenceChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for c in self.chunks if c.sample)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
