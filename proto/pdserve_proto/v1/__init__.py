@@ -1,0 +1,1 @@
+"""Stubs generated from generation.proto by `python proto/generate.py`; do not edit them."""
