@@ -1,0 +1,103 @@
+"""The router's configuration: one frozen dataclass, checked on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+PREFILL_POLICIES = ("least_tokens", "round_robin", "prefix_affinity")
+DECODE_POLICIES = ("most_free_blocks",)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router listens, admits and dispatches.
+
+    `port=0` (and `metrics_port=0`) bind a free port; the server reports the one it got.
+    `metrics_port=None` serves no metrics over HTTP (they are still collected).
+    Admission: at most `max_running_requests` are dispatched to workers at once and at most
+    `max_queued_requests` more wait in the router; past that a request gets RESOURCE_EXHAUSTED
+    at once. `max_model_len` must match the workers' (None: the model's max_position_embeddings).
+    `block_size` must match the workers' KV block size (the prefix-affinity policy hashes prompt
+    blocks the way their prefix caches do).
+    """
+
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    auth_token: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    prefill_policy: str = "least_tokens"
+    decode_policy: str = "most_free_blocks"
+    max_running_requests: int = 256
+    max_queued_requests: int = 256
+    default_max_tokens: int = 16
+    max_stop_strings: int = 16
+    load_refresh_interval_s: float = 0.1
+    poll_timeout_s: float = 0.5
+    worker_timeout_s: float = 10.0
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model_dir):
+            raise ValueError(
+                f"model_dir {self.model_dir!r} is not a folder (it holds the tokenizer)"
+            )
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= 65535):
+                raise ValueError(f"{name} must be an integer in [0, 65535], got {value!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file (or neither)")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path!r} does not exist")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("auth_token must not be empty; use None to turn auth off")
+        self._check_positive_ints()
+        self._check_positive_floats()
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(
+                f"prefill_policy must be one of {PREFILL_POLICIES}, got {self.prefill_policy!r}"
+            )
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(
+                f"decode_policy must be one of {DECODE_POLICIES}, got {self.decode_policy!r}"
+            )
+
+    def _check_positive_ints(self) -> None:
+        names = ("block_size", "max_running_requests", "default_max_tokens", "max_stop_strings")
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
+            raise ValueError(
+                f"max_queued_requests must be an integer >= 0, got {self.max_queued_requests!r}"
+            )
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+    def _check_positive_floats(self) -> None:
+        names = (
+            "load_refresh_interval_s",
+            "poll_timeout_s",
+            "worker_timeout_s",
+            "shutdown_grace_s",
+        )
+        for name in names:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls_cert_file is not None
