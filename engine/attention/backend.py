@@ -1,0 +1,53 @@
+"""The attention back-end interface.
+
+A back end computes attention for one layer of one step over the paged KV cache:
+
+- It first writes the step's new K/V into the cache at `metadata.slot_mapping` (flat slots,
+  `block_id * block_size + offset`), in place: the cache is never reallocated or concatenated.
+- Decode tokens (the first `metadata.num_decode_tokens` rows) attend to every cached position of
+  their sequence, including the one just written.
+- Prefill-chunk tokens attend causally within their chunk and to all `start_pos` positions already
+  cached for their sequence.
+- A layer with a sliding window W only attends to key positions k with q_pos - k < W (as
+  transformers' Mistral/Qwen2 do).
+
+Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
+key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]; returns
+[num_tokens, num_heads, head_dim]. Query head h reads KV head h // (num_heads // num_kv_heads).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Write k/v into the caches, then return the attention output (see the module doc)."""
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V rows into their flat slots (index_copy_, in place)."""
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)

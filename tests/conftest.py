@@ -1,0 +1,29 @@
+"""Shared fixtures: one torch thread per test process, and cached tiny HF models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """`tiny_model(family, sharded=False, **overrides) -> model_dir`, built once per session."""
+    built: dict[tuple[Any, ...], str] = {}
+
+    def get(family: str = "llama", sharded: bool = False, **overrides: Any) -> str:
+        key = (family, sharded, tuple(sorted(overrides.items())))
+        if key not in built:
+            built[key] = make_tiny_model(
+                tmp_path_factory.mktemp(family), family, sharded=sharded, **overrides
+            )
+        return built[key]
+
+    return get
