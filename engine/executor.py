@@ -144,6 +144,11 @@ class Executor:
     def runner(self) -> ModelRunner:
         return self._runner
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the spawned TP ranks 1..n-1 (empty at TP=1 or after shutdown)."""
+        return [proc.pid for proc in self._workers.processes if proc.pid is not None]
+
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [batch.num_sampled, vocab_size] (float32; float64 for float64 models)."""
         if self._broken is not None:
