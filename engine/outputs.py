@@ -1,0 +1,54 @@
+"""What the engine reports: per step, per finished request, and its counters. Plain dataclasses,
+picklable, so a worker can send them across a process boundary as they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepOutput:
+    """One request's progress in one engine step: the tokens it gained, and whether it ended.
+
+    A request that finishes without a new token (abort, error) still gets one StepOutput with
+    `new_token_ids == []` and `finished == True`, so every request's end is reported exactly once.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # one of engine.request.FINISH_REASONS' values once finished
+    error: str | None = None  # what went wrong, when finish_reason == "error"
+
+
+@dataclass
+class RequestOutput:
+    """A finished request as `LLM.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only (EOS or the stop token included when it ended so)
+    finish_reason: str | None
+    num_cached_tokens: int = 0  # prompt tokens whose compute the prefix cache skipped
+    num_preemptions: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of one scheduler's load and counters (cumulative since it started)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_prefix_hit_tokens: int  # tokens whose KV came from the prefix cache at admission
+    num_prefix_queried_tokens: int  # tokens looked up in the prefix cache at admission
+    num_preemptions: int
+    num_queued_prompt_tokens: int  # tokens of waiting requests still to compute
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        if self.num_prefix_queried_tokens == 0:
+            return 0.0
+        return self.num_prefix_hit_tokens / self.num_prefix_queried_tokens

@@ -1,0 +1,99 @@
+"""Turns one step's logits into token ids: greedy, temperature, top-k, top-p, per-request seeds.
+
+Reproducibility: the random draw for a request's n-th output token comes from a generator seeded
+with mix(seed, n), never from a generator that carries state across steps. So the same seed gives
+the same tokens whatever else shares the batch, and a preempted request that is recomputed draws
+the same numbers again for the positions it still has to generate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, output_pos: int) -> int:
+    """A 63-bit generator seed for (request seed, output position): splitmix64 of both.
+
+    A plain `seed * K + pos` would make (seed, pos) and (seed + 1, pos - K) collide; splitmix64's
+    avalanche makes nearby inputs give unrelated generator states.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + output_pos + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # torch.Generator.manual_seed wants a non-negative int64
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs about one sampled sequence of the batch."""
+
+    params: SamplingParams
+    seed: int  # the request's seed (drawn at admission when the user gave none)
+    output_pos: int  # index of the token being sampled among the request's output tokens
+
+
+class Sampler:
+    """Samples one token per logits row. Stateless: the same inputs give the same tokens."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """`logits`: [num_rows, vocab_size], one row per entry of `rows`; returns one id per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        # Greedy rows (the common case) take one batched argmax and never touch a generator.
+        token_ids: list[int] = logits.argmax(dim=-1).tolist()
+        random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not random_idx:
+            return token_ids
+        probs = filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
+        for j, i in enumerate(random_idx):
+            generator = torch.Generator(device=probs.device)
+            generator.manual_seed(mix_seed(rows[i].seed, rows[i].output_pos))
+            token_ids[i] = _draw(probs[j], generator)
+        return token_ids
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-k and top-p sets, renormalized. [rows, vocab].
+
+    Every row must have temperature > 0. top-k keeps the k largest logits; top-p then keeps the
+    smallest set of the most likely tokens whose mass reaches p (the token that crosses p is in).
+    """
+    temperatures = torch.tensor(
+        [p.temperature for p in params], dtype=logits.dtype, device=logits.device
+    )
+    scaled = logits / temperatures.unsqueeze(1)
+    vocab_size = logits.shape[1]
+    if all((p.top_k <= 0 or p.top_k >= vocab_size) and p.top_p >= 1.0 for p in params):
+        return torch.softmax(scaled, dim=-1)
+
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, vocab]
+    top_k = torch.tensor(
+        [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+        device=logits.device,
+    )
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype, device=logits.device)
+    # Mass strictly before each token: the token is kept while that mass is still below p,
+    # which keeps the smallest prefix of the sorted tokens whose mass is >= p (never empty).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = mass_before < top_p.unsqueeze(1)
+    sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(sorted_probs).scatter_(1, sorted_ids, sorted_probs)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One sample from `probs` [vocab] (the exponential race: argmax p_i / E_i, E_i ~ Exp(1))."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    # exponential_ may return an exact 0; 0/0 would be NaN and could pick a filtered-out token.
+    noise.clamp_min_(torch.finfo(probs.dtype).tiny)
+    return int((probs / noise).argmax())

@@ -1,0 +1,309 @@
+"""Continuous batching with chunked prefill, a prefix cache and preemption. Pure Python.
+
+One engine step reads:
+
+    batch = scheduler.schedule()                  # which tokens of which requests to compute
+    logits = executor.execute(batch)               # [batch.num_sampled, vocab]
+    sampled = sampler(logits, scheduler.sampling_rows(batch))
+    outputs = scheduler.update(batch, sampled)     # append tokens, stop, free, cache blocks
+
+`schedule()` fills one step under `max_num_seqs` and `max_num_batched_tokens`, in this order:
+  1. running requests that decode (one token each; a new block when one fills up),
+  2. running requests whose prefill is partial (the next chunk of at most `chunk_size` tokens),
+  3. waiting requests, first come first served, each starting after its cached prefix.
+Decodes go first so that a long prompt never stalls the tokens of running sequences (SARATHI).
+A chunk samples only when it reaches the request's last token.
+
+When blocks run out, the most recently admitted running request is preempted: its blocks are
+freed (tail first, so its full blocks stay in the prefix cache longest) and it goes back to the
+front of the queue, to be recomputed from its prompt and generated tokens. A request whose
+largest possible length does not fit in the whole pool is finished with an error on admission,
+so a lone request can always make progress and the scheduler never spins.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from engine.batch import ScheduledBatch, SequenceChunk
+from engine.block_pool import BlockPool
+from engine.outputs import SchedulerStats, StepOutput
+from engine.prefix_cache import PrefixCache, token_slice
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampler import SamplingRow
+
+
+@dataclass
+class _StepPlan:
+    """The step being filled: request_id -> number of new tokens, in batch order."""
+
+    token_budget: int
+    num_new_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: bool = False
+
+
+class Scheduler:
+    """Owns the requests of one model runtime and the block tables into its pool."""
+
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunk_size: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        seed: int = 0,
+    ) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_size = min(chunk_size, max_num_batched_tokens)
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefix_cache = PrefixCache(block_pool, block_size)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: preemption takes from the tail
+        self.num_preemptions = 0
+        self._rng = random.Random(seed)  # seeds for requests that sample without one
+        self._pending: list[StepOutput] = []  # ends (abort, error) reported by the next update
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for a duplicate id or a prompt that cannot run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, but max_model_len is "
+                f"{self.max_model_len}: shorten the prompt so that at least one token can follow"
+            )
+        if not request.params.greedy and request.params.seed is None:
+            # Drawn once here, so recomputing after preemption replays the same draws.
+            request.params = replace(request.params, seed=self._rng.getrandbits(63))
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state, freeing its blocks once. False if it is not here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(StepOutput(request_id, [], True, "abort"))
+        return True
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> ScheduledBatch:
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(plan, decodes=True)
+        self._schedule_running(plan, decodes=False)
+        if not plan.preempted:  # admitting right after preempting would only thrash
+            self._admit_waiting(plan)
+        return self._build_batch(plan)
+
+    def _schedule_running(self, plan: _StepPlan, decodes: bool) -> None:
+        running = self.running
+        i = 0
+        while i < len(running) and plan.token_budget > 0:
+            request = running[i]
+            num_left = request.num_tokens - request.num_computed_tokens
+            if (num_left == 1) == decodes:
+                num_new = min(num_left, self.chunk_size, plan.token_budget)
+                if not self._reserve_blocks(request, num_new, plan):
+                    return  # it preempted itself: it was the tail, nothing follows
+                plan.num_new_tokens[request.request_id] = num_new
+                plan.token_budget -= num_new
+            i += 1
+
+    def _reserve_blocks(self, request: Request, num_new: int, plan: _StepPlan) -> bool:
+        """Give `request` room for `num_new` more tokens, preempting from the tail if needed."""
+        block_size = self.block_size
+        num_needed = -(-(request.num_computed_tokens + num_new) // block_size) - len(
+            request.block_table
+        )
+        if num_needed <= 0:
+            return True
+        pool = self.block_pool
+        while not pool.can_allocate(num_needed):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        request.block_table.extend(pool.allocate(num_needed))
+        return True
+
+    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
+        """Free the tail request's blocks and put it back at the front of the queue."""
+        assert self.running[-1] is victim
+        self.running.pop()
+        num_planned = plan.num_new_tokens.pop(victim.request_id, 0)
+        plan.token_budget += num_planned  # it was already scheduled this step: undo that
+        self._release_blocks(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        plan.preempted = True
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        pool = self.block_pool
+        block_size = self.block_size
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self._can_never_fit(request):
+                continue
+            cached_block_ids = self.prefix_cache.match(request)
+            num_cached = len(cached_block_ids) * block_size
+            num_new = min(request.num_tokens - num_cached, self.chunk_size, plan.token_budget)
+            num_needed = -(-(num_cached + num_new) // block_size) - len(cached_block_ids)
+            # Touching a cached block that nobody holds takes it off the free list too.
+            num_revived = sum(1 for b in cached_block_ids if pool.ref_cnt(b) == 0)
+            if not pool.can_allocate(num_needed + num_revived):
+                self.prefix_cache.forget(request.request_id)
+                return  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            pool.touch(cached_block_ids)
+            request.block_table = cached_block_ids + pool.allocate(num_needed)
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            self.prefix_cache.record_admission(request, num_cached)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.num_new_tokens[request.request_id] = num_new
+            plan.token_budget -= num_new
+
+    def _can_never_fit(self, request: Request) -> bool:
+        """Finish (error) the queue head if even the whole pool cannot hold its longest form."""
+        max_len = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
+        num_blocks = -(-max_len // self.block_size)
+        if num_blocks <= self.block_pool.num_blocks:
+            return False
+        self.waiting.popleft()
+        message = (
+            f"request {request.request_id!r} may grow to {max_len} tokens "
+            f"({num_blocks} KV blocks), but the pool has only {self.block_pool.num_blocks} "
+            f"blocks: lower max_tokens or give the engine more KV cache memory"
+        )
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self._pending.append(StepOutput(request.request_id, [], True, "error", message))
+        return True
+
+    def _build_batch(self, plan: _StepPlan) -> ScheduledBatch:
+        chunks: list[SequenceChunk] = []
+        requests = self.requests
+        for request_id, num_new in plan.num_new_tokens.items():
+            request = requests[request_id]
+            start = request.num_computed_tokens
+            end = start + num_new
+            chunks.append(
+                SequenceChunk(
+                    request_id,
+                    token_slice(request, start, end),
+                    start,
+                    list(request.block_table),
+                    end == request.num_tokens,
+                )
+            )
+        return ScheduledBatch(chunks)
+
+    # ----------------------------------------------------------------- update
+    def sampling_rows(self, batch: ScheduledBatch) -> list[SamplingRow]:
+        """What the sampler needs for each sampled chunk of `batch`, in batch order."""
+        requests = self.requests
+        rows = []
+        for chunk in batch.chunks:
+            if chunk.sample:
+                request = requests[chunk.request_id]
+                params = request.params
+                rows.append(SamplingRow(params, params.seed or 0, request.num_output_tokens))
+        return rows
+
+    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[StepOutput]:
+        """Record a computed step: one sampled token per chunk with `sample=True`, in order."""
+        if len(sampled_token_ids) != batch.num_sampled:
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled tokens for "
+                f"{batch.num_sampled} sampled chunks"
+            )
+        outputs, self._pending = self._pending, []
+        sampled = iter(sampled_token_ids)
+        num_finished = 0
+        for chunk in batch.chunks:
+            token_id = next(sampled) if chunk.sample else None
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.prefix_cache.register(request)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is None:
+                outputs.append(StepOutput(request.request_id, [token_id]))
+            else:
+                self._finish(request, status)
+                num_finished += 1
+                outputs.append(
+                    StepOutput(request.request_id, [token_id], True, FINISH_REASONS[status])
+                )
+        if num_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        if (not params.ignore_eos and token_id in self.eos_token_ids) or (
+            token_id in params.stop_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and release its blocks; the caller takes it out of running/waiting."""
+        request.status = status
+        self._release_blocks(request)
+        del self.requests[request.request_id]
+
+    def _release_blocks(self, request: Request) -> None:
+        self.block_pool.free_sequence_blocks(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
+        self.prefix_cache.forget(request.request_id)
+
+    # ---------------------------------------------------------------- queries
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=self.block_pool.num_free_blocks,
+            num_total_blocks=self.block_pool.num_blocks,
+            num_prefix_hit_tokens=self.prefix_cache.num_hit_tokens,
+            num_prefix_queried_tokens=self.prefix_cache.num_queried_tokens,
+            num_preemptions=self.num_preemptions,
+            num_queued_prompt_tokens=sum(r.num_tokens for r in self.waiting),
+        )

@@ -1,0 +1,165 @@
+"""Property tests of the block pool: a hypothesis state machine drives allocate / share (touch) /
+cache / lookup / free in any order against a plain model of what the pool must hold, including
+the exact LRU order of the free list, and checks that no double free gets through."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.block_pool import (
+    BlockHash,
+    BlockPool,
+    BlockPoolError,
+    hash_block_tokens,
+    hash_prompt_blocks,
+)
+
+# Small hash and token spaces so that hash hits, first-writer-wins and collisions
+# (same hash, other tokens) all happen often.
+hashes = st.integers(min_value=0, max_value=5).map(BlockHash)
+block_tokens = st.tuples(st.integers(0, 2), st.integers(0, 2))
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """Each holder owns one reference to each block id in its list (a sequence, a transfer...)."""
+
+    @initialize(num_blocks=st.integers(1, 16), enable_caching=st.booleans())
+    def make_pool(self, num_blocks: int, enable_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.holders: list[list[int]] = []
+        self.ref_cnt = [0] * num_blocks
+        self.free_list = list(range(num_blocks))  # the model's LRU order, head first
+        self.cache: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, tokens)
+
+    def _cached_hash_of(self, block_id: int) -> int | None:
+        return next((h for h, (b, _) in self.cache.items() if b == block_id), None)
+
+    @rule(num_blocks=st.integers(0, 4))
+    def allocate(self, num_blocks: int) -> None:
+        if num_blocks > len(self.free_list):
+            assert not self.pool.can_allocate(num_blocks)
+            with pytest.raises(BlockPoolError):
+                self.pool.allocate(num_blocks)
+            return
+        block_ids = self.pool.allocate(num_blocks)
+        assert block_ids == self.free_list[:num_blocks]  # taken from the LRU head
+        del self.free_list[:num_blocks]
+        for block_id in block_ids:
+            self.ref_cnt[block_id] = 1
+            evicted = self._cached_hash_of(block_id)
+            if evicted is not None:
+                del self.cache[evicted]
+        self.holders.append(block_ids)
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def share(self, data: st.DataObject) -> None:
+        """A second holder takes a reference to some blocks of an existing holder."""
+        owner = data.draw(st.sampled_from(self.holders))
+        shared = data.draw(st.lists(st.sampled_from(owner), unique=True)) if owner else []
+        self.pool.touch(shared)
+        for block_id in shared:
+            self.ref_cnt[block_id] += 1
+        self.holders.append(list(shared))
+
+    @precondition(lambda self: any(self.holders))
+    @rule(data=st.data(), block_hash=hashes, tokens=block_tokens)
+    def cache_block(self, data: st.DataObject, block_hash: BlockHash, tokens: tuple) -> None:
+        block_id = data.draw(st.sampled_from([b for h in self.holders for b in h]))
+        self.pool.cache_block(block_id, block_hash, tokens)
+        first_writer = block_hash not in self.cache and self._cached_hash_of(block_id) is None
+        if self.pool.enable_caching and first_writer:
+            self.cache[block_hash] = (block_id, tokens)
+
+    @precondition(lambda self: self.cache)
+    @rule(data=st.data())
+    def hit_cached_block(self, data: st.DataObject) -> None:
+        """Probe with the exact tokens of a cached block (often one nobody holds any more)."""
+        entries = sorted(self.cache.items())
+        unheld = [e for e in entries if self.ref_cnt[e[1][0]] == 0]
+        block_hash, (_, tokens) = data.draw(st.sampled_from(unheld or entries))
+        self.lookup_and_touch(BlockHash(block_hash), tokens)
+
+    @rule(block_hash=hashes, tokens=block_tokens)
+    def lookup_and_touch(self, block_hash: BlockHash, tokens: tuple) -> None:
+        """A prefix-cache probe (hit, miss or hash collision); a verified hit gets a new holder."""
+        hit = self.cache.get(block_hash)
+        expected = hit[0] if hit is not None and hit[1] == tokens else None
+        assert self.pool.lookup(block_hash, tokens) == expected
+        if expected is None:
+            return
+        self.pool.touch([expected])
+        if self.ref_cnt[expected] == 0:
+            self.free_list.remove(expected)
+        self.ref_cnt[expected] += 1
+        self.holders.append([expected])
+
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def free_holder(self, data: st.DataObject) -> None:
+        """A holder releases all its references, in an order of hypothesis' choosing."""
+        holder = self.holders.pop(data.draw(st.integers(0, len(self.holders) - 1)))
+        order = data.draw(st.permutations(holder))
+        self.pool.free(order)
+        for block_id in order:
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] == 0:
+                self.free_list.append(block_id)  # joins the LRU tail in release order
+
+    @rule(data=st.data())
+    def double_free_is_refused(self, data: st.DataObject) -> None:
+        unheld = [b for b, cnt in enumerate(self.ref_cnt) if cnt == 0]
+        bad_ids = unheld + [-1, len(self.ref_cnt)]  # plus ids outside the pool
+        with pytest.raises(BlockPoolError):
+            self.pool.free([data.draw(st.sampled_from(bad_ids))])
+
+    @invariant()
+    def pool_matches_model(self) -> None:
+        self.pool.check_integrity()
+        assert self.pool.free_block_ids() == self.free_list
+        assert [self.pool.ref_cnt(b) for b in range(len(self.ref_cnt))] == self.ref_cnt
+        assert self.pool.num_cached_blocks == len(self.cache)
+        assert self.pool.num_free_blocks + self.pool.num_used_blocks == self.pool.num_blocks
+
+    def teardown(self) -> None:
+        """Every holder releases (reversed, so shares go first): the whole pool is free again."""
+        for holder in reversed(self.holders):
+            self.pool.free_sequence_blocks(holder)
+        assert self.pool.num_free_blocks == self.pool.num_blocks
+        self.pool.check_integrity()
+
+
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBlockPool = BlockPoolMachine.TestCase
+
+
+def test_chained_hash_depends_on_every_earlier_block() -> None:
+    a = hash_prompt_blocks([1, 2, 3, 4, 5, 6, 7], block_size=2)
+    b = hash_prompt_blocks([9, 2, 3, 4, 5, 6], block_size=2)
+    assert len(a) == 3 and len(b) == 3  # only full blocks are hashed
+    assert a[1] != b[1] and a[2] != b[2]  # same tokens in block 1, different parents
+    assert a[0] == hash_block_tokens(None, [1, 2])
+    assert a[1] == hash_block_tokens(a[0], [3, 4])
+
+
+def test_free_evicts_cached_blocks_in_lru_order() -> None:
+    pool = BlockPool(3)
+    block_ids = pool.allocate(3)
+    for i, block_id in enumerate(block_ids):
+        pool.cache_block(block_id, BlockHash(100 + i), (i,))
+    pool.free_sequence_blocks(block_ids)  # tail first: [2, 1, 0]
+    assert pool.free_block_ids() == [2, 1, 0]
+    assert pool.allocate(1) == [2]  # evicts the block cached under 102 first
+    assert pool.lookup(BlockHash(102), (2,)) is None
+    assert pool.lookup(BlockHash(100), (0,)) == 0
+    assert pool.num_cache_evictions == 1
+    pool.free([2])
+    pool.check_integrity()
