@@ -1,0 +1,134 @@
+"""Placing a request on workers: pick instances with the policies, reserve KV, submit the prompt.
+
+    disaggregated:  decode = decode_policy(...);  ticket = decode.reserve(req)
+                    prefill = prefill_policy(...); prefill.submit(req, ticket)
+    colocated:      prefill = prefill_policy(...); prefill.submit(req, None)
+
+An instance that answers Overloaded (or fails, or times out) is left out and the policy picks
+again among the rest; a refused prefill gives back the decode reservation first. When no
+candidate is left the request fails: RESOURCE_EXHAUSTED if some instance was merely full,
+UNAVAILABLE if none could be reached. Each instance is added to the request's holders before
+it is called, so an abort reaches it even when the call times out halfway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from router.generation_errors import FailureKind, GenerationFailed
+from router.policies import DecodePolicy, PrefillPolicy
+from router.validation import ValidatedRequest
+from router.worker_api import Overloaded, WorkerRequest
+from router.worker_pool import RequestChannel, WorkerPool
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    prefill_id: str
+    decode_id: str | None  # None when colocated
+    num_prompt_tokens: int
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        prefill_policy: PrefillPolicy,
+        decode_policy: DecodePolicy,
+        worker_timeout_s: float,
+    ) -> None:
+        self._pool = pool
+        self._prefill_policy = prefill_policy
+        self._decode_policy = decode_policy
+        self._timeout_s = worker_timeout_s
+
+    async def dispatch(
+        self, request: ValidatedRequest, channel: RequestChannel, arrival_time: float
+    ) -> Dispatch:
+        refused: set[str] = set()
+        num_overloaded = 0
+        while True:
+            decode_id = self._pick_decode(request, refused)
+            prefill_id = self._pick_prefill(request, refused)
+            if prefill_id is None or (self._pool.disaggregated and decode_id is None):
+                raise self._no_candidate_left(num_overloaded, len(refused))
+            worker_request = WorkerRequest(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                arrival_time,
+                prefill_instance=prefill_id,
+                decode_instance=decode_id or "",
+            )
+            failed_id, overloaded = await self._place(
+                worker_request, channel, prefill_id, decode_id
+            )
+            if failed_id is None:
+                num_tokens = len(request.prompt_token_ids)
+                self._pool.note_dispatch(prefill_id, num_tokens, is_prefill=True)
+                if decode_id is not None:
+                    self._pool.note_dispatch(decode_id, num_tokens, is_prefill=False)
+                return Dispatch(prefill_id, decode_id, num_tokens)
+            refused.add(failed_id)
+            num_overloaded += int(overloaded)
+
+    def release(self, dispatch: Dispatch, prefilled: bool) -> None:
+        """Undo the dispatch's bookkeeping when the request ends."""
+        if not prefilled:
+            self._pool.note_prefilled(dispatch.prefill_id, dispatch.num_prompt_tokens)
+        self._pool.note_done(dispatch.prefill_id)
+        if dispatch.decode_id is not None:
+            self._pool.note_done(dispatch.decode_id)
+
+    def _pick_decode(self, request: ValidatedRequest, refused: set[str]) -> str | None:
+        if not self._pool.disaggregated:
+            return None
+        candidates = self._pool.decode_candidates(exclude=refused)
+        if not candidates:
+            return None
+        return self._decode_policy.select(request.prompt_token_ids, candidates).instance_id
+
+    def _pick_prefill(self, request: ValidatedRequest, refused: set[str]) -> str | None:
+        candidates = self._pool.prefill_candidates(exclude=refused)
+        if not candidates:
+            return None
+        return self._prefill_policy.select(request.prompt_token_ids, candidates).instance_id
+
+    async def _place(
+        self,
+        request: WorkerRequest,
+        channel: RequestChannel,
+        prefill_id: str,
+        decode_id: str | None,
+    ) -> tuple[str | None, bool]:
+        """Reserve and submit; returns (the instance that refused or failed, was it Overloaded)."""
+        ticket: object | None = None
+        if decode_id is not None:
+            channel.holder_ids.add(decode_id)
+            decode = self._pool.handle(decode_id)
+            try:
+                ticket = await asyncio.wait_for(decode.reserve(request), self._timeout_s)  # type: ignore[attr-defined]
+            except Exception as exc:
+                return decode_id, isinstance(exc, Overloaded)
+        channel.holder_ids.add(prefill_id)
+        prefill = self._pool.handle(prefill_id)
+        try:
+            await asyncio.wait_for(prefill.submit(request, ticket), self._timeout_s)  # type: ignore[attr-defined]
+        except Exception as exc:
+            if decode_id is not None:
+                self._pool.abort_everywhere(request.request_id, {decode_id})
+            return prefill_id, isinstance(exc, Overloaded)
+        return None, False
+
+    def _no_candidate_left(self, num_overloaded: int, num_refused: int) -> GenerationFailed:
+        if num_overloaded > 0:
+            return GenerationFailed(
+                FailureKind.OVERLOADED,
+                f"every worker that could take the request is full ({num_overloaded} refused "
+                "it as overloaded); retry later",
+            )
+        return GenerationFailed(
+            FailureKind.UNAVAILABLE,
+            f"no healthy worker can take the request ({num_refused} failed to answer); retry later",
+        )

@@ -1,0 +1,250 @@
+"""One request's life in the router: admit, dispatch, stream, and clean up on every path.
+
+    admit (bounded queue) -> pick decode + prefill (policies) -> reserve KV on decode
+      -> submit to prefill -> events: first token (prefill), then the rest (decode)
+      -> detokenize, cut at stop strings -> chunks to the servicer
+
+Whatever ends the request (finish, stop string, client cancel or deadline, error), `finally`
+frees its admission slot and tells every instance that may hold state for it to abort, except
+the one whose finish event ended it (that one freed its state itself). gRPC stays out of this
+file: failures are `GenerationFailed` with a kind the servicer maps to a status code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from router.admission import AdmissionController, AdmissionFull
+from router.detokenizer import IncrementalDetokenizer
+from router.dispatch import Dispatcher
+from router.generation_errors import FailureKind, GenerationFailed
+from router.metrics import RouterMetrics
+from router.stop_strings import StopStringMatcher
+from router.tokenizer import RouterTokenizer
+from router.validation import ValidatedRequest
+from router.worker_api import RequestTimings, TokenEvent
+from router.worker_pool import InstanceLost, RequestChannel, WorkerPool
+
+
+@dataclass(frozen=True)
+class RouterTimings:
+    router_queue_s: float = 0.0
+    prefill_queue_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    decode_queue_s: float = 0.0
+    first_token_s: float = 0.0
+    per_token_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # set on the last chunk only
+    stop_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    timings: RouterTimings | None = None  # on the last chunk
+
+
+@dataclass
+class _Progress:
+    """The mutable state of one streaming request."""
+
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    accepted_at: float  # perf_counter
+    dispatched_at: float = 0.0
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    num_output_tokens: int = 0
+    worker_timings: RequestTimings = field(default_factory=RequestTimings)
+    early_events: list[TokenEvent] = field(default_factory=list)  # decode before first token
+    finished_by: str | None = None  # instance whose finish event ended the request
+
+
+class GenerationRunner:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        dispatcher: Dispatcher,
+        admission: AdmissionController,
+        tokenizer: RouterTokenizer,
+        metrics: RouterMetrics,
+    ) -> None:
+        self._pool = pool
+        self._dispatcher = dispatcher
+        self._admission = admission
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+
+    async def generate(self, request: ValidatedRequest) -> AsyncIterator[GenerationChunk]:
+        """Chunks of new tokens and text; the last has finish_reason. Raises GenerationFailed."""
+        if self._pool.has_channel(request.request_id):
+            raise GenerationFailed(
+                FailureKind.DUPLICATE_ID,
+                f"request_id {request.request_id!r} is already running; use a unique id",
+            )
+        progress = _Progress(
+            IncrementalDetokenizer(self._tokenizer),
+            StopStringMatcher(request.stop_strings),
+            accepted_at=time.perf_counter(),
+        )
+        try:
+            ticket = self._admission.try_admit()
+        except AdmissionFull as exc:
+            raise GenerationFailed(FailureKind.OVERLOADED, str(exc)) from exc
+        channel = self._pool.open_channel(request.request_id)
+        self._update_queue_gauges()
+        dispatch = None
+        try:
+            await self._admission.wait_until_running(ticket)
+            progress.dispatched_at = time.perf_counter()
+            self._update_queue_gauges()
+            self._metrics.request_queue_time.observe(progress.dispatched_at - progress.accepted_at)
+            self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+            dispatch = await self._dispatcher.dispatch(request, channel, time.time())
+            async for chunk in self._stream(request, channel, progress, dispatch.prefill_id):
+                yield chunk
+        finally:
+            self._pool.close_channel(channel)
+            self._admission.release(ticket)
+            self._update_queue_gauges()
+            if dispatch is not None:
+                self._dispatcher.release(dispatch, prefilled=progress.first_token_at is not None)
+            self._pool.abort_everywhere(
+                request.request_id, channel.holder_ids - {progress.finished_by}
+            )
+
+    def _update_queue_gauges(self) -> None:
+        self._metrics.num_requests_waiting.set(self._admission.num_waiting)
+        self._metrics.num_requests_running.set(self._admission.num_running)
+
+    async def _stream(
+        self,
+        request: ValidatedRequest,
+        channel: RequestChannel,
+        progress: _Progress,
+        prefill_id: str,
+    ) -> AsyncIterator[GenerationChunk]:
+        while True:
+            item = await channel.queue.get()
+            if isinstance(item, InstanceLost):
+                raise GenerationFailed(
+                    FailureKind.UNAVAILABLE,
+                    f"worker {item.instance_id} became unavailable ({item.reason}); "
+                    "retry the request",
+                )
+            if progress.first_token_at is None and item.source not in ("", prefill_id):
+                progress.early_events.append(item)  # a decode step overtook the first token
+                continue
+            events = [item]
+            if progress.first_token_at is None and progress.early_events:
+                events += progress.early_events
+                progress.early_events.clear()
+            for event in events:
+                chunk = self._on_event(request, progress, event)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+
+    def _on_event(
+        self, request: ValidatedRequest, progress: _Progress, event: TokenEvent
+    ) -> GenerationChunk:
+        if event.finish_reason == "error":
+            progress.finished_by = event.source or None
+            raise GenerationFailed(
+                FailureKind.WORKER_ERROR,
+                f"worker {event.source or '?'} failed the request: {event.error or 'no detail'}",
+            )
+        self._note_token_times(progress, event)
+        text = progress.detokenizer.add(event.token_ids)
+        if event.finish_reason is not None:
+            text += progress.detokenizer.flush()
+        check = progress.stop_matcher.add(text)
+        text, finish_reason, stop_reason = check.text, event.finish_reason, ""
+        if check.stop_string is not None:
+            finish_reason, stop_reason = "stop", check.stop_string
+        elif finish_reason is not None:
+            text += progress.stop_matcher.flush()
+            progress.finished_by = event.source or None
+        if finish_reason is None:
+            return GenerationChunk(request.request_id, list(event.token_ids), text)
+        return self._last_chunk(request, progress, event, text, finish_reason, stop_reason)
+
+    def _note_token_times(self, progress: _Progress, event: TokenEvent) -> None:
+        now = time.perf_counter()
+        if progress.first_token_at is None:
+            progress.first_token_at = now
+            self._metrics.time_to_first_token.observe(now - progress.accepted_at)
+        elif event.token_ids:
+            self._metrics.inter_token_latency.observe(now - progress.last_token_at)
+        progress.last_token_at = now
+        progress.num_output_tokens += len(event.token_ids)
+        self._metrics.generation_tokens.inc(len(event.token_ids))
+        if event.timings is not None:
+            _merge_timings(progress.worker_timings, event.timings)
+
+    def _last_chunk(
+        self,
+        request: ValidatedRequest,
+        progress: _Progress,
+        event: TokenEvent,
+        text: str,
+        finish_reason: str,
+        stop_reason: str,
+    ) -> GenerationChunk:
+        assert progress.first_token_at is not None
+        num_after_first = progress.num_output_tokens - 1
+        per_token_s = (
+            (progress.last_token_at - progress.first_token_at) / num_after_first
+            if num_after_first > 0
+            else 0.0
+        )
+        worker = progress.worker_timings
+        timings = RouterTimings(
+            router_queue_s=progress.dispatched_at - progress.accepted_at,
+            prefill_queue_s=worker.prefill_queue_s,
+            prefill_s=worker.prefill_s,
+            kv_transfer_s=worker.kv_transfer_s,
+            decode_queue_s=worker.decode_queue_s,
+            first_token_s=progress.first_token_at - progress.accepted_at,
+            per_token_s=per_token_s,
+            e2e_s=progress.last_token_at - progress.accepted_at,
+        )
+        self._observe_finish(timings, finish_reason, num_after_first)
+        return GenerationChunk(
+            request.request_id,
+            list(event.token_ids),
+            text,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_completion_tokens=progress.num_output_tokens,
+            num_cached_tokens=worker.num_cached_tokens,
+            timings=timings,
+        )
+
+    def _observe_finish(self, timings: RouterTimings, finish_reason: str, num_after: int) -> None:
+        self._metrics.e2e_request_latency.observe(timings.e2e_s)
+        if num_after > 0:
+            self._metrics.time_per_output_token.observe(timings.per_token_s)
+        if timings.kv_transfer_s > 0:
+            self._metrics.kv_transfer_time.observe(timings.kv_transfer_s)
+        self._metrics.request_success.labels(finish_reason).inc()
+
+
+def _merge_timings(merged: RequestTimings, update: RequestTimings) -> None:
+    """Prefill fields come with the first token, decode fields with the last: keep each set one."""
+    for name in ("prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "decode_s"):
+        value = getattr(update, name)
+        if value:
+            setattr(merged, name, value)
+    if update.num_cached_tokens:
+        merged.num_cached_tokens = update.num_cached_tokens

@@ -1,0 +1,113 @@
+"""Prometheus metrics of one router, named like vLLM's with a `pdserve:` prefix.
+
+Each router owns its registry (so several routers can live in one test process) and serves it
+over HTTP with prometheus-client when a metrics port is configured.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from router.worker_api import InstanceLoad
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._http_server = None
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.time_to_first_token = histogram(
+            "pdserve:time_to_first_token_seconds", "Accepted to first token sent, seconds."
+        )
+        self.time_per_output_token = histogram(
+            "pdserve:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request, seconds.",
+        )
+        self.inter_token_latency = histogram(
+            "pdserve:inter_token_latency_seconds", "Time between consecutive token messages."
+        )
+        self.e2e_request_latency = histogram(
+            "pdserve:e2e_request_latency_seconds", "Accepted to last token, seconds."
+        )
+        self.request_queue_time = histogram(
+            "pdserve:request_queue_time_seconds", "Time waiting in the router's queue, seconds."
+        )
+        self.kv_transfer_time = histogram(
+            "pdserve:kv_transfer_seconds", "Per-request KV transfer time reported by workers."
+        )
+        self.num_requests_waiting = Gauge(
+            "pdserve:num_requests_waiting", "Requests queued in the router.", registry=self.registry
+        )
+        self.num_requests_running = Gauge(
+            "pdserve:num_requests_running",
+            "Requests dispatched to workers, not finished.",
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "pdserve:request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.request_failure = Counter(
+            "pdserve:request_failure",
+            "Requests that ended with a non-OK gRPC status, by status code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve:prompt_tokens", "Prompt tokens of admitted requests.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "pdserve:generation_tokens", "Tokens generated.", registry=self.registry
+        )
+        self._init_worker_gauges()
+
+    def _init_worker_gauges(self) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["instance", "role"], registry=self.registry)
+
+        self.worker_waiting = gauge("pdserve:worker_num_requests_waiting", "Queued in a worker.")
+        self.worker_running = gauge("pdserve:worker_num_requests_running", "Running in a worker.")
+        self.worker_blocks_used = gauge("pdserve:kv_blocks_used", "KV blocks in use per worker.")
+        self.worker_blocks_total = gauge("pdserve:kv_blocks_total", "KV blocks per worker.")
+        self.worker_healthy = gauge("pdserve:worker_healthy", "1 when the worker is healthy.")
+        # Cumulative KV transfer totals that workers report in InstanceLoad.extra.
+        self.kv_transfer_bytes = gauge(
+            "pdserve:kv_transfer_bytes_total", "KV bytes transferred, as reported by the worker."
+        )
+        self.kv_transfer_seconds = gauge(
+            "pdserve:kv_transfer_seconds_total", "Seconds spent on KV transfers, per worker."
+        )
+
+    def observe_load(self, load: InstanceLoad) -> None:
+        labels = (load.instance_id, load.role.value)
+        self.worker_waiting.labels(*labels).set(load.num_waiting_requests)
+        self.worker_running.labels(*labels).set(load.num_running)
+        self.worker_blocks_used.labels(*labels).set(load.num_total_blocks - load.num_free_blocks)
+        self.worker_blocks_total.labels(*labels).set(load.num_total_blocks)
+        self.worker_healthy.labels(*labels).set(1.0 if load.healthy else 0.0)
+        if "kv_transfer_bytes_total" in load.extra:
+            self.kv_transfer_bytes.labels(*labels).set(load.extra["kv_transfer_bytes_total"])
+        if "kv_transfer_seconds_total" in load.extra:
+            self.kv_transfer_seconds.labels(*labels).set(load.extra["kv_transfer_seconds_total"])
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics over HTTP; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http_server = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None

@@ -1,0 +1,153 @@
+"""The router as a running gRPC server: Generation, health, reflection, metrics, auth, TLS.
+
+    router = Router(config, prefill_handles, decode_handles)   # decode_handles=() when colocated
+    await router.start()            # binds config.host:config.port (port 0: a free one)
+    print(router.address)           # "127.0.0.1:50123"
+    ...
+    await router.stop()             # NOT_SERVING, drain for shutdown_grace_s, abort the rest
+
+Health: the overall status ("") and "pdserve.v1.Generation" are SERVING while the workers can
+take requests (a healthy prefill or colocated instance, plus a decode instance when split), and
+NOT_SERVING otherwise; the status follows each load refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from router.admission import AdmissionController
+from router.auth import BearerTokenInterceptor
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.generation import GenerationRunner
+from router.metrics import RouterMetrics
+from router.policies import make_decode_policy, make_prefill_policy
+from router.servicer import SERVICE_NAME, GenerationServicer
+from router.tokenizer import RouterTokenizer, load_model_limits
+from router.validation import RequestValidator
+from router.worker_api import DecodeHandle, PrefillHandle
+from router.worker_pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        prefill_handles: Sequence[PrefillHandle],
+        decode_handles: Sequence[DecodeHandle] = (),
+    ) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.tokenizer = RouterTokenizer(config.model_dir)
+        self.limits = load_model_limits(config.model_dir, config.max_model_len)
+        self.pool = WorkerPool(config, self.metrics, prefill_handles, decode_handles)
+        self.admission = AdmissionController(
+            config.max_running_requests, config.max_queued_requests
+        )
+        dispatcher = Dispatcher(
+            self.pool,
+            make_prefill_policy(config.prefill_policy, config.block_size),
+            make_decode_policy(config.decode_policy),
+            config.worker_timeout_s,
+        )
+        runner = GenerationRunner(
+            self.pool, dispatcher, self.admission, self.tokenizer, self.metrics
+        )
+        validator = RequestValidator(config, self.tokenizer, self.limits)
+        self._servicer = GenerationServicer(validator, runner, self.metrics)
+        self._health = health_aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.pool.start()
+        interceptors = []
+        if self.config.auth_token is not None:
+            interceptors.append(BearerTokenInterceptor(self.config.auth_token))
+        server = grpc.aio.server(interceptors=interceptors)
+        server.add_generic_rpc_handlers((self._servicer.rpc_handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            server,
+        )  # fmt: skip
+        self.port = self._bind(server)
+        await server.start()
+        self._server = server
+        await self._update_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(
+                self.config.metrics_host, self.config.metrics_port
+            )
+        logger.info("router listening on %s (metrics port %s)", self.address, self.metrics_port)
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.uses_tls:
+            assert self.config.tls_cert_file and self.config.tls_key_file
+            key = Path(self.config.tls_key_file).read_bytes()
+            cert = Path(self.config.tls_cert_file).read_bytes()
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"the router could not listen on {address}")
+        return port
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_refresh_interval_s)
+            await self._update_health()
+
+    async def _update_health(self) -> None:
+        status = _SERVING if self.pool.healthy() else _NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop admitting, give in-flight requests `grace_s` to finish, then cancel them (their
+        cleanup aborts them on the workers) and stop the background tasks."""
+        await self._health.enter_graceful_shutdown()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._server is not None:
+            grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+            await self._server.stop(grace)
+            self._server = None
+        await self.pool.stop()
+        self.metrics.close()
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()

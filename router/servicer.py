@@ -1,0 +1,138 @@
+"""The pdserve.v1.Generation service: protobuf in, protobuf out, failures as gRPC statuses.
+
+This is the one place that converts between protobuf and the router's own types. Requests are
+parsed with `parse_generate_request` (not the stub's FromString), so invalid UTF-8 becomes
+INVALID_ARGUMENT instead of an INTERNAL deserialization error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+from pdserve_proto.v1 import generation_pb2 as pb
+
+from router.generation import GenerationChunk, GenerationRunner, RouterTimings
+from router.generation_errors import FailureKind, GenerationFailed
+from router.metrics import RouterMetrics
+from router.validation import InvalidRequest, RequestValidator, ValidatedRequest
+from router.wire import MalformedRequest, parse_generate_request
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
+
+_STATUS_BY_FAILURE = {
+    FailureKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    FailureKind.WORKER_ERROR: grpc.StatusCode.INTERNAL,
+    FailureKind.DUPLICATE_ID: grpc.StatusCode.ALREADY_EXISTS,
+}
+_FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+class GenerationServicer:
+    def __init__(
+        self, validator: RequestValidator, runner: GenerationRunner, metrics: RouterMetrics
+    ) -> None:
+        self._validator = validator
+        self._runner = runner
+        self._metrics = metrics
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Generate": grpc.unary_stream_rpc_method_handler(
+                    self.generate,
+                    request_deserializer=parse_generate_request,
+                    response_serializer=pb.GenerateResponse.SerializeToString,
+                ),
+                "GenerateUnary": grpc.unary_unary_rpc_method_handler(
+                    self.generate_unary,
+                    request_deserializer=parse_generate_request,
+                    response_serializer=pb.GenerateResponse.SerializeToString,
+                ),
+            },
+        )
+
+    async def generate(
+        self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        validated = await self._validate(request, context)
+        async with self._failures_as_status(context):
+            async with contextlib.aclosing(self._runner.generate(validated)) as chunks:
+                async for chunk in chunks:
+                    yield chunk_to_response(chunk)
+
+    async def generate_unary(
+        self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        validated = await self._validate(request, context)
+        token_ids: list[int] = []
+        texts: list[str] = []
+        last: GenerationChunk | None = None
+        async with self._failures_as_status(context):
+            async with contextlib.aclosing(self._runner.generate(validated)) as chunks:
+                async for chunk in chunks:
+                    token_ids += chunk.token_ids
+                    texts.append(chunk.text)
+                    last = chunk
+        assert last is not None and last.finish_reason is not None
+        response = chunk_to_response(last)
+        del response.token_ids[:]
+        response.token_ids.extend(token_ids)
+        response.text = "".join(texts)
+        return response
+
+    async def _validate(
+        self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> ValidatedRequest:
+        try:
+            if isinstance(request, MalformedRequest):
+                raise InvalidRequest(request.message)
+            return self._validator.validate(request)
+        except InvalidRequest as exc:
+            self._metrics.request_failure.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable: abort raises") from exc
+
+    @contextlib.asynccontextmanager
+    async def _failures_as_status(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        try:
+            yield
+        except GenerationFailed as exc:
+            code = _STATUS_BY_FAILURE[exc.kind]
+            self._metrics.request_failure.labels(code.name).inc()
+            await context.abort(code, str(exc))
+
+
+def chunk_to_response(chunk: GenerationChunk) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text
+    )
+    if chunk.finish_reason is None:
+        return response
+    response.finish_reason = _FINISH_REASONS[chunk.finish_reason]
+    response.stop_reason = chunk.stop_reason
+    response.usage.prompt_tokens = chunk.num_prompt_tokens
+    response.usage.completion_tokens = chunk.num_completion_tokens
+    response.usage.cached_prompt_tokens = chunk.num_cached_tokens
+    if chunk.timings is not None:
+        _copy_timings(chunk.timings, response.timings)
+    return response
+
+
+def _copy_timings(timings: RouterTimings, out: pb.Timings) -> None:
+    out.router_queue_s = timings.router_queue_s
+    out.prefill_queue_s = timings.prefill_queue_s
+    out.prefill_s = timings.prefill_s
+    out.kv_transfer_s = timings.kv_transfer_s
+    out.decode_queue_s = timings.decode_queue_s
+    out.first_token_s = timings.first_token_s
+    out.per_token_s = timings.per_token_s
+    out.e2e_s = timings.e2e_s

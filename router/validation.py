@@ -1,0 +1,152 @@
+"""Check a GenerateRequest and turn it into token ids and sampling parameters.
+
+Every rejection is an `InvalidRequest` whose message says what to fix; the servicer answers it
+with INVALID_ARGUMENT. Nothing here touches a worker.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from pdserve_proto.v1 import generation_pb2 as pb
+
+from engine.sampling_params import SamplingParams
+from router.config import RouterConfig
+from router.tokenizer import ChatTemplateError, ModelLimits, RouterTokenizer
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_REQUEST_ID_CHARS = 128
+MAX_TEMPERATURE = 100.0
+
+
+class InvalidRequest(ValueError):
+    """A request the router refuses; the message tells the client what to change."""
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_strings: tuple[str, ...]
+
+
+class RequestValidator:
+    def __init__(
+        self, config: RouterConfig, tokenizer: RouterTokenizer, limits: ModelLimits
+    ) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        self._limits = limits
+
+    def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
+        request_id = self._request_id(request.request_id)
+        params = self._sampling_params(request)
+        stop_strings = self._stop_strings(request.stop)
+        prompt_token_ids = self._prompt_token_ids(request)
+        num_total = len(prompt_token_ids) + params.max_tokens
+        if num_total > self._limits.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_token_ids)} tokens and max_tokens is "
+                f"{params.max_tokens}: together {num_total}, over the model's maximum length "
+                f"{self._limits.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        return ValidatedRequest(request_id, prompt_token_ids, params, stop_strings)
+
+    def _request_id(self, request_id: str) -> str:
+        if not request_id:
+            return uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+            raise InvalidRequest(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters "
+                "(or empty, to let the router name the request)"
+            )
+        return request_id
+
+    def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
+        given = [
+            name
+            for name, present in (
+                ("prompt", bool(request.prompt)),
+                ("token_ids", len(request.token_ids) > 0),
+                ("messages", len(request.messages) > 0),
+            )
+            if present
+        ]
+        if not given:
+            raise InvalidRequest("the prompt is empty: set one of prompt, token_ids or messages")
+        if len(given) > 1:
+            raise InvalidRequest(f"set only one of prompt, token_ids or messages, not {given}")
+        if request.prompt:
+            return self._tokenizer.encode(request.prompt)
+        if request.token_ids:
+            return self._check_token_ids("token_ids", list(request.token_ids))
+        return self._chat_token_ids(request.messages)
+
+    def _chat_token_ids(self, messages: list[pb.ChatMessage]) -> list[int]:
+        for index, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequest(
+                    f"messages[{index}].role is {message.role!r}; use one of {CHAT_ROLES}"
+                )
+        try:
+            token_ids = self._tokenizer.encode_chat([(m.role, m.content) for m in messages])
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        if not token_ids:
+            raise InvalidRequest("the messages render to an empty prompt; add some content")
+        return token_ids
+
+    def _check_token_ids(self, field_name: str, token_ids: list[int]) -> list[int]:
+        vocab_size = self._limits.vocab_size
+        for position, token_id in enumerate(token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequest(
+                    f"{field_name}[{position}] = {token_id} is outside the vocabulary: "
+                    f"token ids must be in [0, {vocab_size})"
+                )
+        return token_ids
+
+    def _sampling_params(self, request: pb.GenerateRequest) -> SamplingParams:
+        max_tokens = (
+            request.max_tokens
+            if request.HasField("max_tokens")
+            else self._config.default_max_tokens
+        )
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
+        temperature = request.temperature if request.HasField("temperature") else 0.0
+        if not 0.0 <= temperature <= MAX_TEMPERATURE:  # also false for NaN
+            raise InvalidRequest(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {temperature}"
+            )
+        top_p = request.top_p if request.HasField("top_p") else 1.0
+        if not 0.0 < top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
+        top_k = request.top_k if request.HasField("top_k") else 0
+        if top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        seed = request.seed if request.HasField("seed") else None
+        if seed is not None and seed < 0:
+            raise InvalidRequest(f"seed must be >= 0, got {seed}")
+        stop_token_ids = self._check_token_ids("stop_token_ids", list(request.stop_token_ids))
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=request.ignore_eos,
+        )
+
+    def _stop_strings(self, stop: list[str]) -> tuple[str, ...]:
+        if len(stop) > self._config.max_stop_strings:
+            raise InvalidRequest(
+                f"at most {self._config.max_stop_strings} stop strings are allowed, got {len(stop)}"
+            )
+        for index, stop_string in enumerate(stop):
+            if not stop_string:
+                raise InvalidRequest(f"stop[{index}] is empty; remove it")
+        return tuple(stop)

@@ -1,0 +1,249 @@
+"""The router's view of its workers: handles, their latest loads, and the event demultiplexer.
+
+One background task per handle long-polls `poll_events` and routes each TokenEvent by
+request_id to that request's `RequestChannel` (events for a request that is gone are dropped:
+it was aborted, and the abort reached the worker). Another task refreshes every load each
+`load_refresh_interval_s` for the policies and the metrics.
+
+A handle that fails (WorkerUnavailable, a timeout, any error) is marked unhealthy: policies
+stop choosing it, and every request holding state on it gets an `InstanceLost` in its channel.
+It becomes healthy again when a load report says so (a restarted worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.policies import InstanceState
+from router.worker_api import (
+    DecodeHandle,
+    InstanceLoad,
+    PrefillHandle,
+    Role,
+    TokenEvent,
+    WorkerHandle,
+)
+
+logger = logging.getLogger(__name__)
+_RETRY_AFTER_FAILURE_S = 0.5
+
+
+@dataclass(frozen=True)
+class InstanceLost:
+    instance_id: str
+    reason: str
+
+
+@dataclass
+class RequestChannel:
+    """Where a request's events arrive, and which instances hold state for it."""
+
+    request_id: str
+    queue: asyncio.Queue[TokenEvent | InstanceLost] = field(default_factory=asyncio.Queue)
+    holder_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Instance:
+    handle: WorkerHandle
+    load: InstanceLoad
+    healthy: bool = False  # until the first load report says so
+    num_outstanding_prompt_tokens: int = 0
+    num_active_requests: int = 0
+    num_blocks_reserved_since_load: int = 0
+
+    def state(self) -> InstanceState:
+        return InstanceState(
+            self.handle.instance_id,
+            self.load,
+            self.num_outstanding_prompt_tokens,
+            self.num_active_requests,
+            self.num_blocks_reserved_since_load,
+        )
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        prefill_handles: Sequence[PrefillHandle],
+        decode_handles: Sequence[DecodeHandle] = (),
+    ) -> None:
+        _check_roles(prefill_handles, decode_handles)
+        self._config = config
+        self._metrics = metrics
+        self._instances: dict[str, _Instance] = {}
+        for handle in [*prefill_handles, *decode_handles]:
+            if handle.instance_id in self._instances:
+                raise ValueError(f"two worker handles share the instance id {handle.instance_id!r}")
+            self._instances[handle.instance_id] = _Instance(
+                handle, InstanceLoad(handle.instance_id, handle.role, healthy=False)
+            )
+        self._prefill_ids = [h.instance_id for h in prefill_handles]
+        self._decode_ids = [h.instance_id for h in decode_handles]
+        self._channels: dict[str, RequestChannel] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._abort_tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self._decode_ids)
+
+    async def start(self) -> None:
+        await self.refresh_loads()
+        for instance_id in self._instances:
+            self._tasks.append(asyncio.create_task(self._poll_loop(instance_id)))
+        self._tasks.append(asyncio.create_task(self._load_loop()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._abort_tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def open_channel(self, request_id: str) -> RequestChannel:
+        if request_id in self._channels:
+            raise KeyError(request_id)
+        channel = self._channels[request_id] = RequestChannel(request_id)
+        return channel
+
+    def close_channel(self, channel: RequestChannel) -> None:
+        self._channels.pop(channel.request_id, None)
+
+    def has_channel(self, request_id: str) -> bool:
+        return request_id in self._channels
+
+    def handle(self, instance_id: str) -> WorkerHandle:
+        return self._instances[instance_id].handle
+
+    def prefill_candidates(self, exclude: Collection[str] = ()) -> list[InstanceState]:
+        return self._candidates(self._prefill_ids, exclude)
+
+    def decode_candidates(self, exclude: Collection[str] = ()) -> list[InstanceState]:
+        return self._candidates(self._decode_ids, exclude)
+
+    def _candidates(self, instance_ids: list[str], exclude: Collection[str]) -> list[InstanceState]:
+        return [
+            self._instances[i].state()
+            for i in instance_ids
+            if self._instances[i].healthy and i not in exclude
+        ]
+
+    def healthy(self) -> bool:
+        """Serving needs a healthy prefill (or colocated) instance, and a decode one if split."""
+        has_prefill = bool(self.prefill_candidates())
+        return has_prefill and (not self.disaggregated or bool(self.decode_candidates()))
+
+    def note_dispatch(self, instance_id: str, num_prompt_tokens: int, is_prefill: bool) -> None:
+        instance = self._instances[instance_id]
+        instance.num_active_requests += 1
+        if is_prefill:
+            instance.num_outstanding_prompt_tokens += num_prompt_tokens
+        else:
+            num_blocks = math.ceil(num_prompt_tokens / self._config.block_size)
+            instance.num_blocks_reserved_since_load += num_blocks
+
+    def note_prefilled(self, instance_id: str, num_prompt_tokens: int) -> None:
+        instance = self._instances[instance_id]
+        instance.num_outstanding_prompt_tokens -= num_prompt_tokens
+
+    def note_done(self, instance_id: str) -> None:
+        self._instances[instance_id].num_active_requests -= 1
+
+    def abort_everywhere(self, request_id: str, instance_ids: set[str]) -> None:
+        """Tell each instance to free the request's state; runs on its own, so a cancelled
+        caller (a client that went away) cannot interrupt it."""
+        for instance_id in instance_ids:
+            task = asyncio.create_task(self._abort(instance_id, request_id))
+            self._abort_tasks.add(task)
+            task.add_done_callback(self._abort_tasks.discard)
+
+    async def _abort(self, instance_id: str, request_id: str) -> None:
+        handle = self._instances[instance_id].handle
+        try:
+            await asyncio.wait_for(handle.abort(request_id), self._config.worker_timeout_s)
+        except Exception as exc:  # the worker is gone or stuck: its own restart frees state
+            logger.warning("abort of %s on %s failed: %r", request_id, instance_id, exc)
+
+    # -- background tasks -------------------------------------------------------------------
+
+    async def _poll_loop(self, instance_id: str) -> None:
+        handle = self._instances[instance_id].handle
+        timeout_s = self._config.poll_timeout_s + self._config.worker_timeout_s
+        while True:
+            try:
+                events = await asyncio.wait_for(
+                    handle.poll_events(self._config.poll_timeout_s), timeout_s
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._lose(instance_id, f"polling its events failed: {exc!r}")
+                await asyncio.sleep(_RETRY_AFTER_FAILURE_S)
+                continue
+            for event in events:
+                channel = self._channels.get(event.request_id)
+                if channel is not None:
+                    channel.queue.put_nowait(event)
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.load_refresh_interval_s)
+            await self.refresh_loads()
+
+    async def refresh_loads(self) -> None:
+        instance_ids = list(self._instances)
+        results = await asyncio.gather(
+            *(
+                asyncio.wait_for(self._instances[i].handle.load(), self._config.worker_timeout_s)
+                for i in instance_ids
+            ),
+            return_exceptions=True,
+        )
+        for instance_id, result in zip(instance_ids, results, strict=True):
+            instance = self._instances[instance_id]
+            if isinstance(result, BaseException):
+                self._lose(instance_id, f"its load report failed: {result!r}")
+                continue
+            instance.load = result
+            instance.num_blocks_reserved_since_load = 0
+            if instance.healthy and not result.healthy:
+                self._lose(instance_id, "it reports itself unhealthy")
+            instance.healthy = result.healthy
+            self._metrics.observe_load(result)
+
+    def _lose(self, instance_id: str, reason: str) -> None:
+        instance = self._instances[instance_id]
+        if instance.healthy:
+            logger.warning("worker %s is unavailable: %s", instance_id, reason)
+        instance.healthy = False
+        for channel in self._channels.values():
+            if instance_id in channel.holder_ids:
+                channel.queue.put_nowait(InstanceLost(instance_id, reason))
+
+
+def _check_roles(
+    prefill_handles: Sequence[PrefillHandle], decode_handles: Sequence[DecodeHandle]
+) -> None:
+    if not prefill_handles:
+        raise ValueError("the router needs at least one prefill or colocated worker handle")
+    prefill_roles = {h.role for h in prefill_handles}
+    if not prefill_roles <= {Role.PREFILL, Role.COLOCATED} or len(prefill_roles) > 1:
+        raise ValueError(
+            f"prefill handles must all be PREFILL or all COLOCATED, got {prefill_roles}"
+        )
+    if any(h.role != Role.DECODE for h in decode_handles):
+        raise ValueError("decode handles must have role DECODE")
+    if Role.PREFILL in prefill_roles and not decode_handles:
+        raise ValueError("PREFILL handles need at least one DECODE handle to hand their KV to")
+    if Role.COLOCATED in prefill_roles and decode_handles:
+        raise ValueError("COLOCATED handles decode themselves; pass no decode handles")
