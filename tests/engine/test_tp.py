@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.executor import Executor
+from engine.kv_cache import local_kv_heads
 from tests.engine.greedy_loop import greedy_generate
 from tests.engine.test_model_parity import hf_greedy, make_prompts
 
@@ -33,23 +34,26 @@ def run(model_dir: str, tp_size: int, chunk_size: int | None = None):
     with Executor(config) as executor:
         prompts = make_prompts(executor.model_config.vocab_size, PROMPT_LENS)
         results = greedy_generate(executor, prompts, MAX_NEW_TOKENS, chunk_size=chunk_size)
-        kv_shape = tuple(executor.kv_cache.data.shape)
-    return prompts, results, kv_shape
+        kv_data = executor.kv_cache.data.clone()
+    return prompts, results, kv_data
 
 
 @pytest.mark.parametrize(
-    ("family", "overrides", "local_kv_heads"),
+    ("family", "overrides", "num_local_kv_heads"),
     [
         ("llama", {}, 1),  # 2 KV heads split 1 + 1
         ("mistral", {"vocab_size": 509}, 1),  # 1 KV head replicated; vocab padded to 510
         ("qwen2", {}, 1),  # q/k/v biases sharded, tied embeddings
     ],
 )
-def test_tp2_matches_tp1_and_transformers(tiny_model, family, overrides, local_kv_heads) -> None:
+def test_tp2_matches_tp1_and_transformers(tiny_model, family, overrides, num_local_kv_heads) -> None:
     model_dir = tiny_model(family, **overrides)
-    prompts, tp1, _ = run(model_dir, tp_size=1)
-    _, tp2, kv_shape = run(model_dir, tp_size=2, chunk_size=9)
-    assert kv_shape[4] == local_kv_heads
+    prompts, tp1, tp1_kv = run(model_dir, tp_size=1)
+    _, tp2, tp2_kv = run(model_dir, tp_size=2, chunk_size=9)
+    assert tp2_kv.shape[4] == num_local_kv_heads
+    # Rank 0 holds exactly the KV heads engine.kv_cache.local_kv_heads names, in the same blocks.
+    heads = list(local_kv_heads(tp1_kv.shape[4], 2, 0))
+    assert (tp2_kv - tp1_kv[:, :, :, :, heads]).abs().max().item() < 1e-9
     expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     for i in range(len(prompts)):
         assert tp1[i].token_ids == expected[i]
