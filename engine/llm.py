@@ -1,0 +1,185 @@
+"""The in-process engine: `LLMEngine` (one step at a time, the colocated worker's core) and `LLM`
+(the offline `generate` API for scripts, tests and benchmarks).
+
+    engine = LLMEngine(EngineConfig(model_dir="..."))
+    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step(): ...        # StepOutput: new tokens, finished, finish_reason
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.executor import Executor
+from engine.outputs import RequestOutput, SchedulerStats, StepOutput
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+class LLMEngine:
+    """A scheduler, a sampler and an executor: prefill and decode mixed in one loop.
+
+    Not thread-safe: call add_request / abort / step from one thread (a worker's loop).
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor if executor is not None else Executor(config)
+        model_config = self.executor.model_config
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.block_pool = BlockPool(
+            self.executor.num_kv_blocks, enable_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_pool,
+            block_size=self.executor.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            chunk_size=config.chunk_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=model_config.eos_token_ids,
+            seed=config.seed,
+        )
+        self.sampler = Sampler()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        arrival_time: float = 0.0,
+    ) -> Request:
+        """Queue a request; raises ValueError if it can never run (see Scheduler.add_request)."""
+        vocab_size = self.executor.model_config.vocab_size
+        prompt = [int(t) for t in prompt_token_ids]
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids must be in [0, {vocab_size}) for this model, got {bad[:5]}"
+            )
+        request = Request(request_id, prompt, params or SamplingParams(), arrival_time)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state and free its blocks; its end comes in the next step()."""
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> list[StepOutput]:
+        """Run one step; one StepOutput per request that gained a token or ended."""
+        batch = self.scheduler.schedule()
+        sampled: list[int] = []
+        if batch:
+            logits = self.executor.execute(batch)  # [batch.num_sampled, vocab_size]
+            if batch.num_sampled:
+                sampled = self.sampler(logits, self.scheduler.sampling_rows(batch))
+        return self.scheduler.update(batch, sampled)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class LLM:
+    """Offline generation over token ids with continuous batching.
+
+    `LLM(model_dir, dtype="float32", tensor_parallel_size=1, block_size=16, **engine_kwargs)`,
+    where `engine_kwargs` are any other EngineConfig fields (num_kv_blocks, chunk_size, ...).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        block_size: int = 16,
+        **engine_kwargs: Any,
+    ) -> None:
+        config = EngineConfig(
+            model_dir=str(model_dir),
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            block_size=block_size,
+            **engine_kwargs,
+        )
+        self.engine = LLMEngine(config)
+        self._request_counter = itertools.count()
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order. All prompts are queued at once and
+        join the running batch as soon as blocks and the token budget allow."""
+        params_list = self._params_per_prompt(len(prompt_token_ids), params)
+        requests: list[Request] = []
+        try:
+            for prompt, request_params in zip(prompt_token_ids, params_list, strict=True):
+                request_id = f"gen-{next(self._request_counter)}"
+                requests.append(self.engine.add_request(request_id, prompt, request_params))
+        except ValueError:
+            for request in requests:
+                self.engine.abort(request.request_id)
+            self.engine.step()  # drain the abort outputs
+            raise
+        errors: dict[str, str] = {}
+        pending = {request.request_id for request in requests}
+        while pending:
+            for out in self.engine.step():
+                if out.finished:
+                    pending.discard(out.request_id)
+                    if out.error is not None:
+                        errors[out.request_id] = out.error
+        return [
+            RequestOutput(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.output_token_ids),
+                finish_reason=r.finish_reason,
+                num_cached_tokens=r.num_cached_tokens,
+                num_preemptions=r.num_preemptions,
+                error=errors.get(r.request_id),
+            )
+            for r in requests
+        ]
+
+    @staticmethod
+    def _params_per_prompt(
+        num_prompts: int, params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * num_prompts
+        params_list = list(params)
+        if len(params_list) != num_prompts:
+            raise ValueError(
+                f"params has {len(params_list)} entries for {num_prompts} prompts; "
+                "pass one SamplingParams, or one per prompt"
+            )
+        return params_list
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.engine.stats
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
