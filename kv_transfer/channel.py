@@ -1,0 +1,283 @@
+"""Point-to-point channels: one 2-rank process group per (prefill rank, decode rank) pair.
+
+Each channel is its own process group built from its own store, never the default group, so a
+worker's TP group and its channels coexist and one dead peer breaks one channel, not the cluster.
+Gloo on CPU tensors, NCCL on CUDA tensors; the rest of kv_transfer does not know which.
+
+Rendezvous. Every decode rank hosts one TCPStore (its `ChannelEndpoint`, carried in tickets);
+prefill ranks join it as clients. A channel's group lives under the store prefix
+`<pair_key>/<epoch>`. The decode side picks the epoch for each transfer and publishes it under the
+transfer's key; the prefill side reads it and joins that epoch, so after a failure both sides
+rebuild into the same fresh group (a gloo rendezvous must never reuse an old prefix):
+
+    decode rank (host)                        prefill rank (dialer)
+    accept(pair, transfer)                    dial(endpoint, pair, transfer)
+      broken or absent -> epoch += 1            epoch = store.get(pair/t/transfer)   (waits)
+      store.set(pair/t/transfer, epoch)         epoch newer than mine -> rebuild
+      connect in the background                 connect (joins the same prefix)
+
+After any failed or timed-out wait the group's state is undefined (gloo closes the connection on a
+timeout), so the channel is marked broken and rebuilt on next use; the dialer also records the
+broken epoch in the store so that the host rebuilds even if its side never saw the failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.errors import KVTransferError, KVTransferTimeout
+
+_STORE_OP_TIMEOUT_S = 30.0
+_DIAL_POLL_S = 0.002
+
+
+@dataclass(frozen=True)
+class ChannelEndpoint:
+    """Where one decode rank accepts channels (its TCPStore); the control plane carries it."""
+
+    host: str
+    port: int
+    receiver_is_rank0: bool = True  # the decode side takes rank 0 of every pair's group
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+def _remaining(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+class Channel:
+    """One 2-rank process group. `isend`/`irecv` post; `wait` bounds every completion by a deadline.
+
+    Thread-safe for posting from one thread while others wait: the backends lock per connection.
+    """
+
+    def __init__(
+        self, pair_key: str, epoch: int, store: dist.Store, rank: int, device: torch.device
+    ) -> None:
+        self.pair_key = pair_key
+        self.epoch = epoch
+        self.rank = rank
+        self.peer_rank = 1 - rank
+        self.device = device
+        self._store = dist.PrefixStore(f"{pair_key}/{epoch}", store)
+        self._group: dist.ProcessGroup | None = None
+        self._connected = threading.Event()
+        self._connect_error: BaseException | None = None
+        self.broken = False
+
+    def __repr__(self) -> str:
+        return f"Channel({self.pair_key}#{self.epoch}, rank {self.rank})"
+
+    def connect(self, deadline: float) -> None:
+        """Build the group; blocks until the peer joins or the deadline passes."""
+        try:
+            self._group = self._make_group(_timedelta(_remaining(deadline)))
+        except BaseException as exc:  # the constructor raises several types on a missing peer
+            self._connect_error = exc
+            self.broken = True
+        finally:
+            self._connected.set()
+        if self._connect_error is not None:
+            raise KVTransferTimeout(
+                f"{self}: the peer did not join before the deadline ({self._connect_error})"
+            ) from self._connect_error
+
+    def connect_in_background(self, deadline: float, raw_store: dist.Store) -> None:
+        """Connect once the dialer announces itself. Group construction is serialized within a
+        process, so starting it before the peer comes would block every other new channel here
+        (a dead prefill rank would stall them all until its deadline)."""
+
+        def run() -> None:
+            dialing_key = f"{self.pair_key}/dialing/{self.epoch}"
+            # check() is brief; a blocking store.wait would hold the store's lock for everyone.
+            while not raw_store.check([dialing_key]):
+                if _remaining(deadline) <= 0:
+                    self._connect_error = TimeoutError("the prefill side never dialed")
+                    self.broken = True
+                    self._connected.set()
+                    return
+                time.sleep(_DIAL_POLL_S)
+            try:
+                self.connect(deadline)
+            except KVTransferError:
+                pass  # recorded in _connect_error; wait_connected reports it
+
+        threading.Thread(target=run, name=f"connect-{self.pair_key}", daemon=True).start()
+
+    def wait_connected(self, deadline: float) -> None:
+        if not self._connected.wait(max(_remaining(deadline), 0.0)):
+            raise KVTransferTimeout(f"{self}: the peer did not join before the deadline")
+        if self._connect_error is not None:
+            raise KVTransferTimeout(f"{self}: connecting failed ({self._connect_error})")
+
+    def _make_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(self._store, self.rank, 2, options)
+        return dist.ProcessGroupGloo(self._store, self.rank, 2, timeout)
+
+    def _live_group(self) -> dist.ProcessGroup:
+        if self.broken or self._group is None:
+            raise KVTransferError(f"{self} is broken or not connected")
+        return self._group
+
+    def isend(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self._live_group().send([tensor], self.peer_rank, tag)
+
+    def irecv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self._live_group().recv([tensor], self.peer_rank, tag)
+
+    def wait(self, work: dist.Work, deadline: float, what: str) -> None:
+        """Wait for one posted op; any failure breaks the channel and raises a KVTransferError."""
+        remaining = _remaining(deadline)
+        try:
+            if remaining <= 0:
+                raise TimeoutError("Timed out: deadline passed before the wait")
+            work.wait(_timedelta(remaining))
+        except Exception as exc:
+            self.mark_broken()
+            kind = KVTransferTimeout if "Timed out" in str(exc) else KVTransferError
+            raise kind(f"{self}: {what} failed: {str(exc).splitlines()[0][:300]}") from exc
+
+    def mark_broken(self) -> None:
+        if not self.broken:
+            self.broken = True
+            self.close()
+
+    def close(self) -> None:
+        """Drop the group. Posted ops that never complete are left to their own deadlines."""
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                group.abort()
+            except Exception:  # noqa: S110 - best effort: the peer may be gone already
+                pass
+
+
+class ChannelHost:
+    """A decode rank's side: hosts the rendezvous store and the channels prefill ranks dial."""
+
+    def __init__(self, device: torch.device | str = "cpu", host: str = "127.0.0.1") -> None:
+        self.device = torch.device(device)
+        # port 0: the OS picks a free port; the endpoint tells prefill ranks which one.
+        self._store = dist.TCPStore(
+            host, 0, None, True, timeout=_timedelta(_STORE_OP_TIMEOUT_S), wait_for_workers=False
+        )
+        self.endpoint = ChannelEndpoint(host, self._store.port)
+        self._channels: dict[str, Channel] = {}
+        self._lock = threading.Lock()
+
+    def accept(self, pair_key: str, transfer_key: str, deadline: float) -> Channel:
+        """The channel one transfer will use; (re)connects it in the background if needed."""
+        with self._lock:
+            channel = self._channels.get(pair_key)
+            if channel is not None and self._store.check([f"{pair_key}/broken/{channel.epoch}"]):
+                channel.mark_broken()  # the prefill side saw this epoch fail
+            if channel is None or channel.broken:
+                epoch = channel.epoch + 1 if channel is not None else 1
+                rank = 0 if self.endpoint.receiver_is_rank0 else 1
+                channel = Channel(pair_key, epoch, self._store, rank, self.device)
+                self._channels[pair_key] = channel
+                channel.connect_in_background(deadline, self._store)
+            self._store.set(f"{pair_key}/t/{transfer_key}", str(channel.epoch))
+            return channel
+
+    def forget_transfer(self, pair_key: str, transfer_key: str) -> None:
+        self._store.delete_key(f"{pair_key}/t/{transfer_key}")
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class ChannelDialer:
+    """A prefill rank's side: joins decode ranks' channels on demand, one per pair."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._channels: dict[str, Channel] = {}
+        self._lock = threading.Lock()
+
+    def dial(
+        self, endpoint: ChannelEndpoint, pair_key: str, transfer_key: str, deadline: float
+    ) -> Channel:
+        """The channel for this transfer, connected; waits for the decode side to accept it."""
+        store = self._store_for(endpoint, deadline)
+        key = f"{pair_key}/t/{transfer_key}"
+        try:
+            store.wait([key], _timedelta(_remaining(deadline)))
+            epoch = int(store.get(key))
+        except Exception as exc:
+            raise KVTransferTimeout(
+                f"decode side of {pair_key} did not accept transfer {transfer_key} in time: {exc}"
+            ) from exc
+        with self._lock:
+            channel = self._channels.get(pair_key)
+            if channel is not None and channel.epoch == epoch and not channel.broken:
+                return channel
+            if channel is not None and channel.epoch >= epoch:
+                self._report_broken(store, channel)
+                raise KVTransferError(
+                    f"{channel} broke and the decode side has not rebuilt it yet; retry"
+                )
+            if channel is not None:
+                channel.close()
+            rank = 1 if endpoint.receiver_is_rank0 else 0
+            channel = Channel(pair_key, epoch, store, rank, self.device)
+            self._channels[pair_key] = channel
+        store.set(f"{pair_key}/dialing/{epoch}", "1")
+        channel.connect(deadline)
+        return channel
+
+    def report_broken(self, endpoint: ChannelEndpoint, channel: Channel) -> None:
+        """Tell the decode side that this epoch failed here, so it rebuilds on its next accept."""
+        store = self._stores.get((endpoint.host, endpoint.port))
+        if store is not None:
+            self._report_broken(store, channel)
+
+    @staticmethod
+    def _report_broken(store: dist.Store, channel: Channel) -> None:
+        try:
+            store.set(f"{channel.pair_key}/broken/{channel.epoch}", "1")
+        except Exception:  # noqa: S110 - the decode side may be dead; nothing to tell then
+            pass
+
+    def _store_for(self, endpoint: ChannelEndpoint, deadline: float) -> dist.TCPStore:
+        address = (endpoint.host, endpoint.port)
+        with self._lock:
+            store = self._stores.get(address)
+        if store is None:
+            try:
+                store = dist.TCPStore(
+                    endpoint.host,
+                    endpoint.port,
+                    None,
+                    False,
+                    timeout=_timedelta(min(_remaining(deadline), _STORE_OP_TIMEOUT_S)),
+                )
+            except Exception as exc:
+                raise KVTransferTimeout(f"cannot reach decode endpoint {address}: {exc}") from exc
+            store.set_timeout(_timedelta(_STORE_OP_TIMEOUT_S))
+            with self._lock:
+                store = self._stores.setdefault(address, store)
+        return store
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stores.clear()

@@ -1,0 +1,198 @@
+"""One prefill rank's data path: send a request's KV from this rank's cache to the decode ranks.
+
+    handle = sender.start(ticket, block_ids)   # dials the channels, sends the headers
+    for layer in range(num_layers):            # layerwise: right after each layer's forward
+        ...compute layer...
+        handle.send_layer(layer)
+    handle.finish(first_token_id)              # sends the rest and the trailers; returns at once
+    ... poll handle.done(); handle.wait() raises KVTransferError on failure
+
+Sends are posted, not waited: the backend moves layer i while the model computes layer i+1.
+`finish` starts one thread that waits for every posted send within the ticket's deadline. The
+source blocks must stay referenced until the decode side acknowledges (see KVSender).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from engine.kv_cache import KVCache
+from kv_transfer.channel import Channel, ChannelDialer, ChannelEndpoint
+from kv_transfer.errors import KVTransferError
+from kv_transfer.messages import KVTicket
+from kv_transfer.plan import plan_transfer
+from kv_transfer.wire import STATUS_CANCELLED, STATUS_OK, WireView, control_message
+
+
+@dataclass
+class _Lane:
+    """One channel's part of a transfer; `next_index` counts payload messages posted."""
+
+    endpoint: ChannelEndpoint
+    view: WireView
+    channel: Channel | None = None
+    next_index: int = 0
+    # Posted sends with the tensors they read: a tensor must outlive its send.
+    posted: list[tuple[dist.Work, torch.Tensor, str]] = field(default_factory=list)
+
+
+class SendHandle:
+    """One transfer on one prefill rank."""
+
+    def __init__(self, ticket: KVTicket, lanes: list[_Lane], dialer: ChannelDialer) -> None:
+        self.ticket = ticket
+        self.deadline = time.monotonic() + ticket.timeout_s
+        self._lanes = lanes
+        self._dialer = dialer
+        self._finished = threading.Event()
+        self._finishing = False
+        self.error: KVTransferError | None = None
+
+    def _what(self, lane: _Lane) -> str:
+        return f"request {self.ticket.request_id} (transfer {self.ticket.transfer_id}) to {lane.channel}"
+
+    def _fail(self, lane: _Lane, exc: KVTransferError) -> None:
+        if lane.channel is not None:
+            lane.channel.mark_broken()
+            self._dialer.report_broken(lane.endpoint, lane.channel)
+        lane.channel = None  # nothing more goes on this lane
+        if self.error is None:
+            self.error = exc
+
+    def _post(self, lane: _Lane, tensor: torch.Tensor, index: int, what: str) -> None:
+        if lane.channel is None:
+            return
+        try:
+            tag = lane.view.tag(self.ticket.transfer_id, index)
+            lane.posted.append((lane.channel.isend(tensor, tag), tensor, what))
+        except KVTransferError as exc:
+            self._fail(lane, exc)
+        except RuntimeError as exc:  # the backend refused: the peer is gone
+            self._fail(lane, KVTransferError(f"{self._what(lane)}: {what}: {exc}"))
+
+    def _post_payload_until(self, lane: _Lane, stop: int) -> None:
+        while lane.next_index < stop:
+            index = lane.next_index
+            self._post(lane, lane.view.outgoing(index), 1 + index, f"payload {index}")
+            lane.next_index += 1
+
+    def send_layer(self, layer: int) -> None:
+        """Post layer `layer`'s keys and values on every channel (layerwise tickets only).
+
+        Layers must come in order; the KV of `layer` must be final when this is called.
+        """
+        if not self.ticket.layerwise:
+            raise ValueError("send_layer needs a layerwise ticket; call finish() instead")
+        for lane in self._lanes:
+            if lane.next_index != 2 * layer:
+                raise ValueError(
+                    f"send_layer({layer}) out of order: expected {lane.next_index // 2}"
+                )
+            self._post_payload_until(lane, 2 * layer + 2)
+
+    def finish(self, first_token_id: int | None = None) -> None:
+        """Post what is left and the trailers, then wait for every send in a background thread."""
+        self._finish(STATUS_OK, first_token_id)
+
+    def cancel(self) -> None:
+        """End the transfer early but cleanly: the decode side sees CANCELLED and frees its blocks.
+
+        The payload still to go is sent anyway (the decode side has posted its receives for it),
+        so both sides finish at once instead of at the deadline.
+        """
+        self._finish(STATUS_CANCELLED, None)
+
+    def _finish(self, status: int, first_token_id: int | None) -> None:
+        if self._finishing:
+            return
+        self._finishing = True
+        for lane in self._lanes:
+            self._post_payload_until(lane, lane.view.num_payload_messages)
+            values = (
+                self.ticket.transfer_id,
+                status,
+                -1 if first_token_id is None else first_token_id,
+                self.ticket.num_tokens,
+                0,
+            )
+            trailer = control_message(values, lane.view.cache.device)
+            self._post(lane, trailer, 1 + lane.view.num_payload_messages, "trailer")
+        threading.Thread(
+            target=self._wait_all, name=f"kv-send-{self.ticket.request_id}", daemon=True
+        ).start()
+        if status == STATUS_CANCELLED and self.error is None:
+            self.error = KVTransferError(f"request {self.ticket.request_id}: cancelled")
+
+    def _wait_all(self) -> None:
+        try:
+            for lane in self._lanes:
+                for work, _tensor, what in lane.posted:
+                    if lane.channel is None:
+                        break
+                    try:
+                        lane.channel.wait(work, self.deadline, f"{self._what(lane)} {what}")
+                    except KVTransferError as exc:
+                        self._fail(lane, exc)
+                lane.posted.clear()
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every send finished; raises the first KVTransferError (or cancellation)."""
+        if not self._finishing:
+            raise RuntimeError("wait() before finish() or cancel() would never return")
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.ticket.request_id}: send still in flight")
+        if self.error is not None:
+            raise self.error
+
+
+class KVRankSender:
+    """The sending half of one prefill rank. `num_kv_heads` is the model's total KV heads."""
+
+    def __init__(
+        self, cache: KVCache, dialer: ChannelDialer, prefill_rank: int, num_kv_heads: int
+    ) -> None:
+        self.cache = cache
+        self.dialer = dialer
+        self.prefill_rank = prefill_rank
+        self.num_kv_heads = num_kv_heads
+
+    def start(self, ticket: KVTicket, block_ids: Sequence[int]) -> SendHandle:
+        """Dial this rank's channels for `ticket` and send the headers. Blocks only for the dial
+        (bounded by the ticket's deadline); a failure shows up in the handle, never raised here."""
+        if len(block_ids) != len(ticket.block_ids):
+            raise ValueError(
+                f"request {ticket.request_id}: {len(block_ids)} source blocks for "
+                f"{len(ticket.block_ids)} reserved on the decode side"
+            )
+        plan = plan_transfer(self.num_kv_heads, ticket.prefill_tp_size, ticket.decode_tp_size)
+        lanes = [
+            _Lane(
+                ticket.decode_endpoints[segment.decode_rank],
+                WireView(self.cache, tuple(block_ids), segment.src_heads, ticket.layerwise),
+            )
+            for segment in plan.for_prefill_rank(self.prefill_rank)
+        ]
+        handle = SendHandle(ticket, lanes, self.dialer)
+        segments = plan.for_prefill_rank(self.prefill_rank)
+        for lane, segment in zip(lanes, segments, strict=True):
+            pair_key = ticket.pair_key(self.prefill_rank, segment.decode_rank)
+            try:
+                lane.channel = self.dialer.dial(
+                    lane.endpoint, pair_key, str(ticket.transfer_id), handle.deadline
+                )
+            except KVTransferError as exc:
+                handle._fail(lane, exc)
+                continue
+            handle._post(lane, lane.view.header(ticket.transfer_id, STATUS_OK), 0, "header")
+        return handle

@@ -1,0 +1,206 @@
+"""Worker processes for the multi-process kv_transfer tests: each plays one rank (or several),
+driven by commands over a queue, so one set of processes serves many scenarios.
+
+Source KV is a pure function of (seed, global head), so a decode rank can check every byte it
+received without seeing the sender's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads
+from kv_transfer.channel import ChannelDialer, ChannelHost
+from kv_transfer.rank_receiver import KVRankReceiver, RecvHandle
+from kv_transfer.rank_sender import KVRankSender, SendHandle
+
+NUM_LAYERS = 2
+NUM_BLOCKS = 16
+BLOCK_SIZE = 4
+HEAD_DIM = 8
+COMMAND_TIMEOUT_S = 60.0
+
+
+def full_kv(seed: int, num_kv_heads: int) -> torch.Tensor:
+    """The whole model's KV for a seed: [L, 2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM]."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    return torch.randn(shape, generator=generator)
+
+
+def rank_spec(num_kv_heads: int, tp_size: int, rank: int) -> KVCacheSpec:
+    num_local = len(local_kv_heads(num_kv_heads, tp_size, rank))
+    return KVCacheSpec(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, num_local, HEAD_DIM, torch.float32)
+
+
+def source_cache(seed: int, num_kv_heads: int, tp_size: int, rank: int) -> KVCache:
+    cache = KVCache(rank_spec(num_kv_heads, tp_size, rank))
+    heads = local_kv_heads(num_kv_heads, tp_size, rank)
+    cache.data.copy_(full_kv(seed, num_kv_heads)[..., heads.start : heads.stop, :])
+    return cache
+
+
+def check_received(
+    cache: KVCache,
+    seed: int,
+    num_kv_heads: int,
+    tp_size: int,
+    rank: int,
+    src_block_ids: list[int],
+    dst_block_ids: list[int],
+) -> str | None:
+    """None if the destination blocks hold the source bytes exactly and all else is still zero."""
+    heads = local_kv_heads(num_kv_heads, tp_size, rank)
+    expected = torch.zeros_like(cache.data)
+    source = full_kv(seed, num_kv_heads)[..., heads.start : heads.stop, :]
+    expected[:, :, dst_block_ids] = source[:, :, src_block_ids]
+    if torch.equal(cache.data.view(torch.int32), expected.view(torch.int32)):
+        return None
+    wrong = (cache.data != expected).nonzero()[:5].tolist()
+    return f"rank {rank}: {int((cache.data != expected).sum())} wrong values, first at {wrong}"
+
+
+@dataclass
+class Worker:
+    """Parent-side handle of one worker process."""
+
+    process: Any
+    commands: Any
+    replies: Any
+
+    def call(self, *command: Any, timeout: float = COMMAND_TIMEOUT_S) -> Any:
+        self.commands.put(command)
+        return self.reply(timeout)
+
+    def reply(self, timeout: float = COMMAND_TIMEOUT_S) -> Any:
+        kind, value = self.replies.get(timeout=timeout)
+        if kind == "error":
+            raise RuntimeError(f"worker {self.process.pid} failed:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.commands.put(("exit",))
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_workers(num: int, group_port: int | None = None) -> list[Worker]:
+    """`num` worker processes; with `group_port` they also form a default gloo group of `num`."""
+    context = mp.get_context("spawn")
+    workers = []
+    for rank in range(num):
+        commands, replies = context.Queue(), context.Queue()
+        process = context.Process(
+            target=_worker_main, args=(commands, replies, rank, num, group_port), daemon=True
+        )
+        process.start()
+        workers.append(Worker(process, commands, replies))
+    for worker in workers:
+        worker.reply()  # "ready"
+    return workers
+
+
+class _WorkerState:
+    def __init__(self) -> None:
+        self.host: ChannelHost | None = None
+        self.dialer = ChannelDialer()
+        self.handles: dict[str, tuple[Any, ...]] = {}
+
+    def endpoint(self) -> Any:
+        if self.host is None:
+            self.host = ChannelHost()
+        return self.host.endpoint
+
+    def recv(self, name: str, ticket: Any, rank: int, num_kv_heads: int) -> None:
+        cache = KVCache(rank_spec(num_kv_heads, ticket.decode_tp_size, rank))
+        assert self.host is not None
+        handle = KVRankReceiver(cache, self.host, rank, num_kv_heads).receive(ticket)
+        self.handles[name] = (handle, cache)
+
+    def send(
+        self,
+        name: str,
+        ticket: Any,
+        rank: int,
+        num_kv_heads: int,
+        seed: int,
+        src_block_ids: list[int],
+        first_token_id: int | None,
+        num_layers_to_send: int | None,
+    ) -> None:
+        cache = source_cache(seed, num_kv_heads, ticket.prefill_tp_size, rank)
+        sender = KVRankSender(cache, self.dialer, rank, num_kv_heads)
+        handle = sender.start(ticket, src_block_ids)
+        if ticket.layerwise:
+            for layer in range(
+                num_layers_to_send if num_layers_to_send is not None else NUM_LAYERS
+            ):
+                handle.send_layer(layer)
+        if num_layers_to_send is None:
+            handle.finish(first_token_id)
+        self.handles[name] = (handle, cache)
+
+    def wait(self, name: str, check: tuple[Any, ...] | None) -> dict[str, Any]:
+        handle, cache = self.handles.pop(name)
+        try:
+            if isinstance(handle, RecvHandle):
+                received = handle.wait(COMMAND_TIMEOUT_S)
+                result: dict[str, Any] = {"ok": True, "first_token_id": received.first_token_id}
+                if check is not None:
+                    result["mismatch"] = check_received(cache, *check)
+                return result
+            assert isinstance(handle, SendHandle)
+            handle.wait(COMMAND_TIMEOUT_S)
+            return {"ok": True}
+        except Exception as exc:
+            return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]}
+
+
+def _worker_main(
+    commands: Any, replies: Any, rank: int, world: int, group_port: int | None
+) -> None:
+    torch.set_num_threads(1)
+    if group_port is not None:  # the worker's own TP group, which the channels must not disturb
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=world
+        )
+    state = _WorkerState()
+    replies.put(("ok", "ready"))
+    while True:
+        try:
+            command = commands.get(timeout=COMMAND_TIMEOUT_S * 2)
+        except queue.Empty:
+            os._exit(3)  # the parent is gone; never linger
+        name, args = command[0], command[1:]
+        if name == "exit":
+            break
+        try:
+            if name == "all_reduce":
+                value = torch.tensor([float(args[0])])
+                dist.all_reduce(value)
+                replies.put(("ok", value.item()))
+            elif name == "endpoint":
+                replies.put(("ok", state.endpoint()))
+            else:
+                replies.put(("ok", getattr(state, name)(*args)))
+        except Exception:
+            replies.put(("error", traceback.format_exc()))
+    os._exit(0)  # skip teardown of groups whose peers may be gone

@@ -1,0 +1,151 @@
+"""Real processes over gloo: the KV that lands is byte-identical to the source blocks, for every
+prefill/decode TP pair, both wire modes, split and replicated heads, scattered and contiguous ids."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from kv_transfer.messages import KVTicket
+from tests.kv_transfer.kv_procs import Worker, free_port, start_workers
+
+pytestmark = pytest.mark.slow
+
+_transfer_ids = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[tuple[list[Worker], list[Worker]]]:
+    """Two prefill ranks and two decode ranks; each pair of processes also has a default group."""
+    prefill = start_workers(2, group_port=free_port())
+    decode = start_workers(2, group_port=free_port())
+    try:
+        yield prefill, decode
+    finally:
+        for worker in prefill + decode:
+            worker.stop()
+
+
+def make_ticket(
+    decode: list[Worker],
+    p: int,
+    d: int,
+    dst_block_ids: list[int],
+    layerwise: bool,
+    name: str,
+) -> KVTicket:
+    endpoints = tuple(worker.call("endpoint") for worker in decode[:d])
+    return KVTicket(
+        request_id=name,
+        transfer_id=next(_transfer_ids),
+        block_ids=tuple(dst_block_ids),
+        num_tokens=4 * len(dst_block_ids) - 1,
+        prefill_instance_id=f"P{p}-{name}",
+        prefill_tp_size=p,
+        decode_instance_id=f"D{d}-{name}",
+        decode_tp_size=d,
+        decode_endpoints=endpoints,
+        layerwise=layerwise,
+        timeout_s=20.0,
+    )
+
+
+def post_transfer(
+    prefill: list[Worker],
+    decode: list[Worker],
+    ticket: KVTicket,
+    num_kv_heads: int,
+    seed: int,
+    src_block_ids: list[int],
+) -> None:
+    """Post the receives first, then the sends: what a decode worker does on issuing a ticket."""
+    name = ticket.request_id
+    for rank in range(ticket.decode_tp_size):
+        decode[rank].call("recv", name, ticket, rank, num_kv_heads)
+    # Prefill ranks run in parallel, as TP ranks do: post to all, then collect.
+    for rank in range(ticket.prefill_tp_size):
+        prefill[rank].commands.put(
+            ("send", name, ticket, rank, num_kv_heads, seed, src_block_ids, 1000 + seed, None)
+        )
+    for rank in range(ticket.prefill_tp_size):
+        prefill[rank].reply()
+
+
+def check_transfer(
+    prefill: list[Worker],
+    decode: list[Worker],
+    ticket: KVTicket,
+    num_kv_heads: int,
+    seed: int,
+    src_block_ids: list[int],
+) -> None:
+    name = ticket.request_id
+    for rank in range(ticket.prefill_tp_size):
+        assert prefill[rank].call("wait", name, None) == {"ok": True}
+    for rank in range(ticket.decode_tp_size):
+        check = (
+            seed,
+            num_kv_heads,
+            ticket.decode_tp_size,
+            rank,
+            src_block_ids,
+            list(ticket.block_ids),
+        )
+        result = decode[rank].call("wait", name, check)
+        assert result == {"ok": True, "first_token_id": 1000 + seed, "mismatch": None}
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "scattered"])
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["2heads", "1head"])
+@pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_received_kv_is_byte_identical(
+    workers: tuple[list[Worker], list[Worker]],
+    p: int,
+    d: int,
+    num_kv_heads: int,
+    layerwise: bool,
+    contiguous: bool,
+) -> None:
+    prefill, decode = workers
+    src_block_ids = [2, 3, 4, 5] if contiguous else [9, 1, 14, 6]
+    dst_block_ids = [10, 11, 12, 13] if contiguous else [3, 15, 0, 8]
+    name = f"req-{p}{d}{num_kv_heads}{int(layerwise)}{int(contiguous)}"
+    ticket = make_ticket(decode, p, d, dst_block_ids, layerwise, name)
+    seed = ticket.transfer_id
+    post_transfer(prefill, decode, ticket, num_kv_heads, seed, src_block_ids)
+    check_transfer(prefill, decode, ticket, num_kv_heads, seed, src_block_ids)
+
+
+def test_two_to_one_and_one_to_two_at_the_same_time(
+    workers: tuple[list[Worker], list[Worker]],
+) -> None:
+    prefill, decode = workers
+    two_to_one = make_ticket(decode, 2, 1, [0, 5, 7], True, "p2d1")
+    # The 1 -> 2 instance's single prefill rank is the second prefill process, and its decode
+    # ranks are the decode processes in reverse order, so every process serves both transfers.
+    one_to_two = make_ticket(decode[::-1], 1, 2, [4, 1, 2], False, "p1d2")
+    post_transfer(prefill, decode, two_to_one, 2, 11, [1, 2, 3])
+    post_transfer(prefill[::-1], decode[::-1], one_to_two, 2, 12, [8, 9, 10])
+    check_transfer(prefill, decode, two_to_one, 2, 11, [1, 2, 3])
+    check_transfer(prefill[::-1], decode[::-1], one_to_two, 2, 12, [8, 9, 10])
+
+
+def test_channels_coexist_with_the_default_group(
+    workers: tuple[list[Worker], list[Worker]],
+) -> None:
+    """Each worker's own TP group (the default group) still works around the pair channels."""
+    prefill, decode = workers
+    for group in (prefill, decode):
+        for rank, worker in enumerate(group):
+            worker.commands.put(("all_reduce", rank + 1))
+        assert [worker.reply() for worker in group] == [3.0, 3.0]
+    ticket = make_ticket(decode, 2, 2, [6, 7], True, "coexist")
+    post_transfer(prefill, decode, ticket, 2, 5, [0, 1])
+    check_transfer(prefill, decode, ticket, 2, 5, [0, 1])
+    for group in (prefill, decode):
+        for rank, worker in enumerate(group):
+            worker.commands.put(("all_reduce", 10 * rank))
+        assert [worker.reply() for worker in group] == [10.0, 10.0]
