@@ -11,6 +11,10 @@ current) step into a RuntimeError naming it, never a hang (gloo collectives also
 
 A process that is itself a TP rank (a prefill/decode worker rank) builds its runner directly:
 `init_tp_group(rank, size, port, device)` then `ModelRunner(config, rank, size)`.
+
+Workers add per-rank behaviour (the prefill side's KV sender) with `rank_extension`: a picklable
+factory called on every rank with that rank's runner; `collective_call(method, ...)` then runs the
+extension's method on every rank, in step order with the batches, and returns the driver's result.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import queue
 import socket
 import traceback
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -34,6 +40,22 @@ from engine.model_runner import ModelRunner
 
 _SHUTDOWN = None  # broadcast to the workers to make them leave their loop
 
+RankExtension = Callable[[ModelRunner], Any]
+
+
+@dataclass
+class RankCall:
+    """Run `extension.<method>(*args, **kwargs)` on every TP rank (broadcast like a batch)."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, extension: Any) -> Any:
+        if extension is None:
+            raise RuntimeError(f"rank call {self.method!r} needs a rank_extension")
+        return getattr(extension, self.method)(*self.args, **self.kwargs)
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -42,28 +64,33 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_worker_loop(runner: ModelRunner) -> None:
-    """A non-driver TP rank: run every batch the driver broadcasts until it broadcasts None."""
+def run_worker_loop(runner: ModelRunner, extension: Any = None) -> None:
+    """A non-driver TP rank: run every batch (or RankCall) the driver broadcasts, until None."""
     while True:
-        batch = parallel.tp_broadcast_object(None)
-        if batch is _SHUTDOWN:
+        message = parallel.tp_broadcast_object(None)
+        if message is _SHUTDOWN:
             return
-        runner.execute(batch)
+        if isinstance(message, RankCall):
+            message.apply(extension)
+        else:
+            runner.execute(message)
 
 
 def _worker_main(
-    config: EngineConfig, tp_rank: int, tp_size: int, port: int, status: Any, timeout_s: float
+    config: EngineConfig, tp_rank: int, tp_size: int, port: int, status: Any, timeout_s: float,
+    rank_extension: RankExtension | None,
 ) -> None:
     torch.set_num_threads(config.num_threads or 1)
     try:
         parallel.init_tp_group(tp_rank, tp_size, port, config.device, timeout_s)
         runner = ModelRunner(config, tp_rank, tp_size)
+        extension = rank_extension(runner) if rank_extension is not None else None
     except BaseException:
         status.put(("error", tp_rank, traceback.format_exc()))
         raise
     status.put(("ready", tp_rank, ""))
     try:
-        run_worker_loop(runner)
+        run_worker_loop(runner, extension)
     finally:
         parallel.destroy_tp_group()
 
@@ -105,8 +132,12 @@ class Executor:
     Attributes: `model_config`, `num_kv_blocks`, `block_size`, `kv_cache` (the driver rank's).
     """
 
-    def __init__(self, config: EngineConfig, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, config: EngineConfig, timeout_s: float = 120.0,
+        rank_extension: RankExtension | None = None,
+    ) -> None:
         self.config = config
+        self._rank_extension = rank_extension
         self.tp_size = config.tensor_parallel_size
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.close)
@@ -117,6 +148,7 @@ class Executor:
             else:
                 parallel.set_tp_group(None, 0, 1)
             self._runner = ModelRunner(config, 0, self.tp_size)
+            self.extension = rank_extension(self._runner) if rank_extension is not None else None
             if self.tp_size > 1:
                 self._wait_ready(timeout_s)
         except BaseException:
@@ -151,16 +183,24 @@ class Executor:
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [batch.num_sampled, vocab_size] (float32; float64 for float64 models)."""
+        return self._on_all_ranks(batch, lambda: self._runner.execute(batch))
+
+    def collective_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`rank_extension(runner).<method>(*args, **kwargs)` on every rank; the driver's result."""
+        call = RankCall(method, args, kwargs)
+        return self._on_all_ranks(call, lambda: call.apply(self.extension))
+
+    def _on_all_ranks(self, message: Any, run_here: Callable[[], Any]) -> Any:
         if self._broken is not None:
             raise RuntimeError(f"executor is unusable: {self._broken}")
         if not self._finalizer.alive:
             raise RuntimeError("executor was shut down")
         if self.tp_size == 1:
-            return self._runner.execute(batch)
+            return run_here()
         self._raise_if_dead()
         try:
-            parallel.tp_broadcast_object(batch)
-            return self._runner.execute(batch)
+            parallel.tp_broadcast_object(message)
+            return run_here()
         except RuntimeError as exc:
             dead = self._workers.dead()
             self._broken = f"{', '.join(dead)} died" if dead else f"TP step failed: {exc}"
@@ -184,7 +224,10 @@ class Executor:
         for rank in range(1, self.tp_size):
             proc = context.Process(
                 target=_worker_main,
-                args=(self.config, rank, self.tp_size, port, self._status, timeout_s),
+                args=(
+                    self.config, rank, self.tp_size, port, self._status, timeout_s,
+                    self._rank_extension,
+                ),
                 name=f"pdserve-tp-rank-{rank}",
                 daemon=True,
             )
