@@ -10,7 +10,8 @@ One engine step reads:
 `schedule()` fills one step under `max_num_seqs` and `max_num_batched_tokens`, in this order:
   1. running requests that decode (one token each; a new block when one fills up),
   2. running requests whose prefill is partial (the next chunk of at most `chunk_size` tokens),
-  3. waiting requests, first come first served, each starting after its cached prefix.
+  3. requests whose prompt KV arrived from elsewhere (a prefill instance), in arrival order,
+  4. waiting requests, first come first served, each starting after its cached prefix.
 Decodes go first so that a long prompt never stalls the tokens of running sequences (SARATHI).
 A chunk samples only when it reaches the request's last token.
 
@@ -70,6 +71,8 @@ class Scheduler:
         self.prefix_cache = PrefixCache(block_pool, block_size)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
+        # Requests whose prompt KV already sits in their own blocks (`add_prefilled`).
+        self.landed: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: preemption takes from the tail
         self.num_preemptions = 0
         self._rng = random.Random(seed)  # seeds for requests that sample without one
@@ -94,6 +97,28 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_prefilled(self, request: Request) -> None:
+        """Take over a request whose first `num_computed_tokens` tokens already have KV in
+        `request.block_table` (blocks this pool allocated; the scheduler now owns that reference).
+
+        It joins the running batch at the next step with room (ahead of waiting prompts: it
+        already holds memory). If it is later preempted, it is recomputed like any other request.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        num_blocks = -(-request.num_computed_tokens // self.block_size)
+        if not 0 < request.num_computed_tokens < request.num_tokens or (
+            len(request.block_table) < num_blocks
+        ):
+            raise ValueError(
+                f"request {request.request_id!r}: a prefilled request needs 0 < "
+                f"num_computed_tokens ({request.num_computed_tokens}) < num_tokens "
+                f"({request.num_tokens}) and {num_blocks} blocks (has {len(request.block_table)})"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.landed.append(request)
+
     def abort(self, request_id: str) -> bool:
         """End a request in any state, freeing its blocks once. False if it is not here."""
         request = self.requests.get(request_id)
@@ -101,6 +126,8 @@ class Scheduler:
             return False
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.landed:
+            self.landed.remove(request)
         else:
             self.waiting.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -113,6 +140,7 @@ class Scheduler:
         self._schedule_running(plan, decodes=True)
         self._schedule_running(plan, decodes=False)
         if not plan.preempted:  # admitting right after preempting would only thrash
+            self._admit_landed(plan)
             self._admit_waiting(plan)
         return self._build_batch(plan)
 
@@ -159,6 +187,22 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
         plan.preempted = True
+
+    def _admit_landed(self, plan: _StepPlan) -> None:
+        pool = self.block_pool
+        while self.landed and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.landed[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            total = request.num_computed_tokens + num_new
+            num_needed = max(0, -(-total // self.block_size) - len(request.block_table))
+            if not pool.can_allocate(num_needed):
+                return
+            self.landed.popleft()
+            request.block_table.extend(pool.allocate(num_needed))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.num_new_tokens[request.request_id] = num_new
+            plan.token_budget -= num_new
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         pool = self.block_pool
@@ -299,7 +343,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.landed),
             num_free_blocks=self.block_pool.num_free_blocks,
             num_total_blocks=self.block_pool.num_blocks,
             num_prefix_hit_tokens=self.prefix_cache.num_hit_tokens,
