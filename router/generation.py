@@ -12,6 +12,7 @@ file: failures are `GenerationFailed` with a kind the servicer maps to a status 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -133,26 +134,38 @@ class GenerationRunner:
         progress: _Progress,
         prefill_id: str,
     ) -> AsyncIterator[GenerationChunk]:
+        """Chunks in token order. Events that queued up while the client was being served go
+        out as one chunk: under load that means fewer, larger messages, not a growing backlog."""
         while True:
-            item = await channel.queue.get()
-            if isinstance(item, InstanceLost):
-                raise GenerationFailed(
-                    FailureKind.UNAVAILABLE,
-                    f"worker {item.instance_id} became unavailable ({item.reason}); "
-                    "retry the request",
-                )
-            if progress.first_token_at is None and item.source not in ("", prefill_id):
-                progress.early_events.append(item)  # a decode step overtook the first token
-                continue
-            events = [item]
-            if progress.first_token_at is None and progress.early_events:
-                events += progress.early_events
-                progress.early_events.clear()
-            for event in events:
-                chunk = self._on_event(request, progress, event)
-                yield chunk
-                if chunk.finish_reason is not None:
-                    return
+            items = [await channel.queue.get()]
+            while not channel.queue.empty():
+                items.append(channel.queue.get_nowait())
+            merged: GenerationChunk | None = None
+            for item in items:
+                for event in self._in_order(item, progress, prefill_id):
+                    chunk = self._on_event(request, progress, event)
+                    merged = chunk if merged is None else _concat(merged, chunk)
+                    if chunk.finish_reason is not None:
+                        yield merged
+                        return
+            if merged is not None:
+                yield merged
+
+    def _in_order(
+        self, item: TokenEvent | InstanceLost, progress: _Progress, prefill_id: str
+    ) -> list[TokenEvent]:
+        """The events to handle now: the first token must come before any decode step."""
+        if isinstance(item, InstanceLost):
+            raise GenerationFailed(
+                FailureKind.UNAVAILABLE,
+                f"worker {item.instance_id} became unavailable ({item.reason}); retry the request",
+            )
+        if progress.first_token_at is not None or item.source in ("", prefill_id):
+            events = [item, *progress.early_events]
+            progress.early_events.clear()
+            return events
+        progress.early_events.append(item)  # a decode step overtook the first token
+        return []
 
     def _on_event(
         self, request: ValidatedRequest, progress: _Progress, event: TokenEvent
@@ -238,6 +251,13 @@ class GenerationRunner:
         if timings.kv_transfer_s > 0:
             self._metrics.kv_transfer_time.observe(timings.kv_transfer_s)
         self._metrics.request_success.labels(finish_reason).inc()
+
+
+def _concat(earlier: GenerationChunk, later: GenerationChunk) -> GenerationChunk:
+    """One chunk for two consecutive ones (`earlier` is not the last)."""
+    return dataclasses.replace(
+        later, token_ids=earlier.token_ids + later.token_ids, text=earlier.text + later.text
+    )
 
 
 def _merge_timings(merged: RequestTimings, update: RequestTimings) -> None:

@@ -157,7 +157,7 @@ class SyntheticWorker:
             source=self.instance_id,
         )
         if self.record_emit_times:
-            self.emit_times.setdefault(request.request_id, []).append(time.perf_counter())
+            self.emit_times.setdefault(request.request_id, []).append(time.time())
         if finished:
             self._sequences.pop(request.request_id, None)
             self.pool.free(sequence.block_ids)

@@ -63,7 +63,7 @@ def test_streamed_text_equals_unary_text_and_decoding_the_ids(
     responses = list(stub.Generate(request, timeout=10))
     token_ids = [t for r in responses for t in r.token_ids]
     streamed_text = "".join(r.text for r in responses)
-    assert len(token_ids) == 40 and len(responses) == 40  # one message per synthetic step
+    assert len(token_ids) == 40 and 1 < len(responses) <= 40  # events that queue up merge
     assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
     last = responses[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.request_id == "stream-1"
