@@ -1,0 +1,165 @@
+"""Host one worker object in a process of its own and call its methods from another.
+
+The plain-process control plane: tests, and running without Ray. (deploy/ray_*.py wraps the same
+worker objects in Ray actors.) Calls are pickled over a pipe; the child serves each call on its
+own thread, so a long poll (`poll_events`) never blocks a `submit` or an `abort`.
+
+    parent: ProcessWorker.call("submit", req) ──pipe──▶ child: getattr(worker, "submit")(req)
+            ◀── ("ok", result) | ("error", exception) ──
+
+Every call has a timeout; a dead child turns every pending and later call into WorkerUnavailable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.messages import WorkerUnavailable
+
+
+def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    send_lock = threading.Lock()
+
+    def reply(call_id: int, status: str, value: Any) -> None:
+        with send_lock:
+            try:
+                conn.send((call_id, status, value))
+            except Exception as exc:  # an unpicklable result or error: say so, as text
+                conn.send((call_id, "error", RuntimeError(f"{type(value).__name__}: {exc}")))
+
+    try:
+        worker = factory(*args, **kwargs)
+    except BaseException as exc:
+        reply(0, "error", RuntimeError(f"worker failed to start: {exc}\n{traceback.format_exc()}"))
+        return
+    reply(0, "ok", os.getpid())
+
+    def serve(call_id: int, method: str, call_args: tuple, call_kwargs: dict) -> None:
+        try:
+            reply(call_id, "ok", getattr(worker, method)(*call_args, **call_kwargs))
+        except BaseException as exc:
+            reply(call_id, "error", exc)
+
+    while True:
+        try:
+            call_id, method, call_args, call_kwargs = conn.recv()
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if method == "__shutdown__":
+            try:
+                if hasattr(worker, "shutdown"):
+                    worker.shutdown()
+            finally:
+                reply(call_id, "ok", None)
+            break
+        threading.Thread(target=serve, args=(call_id, method, call_args, call_kwargs), daemon=True).start()
+
+
+class ProcessWorker:
+    """A worker object living in a spawned child process."""
+
+    def __init__(
+        self, factory: Callable[..., Any], *args: Any, name: str = "pdserve-worker",
+        start_timeout_s: float = 180.0, **kwargs: Any,
+    ) -> None:
+        self.name = name
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._process = ctx.Process(
+            target=_child_main, args=(child_conn, factory, args, kwargs), name=name, daemon=False
+        )
+        self._pending: dict[int, Future[Any]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        started: Future[Any] = Future()
+        self._pending[0] = started
+        self._process.start()
+        child_conn.close()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
+        self._reader.start()
+        try:
+            self.pid: int = started.result(timeout=start_timeout_s)
+        except FutureTimeout:
+            self.kill()
+            raise WorkerUnavailable(f"{name} did not start within {start_timeout_s:.0f}s") from None
+        except BaseException:
+            self.kill()
+            raise
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    def call(self, method: str, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed or not self._process.is_alive():
+                raise WorkerUnavailable(f"{self.name} is not running")
+            call_id = next(self._ids)
+            future: Future[Any] = Future()
+            self._pending[call_id] = future
+            try:
+                self._conn.send((call_id, method, args, kwargs))
+            except (OSError, ValueError) as exc:
+                self._pending.pop(call_id, None)
+                raise WorkerUnavailable(f"{self.name}: {exc}") from None
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise WorkerUnavailable(
+                f"{self.name} did not answer {method} within {timeout_s:.1f}s"
+            ) from None
+        finally:
+            with self._lock:
+                self._pending.pop(call_id, None)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Ask the worker to shut down, then make sure the process is gone."""
+        if self._closed:
+            return
+        try:
+            if self._process.is_alive():
+                self.call("__shutdown__", timeout_s=timeout_s)
+        except WorkerUnavailable:
+            pass
+        finally:
+            self._closed = True
+            self._process.join(timeout_s)
+            self.kill()
+
+    def kill(self) -> None:
+        self._closed = True
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(10)
+        self._conn.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                call_id, status, value = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                future = self._pending.get(call_id)
+            if future is not None and not future.done():
+                if status == "ok":
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+        with self._lock:  # the child is gone: nothing pending will ever be answered
+            pending, self._pending = list(self._pending.values()), {}
+        for future in pending:
+            if not future.done():
+                future.set_exception(WorkerUnavailable(f"{self.name} exited"))

@@ -1,0 +1,149 @@
+"""A worker's engine loop on a thread of its own: commands in, token events out.
+
+Prefill, decode and colocated workers all share this shape. The scheduler, the block pool and the
+executor are touched by the loop thread only; every public method of a worker runs its body on
+that thread through `call`, between two steps, so none of them needs a lock:
+
+    caller threads ──call(fn)──▶ command queue ──▶ loop thread: commands, then step(), repeat
+    caller threads ◀──poll_events(timeout)── event list ◀── _emit(events) (one list per step)
+
+When a step has nothing to do, the loop sleeps until a command arrives (or `idle_wait_s`, so
+that deadlines are still checked). A step that raises marks the worker unhealthy and stops the
+loop; `fail_all` lets the subclass end every request it holds with an error event first.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+from engine.messages import TokenEvent, WorkerUnavailable
+
+T = TypeVar("T")
+
+
+class WorkerLoop:
+    """Subclasses implement `step() -> bool` (True if it did work) and may override `fail_all`."""
+
+    def __init__(self, instance_id: str, idle_wait_s: float = 0.005) -> None:
+        self.instance_id = instance_id
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._events: list[TokenEvent] = []
+        self._events_ready = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None  # set when the loop died; the worker is then unhealthy
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"pdserve-{self.instance_id}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, Future()))  # wake the loop
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    # ---------------------------------------------------------- thread-safe API
+    def call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:
+        """Run `fn` on the loop thread between steps and return its result (or raise its error)."""
+        if self.error is not None:
+            raise WorkerUnavailable(f"{self.instance_id} stopped after an error: {self.error}")
+        if self._thread is None or not self._thread.is_alive():
+            raise WorkerUnavailable(f"{self.instance_id} is not running")
+        future: Future[T] = Future()
+        self._commands.put((fn, future))
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise WorkerUnavailable(
+                f"{self.instance_id} did not answer within {timeout_s:.1f}s"
+            ) from None
+
+    def poll_events(self, timeout_s: float) -> list[TokenEvent]:
+        """Every event emitted since the last poll; waits up to timeout_s for the first."""
+        with self._events_ready:
+            if not self._events and not self._stop.is_set():
+                self._events_ready.wait(timeout_s)
+            events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------- for subclasses
+    def step(self) -> bool:
+        raise NotImplementedError
+
+    def fail_all(self, message: str) -> None:
+        """End every request the worker holds with an error event (loop thread, on a crash)."""
+
+    def _emit(self, events: list[TokenEvent]) -> None:
+        if events:
+            with self._events_ready:
+                self._events.extend(events)
+                self._events_ready.notify_all()
+
+    # --------------------------------------------------------------- the loop
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                if self._stop.is_set():
+                    break
+                if not self.step():
+                    self._wait_for_command()
+        except BaseException as exc:  # the loop must report, never vanish silently
+            self.error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            try:
+                self.fail_all(f"worker {self.instance_id} failed: {self.error}")
+            finally:
+                self._fail_pending_commands()
+        finally:
+            with self._events_ready:
+                self._events_ready.notify_all()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._run_one(fn, future)
+
+    def _wait_for_command(self) -> None:
+        try:
+            fn, future = self._commands.get(timeout=self.idle_wait_s)
+        except queue.Empty:
+            return
+        self._run_one(fn, future)
+
+    @staticmethod
+    def _run_one(fn: Callable[[], Any], future: Future[Any]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(WorkerUnavailable(f"{self.instance_id}: {self.error}"))
