@@ -37,9 +37,9 @@ def full_kv(seed: int, num_kv_heads: int) -> torch.Tensor:
     return torch.randn(shape, generator=generator)
 
 
-def rank_spec(num_kv_heads: int, tp_size: int, rank: int) -> KVCacheSpec:
+def rank_spec(num_kv_heads: int, tp_size: int, rank: int, head_dim: int = HEAD_DIM) -> KVCacheSpec:
     num_local = len(local_kv_heads(num_kv_heads, tp_size, rank))
-    return KVCacheSpec(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, num_local, HEAD_DIM, torch.float32)
+    return KVCacheSpec(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, num_local, head_dim, torch.float32)
 
 
 def source_cache(seed: int, num_kv_heads: int, tp_size: int, rank: int) -> KVCache:
@@ -182,7 +182,9 @@ def _worker_main(
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=world
         )
-    state = _WorkerState()
+    from tests.kv_transfer.kv_instances import InstanceState  # it builds on this module
+
+    state = InstanceState()
     replies.put(("ok", "ready"))
     while True:
         try:
