@@ -1,0 +1,231 @@
+"""Offline throughput: pdserve's LLM against transformers' batched generate, same model and prompts.
+
+Model: Llama, hidden 512, 8 layers, 8 heads / 2 KV heads, intermediate 1408, vocab 8192 (~31M
+parameters), random weights, built once with `save_pretrained` into --model-dir.
+Workloads (fixed seed, every request runs to its target length: ignore_eos / EOS disabled):
+  mixed    prompts uniform in [32, 512] tokens, outputs uniform in [16, 256]
+  uniform  every prompt --uniform-prompt-len tokens, every output --uniform-output-len
+pdserve gets all requests at once (continuous batching). transformers runs batches of 16 in
+arrival order, left padded, max_new_tokens = the batch's largest target; only each request's own
+target tokens count as useful. Both run in this process, same dtype and torch thread count.
+
+    python -m benchmarks.engine [--quick] [--threads 1] [--out result.json]
+
+Prints one JSON object as the last line: per workload pdserve_tokens_per_s, hf_tokens_per_s,
+ratio, peak RSS of each phase, plus the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine import LLM, SamplingParams
+
+MODEL_CONFIG: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "bench-llama-31m"
+
+Workload = list[tuple[list[int], int]]  # (prompt token ids, target number of output tokens)
+
+
+def ensure_model(model_dir: Path) -> Path:
+    """Build the random-weight benchmark model once (weights fixed by seed 0)."""
+    if not (model_dir / "config.json").is_file():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG))
+        model.save_pretrained(str(model_dir))
+    return model_dir
+
+
+def make_workload(
+    num_requests: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], seed: int
+) -> Workload:
+    rng = random.Random(seed)
+    vocab_size = MODEL_CONFIG["vocab_size"]
+    workload = []
+    for _ in range(num_requests):
+        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_lens))]
+        workload.append((prompt, rng.randint(*output_lens)))
+    return workload
+
+
+class PeakRss:
+    """Peak resident memory of this process during a `with` block (Linux VmHWM, reset on entry)."""
+
+    def __enter__(self) -> PeakRss:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # "5" resets the VmHWM watermark
+            self.resettable = True
+        except OSError:
+            self.resettable = False  # fall back to the process-lifetime peak
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.peak_mb = _vm_hwm_mb() if self.resettable else _lifetime_peak_mb()
+
+
+def _vm_hwm_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return _lifetime_peak_mb()
+
+
+def _lifetime_peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_pdserve(llm: LLM, workload: Workload) -> int:
+    prompts = [prompt for prompt, _ in workload]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in workload]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outputs] == [n for _, n in workload]
+    return sum(len(o.token_ids) for o in outputs)
+
+
+def run_hf(model: LlamaForCausalLM, workload: Workload, batch_size: int) -> int:
+    useful = 0
+    for start in range(0, len(workload), batch_size):
+        batch = workload[start : start + batch_size]
+        max_prompt = max(len(p) for p, _ in batch)
+        input_ids = torch.tensor([[0] * (max_prompt - len(p)) + p for p, _ in batch])
+        attention_mask = torch.tensor(
+            [[0] * (max_prompt - len(p)) + [1] * len(p) for p, _ in batch]
+        )
+        max_new_tokens = max(n for _, n in batch)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert out.shape[1] == max_prompt + max_new_tokens  # every row ran the whole batch
+        useful += sum(n for _, n in batch)
+    return useful
+
+
+def timed(fn: Callable[[], int]) -> tuple[int, float, float]:
+    """(tokens, seconds, peak RSS MB) of one call."""
+    with PeakRss() as rss:
+        start = time.perf_counter()
+        tokens = fn()
+        seconds = time.perf_counter() - start
+    return tokens, seconds, rss.peak_mb
+
+
+def bench_workload(
+    name: str, workload: Workload, llm: LLM, hf: LlamaForCausalLM, hf_batch_size: int
+) -> dict[str, Any]:
+    ours_tokens, ours_s, ours_rss = timed(lambda: run_pdserve(llm, workload))
+    hf_tokens, hf_s, hf_rss = timed(lambda: run_hf(hf, workload, hf_batch_size))
+    stats = llm.stats
+    result = {
+        "num_requests": len(workload),
+        "num_prompt_tokens": sum(len(p) for p, _ in workload),
+        "num_output_tokens": ours_tokens,
+        "pdserve_s": round(ours_s, 3),
+        "hf_s": round(hf_s, 3),
+        "pdserve_tokens_per_s": round(ours_tokens / ours_s, 2),
+        "hf_tokens_per_s": round(hf_tokens / hf_s, 2),
+        "ratio": round((ours_tokens / ours_s) / (hf_tokens / hf_s), 3),
+        "pdserve_peak_rss_mb": round(ours_rss, 1),
+        "hf_peak_rss_mb": round(hf_rss, 1),
+        "pdserve_preemptions_total": stats.num_preemptions,
+    }
+    print(f"[{name}] {json.dumps(result)}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (both systems)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--uniform-prompt-len", type=int, default=256)
+    parser.add_argument("--uniform-output-len", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--workloads", default="mixed,uniform")
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    num_requests, prompt_lens, output_lens = args.num_requests, (32, 512), (16, 256)
+    uniform = (args.uniform_prompt_len, args.uniform_output_len)
+    if args.quick:
+        num_requests, prompt_lens, output_lens, uniform = 8, (8, 64), (4, 16), (32, 8)
+    workloads = {
+        "mixed": make_workload(num_requests, prompt_lens, output_lens, args.seed),
+        "uniform": make_workload(
+            num_requests, (uniform[0], uniform[0]), (uniform[1], uniform[1]), args.seed
+        ),
+    }
+    model_dir = ensure_model(args.model_dir)
+    dtype = getattr(torch, args.dtype)
+    hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    engine_kwargs = {"max_num_seqs": args.max_num_seqs, "num_threads": args.threads}
+    results: dict[str, Any] = {}
+    with LLM(str(model_dir), dtype=args.dtype, **engine_kwargs) as llm:
+        warmup = make_workload(2, (8, 16), (4, 4), args.seed + 1)
+        run_pdserve(llm, warmup)
+        run_hf(hf, warmup, args.hf_batch_size)
+        for name in args.workloads.split(","):
+            results[name] = bench_workload(name, workloads[name], llm, hf, args.hf_batch_size)
+        engine_config = llm.engine.config
+    summary = {
+        "benchmark": "engine",
+        "workloads": results,
+        "config": {
+            "model": {k: MODEL_CONFIG[k] for k in list(MODEL_CONFIG)[:6]},
+            "num_parameters": sum(p.numel() for p in hf.parameters()),
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "seed": args.seed,
+            "quick": args.quick,
+            "hf_batch_size": args.hf_batch_size,
+            "mixed": {"prompt_lens": prompt_lens, "output_lens": output_lens},
+            "uniform": {"prompt_len": uniform[0], "output_len": uniform[1]},
+            "block_size": engine_config.block_size,
+            "max_num_seqs": engine_config.max_num_seqs,
+            "max_num_batched_tokens": engine_config.max_num_batched_tokens,
+            "chunk_size": engine_config.chunk_size,
+            "num_kv_blocks": llm.engine.block_pool.num_blocks,
+        },
+    }
+    line = json.dumps(summary)
+    if args.out is not None:
+        args.out.write_text(line + "\n")
+    print(line)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
