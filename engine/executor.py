@@ -20,7 +20,6 @@ extension's method on every rank, in step order with the batches, and returns th
 from __future__ import annotations
 
 import queue
-import socket
 import traceback
 import weakref
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.net import free_port
 
 _SHUTDOWN = None  # broadcast to the workers to make them leave their loop
 
@@ -55,13 +55,6 @@ class RankCall:
         if extension is None:
             raise RuntimeError(f"rank call {self.method!r} needs a rank_extension")
         return getattr(extension, self.method)(*self.args, **self.kwargs)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_worker_loop(runner: ModelRunner, extension: Any = None) -> None:

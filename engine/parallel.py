@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import local_kv_heads
+from engine.net import create_store
 
 _TP_GROUP: dist.ProcessGroup | None = None
 # gloo group over the same ranks for pickled control messages (the TP group itself on CPU)
@@ -39,10 +40,7 @@ def init_tp_group(
 ) -> None:
     """Join the TP group as `tp_rank` (rank 0 hosts the TCPStore). Blocks until all ranks join."""
     if tp_size > 1:
-        store = dist.TCPStore(
-            master_addr, master_port, tp_size, is_master=tp_rank == 0,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        store = create_store(master_addr, master_port, tp_size, tp_rank == 0, timeout_s)
         dist.init_process_group(
             backend_for_device(device), store=store, rank=tp_rank, world_size=tp_size,
             timeout=timedelta(seconds=timeout_s),
@@ -101,6 +99,15 @@ def tp_broadcast_object(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, group=_CONTROL_GROUP, group_src=0)
     return box[0]
+
+
+def tp_all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj` (any picklable), in rank order, on every rank (gloo control group)."""
+    if _TP_SIZE == 1:
+        return [obj]
+    gathered: list[Any] = [None] * _TP_SIZE
+    dist.all_gather_object(gathered, obj, group=_CONTROL_GROUP)
+    return gathered
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.net import create_store
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
 
 _STORE_OP_TIMEOUT_S = 30.0
@@ -170,8 +171,8 @@ class ChannelHost:
     def __init__(self, device: torch.device | str = "cpu", host: str = "127.0.0.1") -> None:
         self.device = torch.device(device)
         # port 0: the OS picks a free port; the endpoint tells prefill ranks which one.
-        self._store = dist.TCPStore(
-            host, 0, None, True, timeout=_timedelta(_STORE_OP_TIMEOUT_S), wait_for_workers=False
+        self._store = create_store(
+            host, 0, None, True, _STORE_OP_TIMEOUT_S, wait_for_workers=False
         )
         self.endpoint = ChannelEndpoint(host, self._store.port)
         self._channels: dict[str, Channel] = {}
@@ -218,9 +219,12 @@ class ChannelDialer:
         store = self._store_for(endpoint, deadline)
         key = f"{pair_key}/t/{transfer_key}"
         try:
-            store.wait([key], _timedelta(_remaining(deadline)))
+            # get() waits for the key: one round trip when the decode side has accepted already.
+            store.set_timeout(_timedelta(_remaining(deadline)))
             epoch = int(store.get(key))
         except Exception as exc:
+            with self._lock:  # the decode side may be gone: reconnect the store next time
+                self._stores.pop((endpoint.host, endpoint.port), None)
             raise KVTransferTimeout(
                 f"decode side of {pair_key} did not accept transfer {transfer_key} in time: {exc}"
             ) from exc
@@ -270,7 +274,6 @@ class ChannelDialer:
                 )
             except Exception as exc:
                 raise KVTransferTimeout(f"cannot reach decode endpoint {address}: {exc}") from exc
-            store.set_timeout(_timedelta(_STORE_OP_TIMEOUT_S))
             with self._lock:
                 store = self._stores.setdefault(address, store)
         return store
