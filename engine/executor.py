@@ -1,7 +1,8 @@
 """The one object the engine talks to for model execution, at any TP size.
 
 TP=1: the ModelRunner runs in the caller's process. TP>1: the caller's process is TP rank 0 (the
-driver); ranks 1..n-1 are spawned processes running `run_worker_loop`. Each step the driver
+driver); ranks 1..n-1 run `engine.ranks.run_rank` wherever the `RankLauncher` puts them (local
+processes by default, Ray actors under deploy/). Each step the driver
 broadcasts the ScheduledBatch over the gloo control group; every rank runs the same forward (the
 TP collectives pair up inside it) and the driver returns its full-vocab logits.
 
@@ -19,16 +20,11 @@ extension's method on every rank, in step order with the batches, and returns th
 
 from __future__ import annotations
 
-import queue
-import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from engine import parallel
 from engine.batch import ScheduledBatch
@@ -37,83 +33,33 @@ from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.net import free_port
+from engine.ranks import (
+    SHUTDOWN,
+    RankCall,
+    RankExtension,
+    RankLauncher,
+    RankSpec,
+    SpawnLauncher,
+    run_worker_loop,
+)
 
-_SHUTDOWN = None  # broadcast to the workers to make them leave their loop
-
-RankExtension = Callable[[ModelRunner], Any]
-
-
-@dataclass
-class RankCall:
-    """Run `extension.<method>(*args, **kwargs)` on every TP rank (broadcast like a batch)."""
-
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def apply(self, extension: Any) -> Any:
-        if extension is None:
-            raise RuntimeError(f"rank call {self.method!r} needs a rank_extension")
-        return getattr(extension, self.method)(*self.args, **self.kwargs)
+__all__ = ["Executor", "RankCall", "RankExtension", "free_port", "run_worker_loop"]
 
 
-def run_worker_loop(runner: ModelRunner, extension: Any = None) -> None:
-    """A non-driver TP rank: run every batch (or RankCall) the driver broadcasts, until None."""
-    while True:
-        message = parallel.tp_broadcast_object(None)
-        if message is _SHUTDOWN:
-            return
-        if isinstance(message, RankCall):
-            message.apply(extension)
-        else:
-            runner.execute(message)
+class _Ranks:
+    """The launched ranks; kept apart from Executor so a finalizer can close them without it."""
 
-
-def _worker_main(
-    config: EngineConfig, tp_rank: int, tp_size: int, port: int, status: Any, timeout_s: float,
-    rank_extension: RankExtension | None,
-) -> None:
-    torch.set_num_threads(config.num_threads or 1)
-    try:
-        parallel.init_tp_group(tp_rank, tp_size, port, config.device, timeout_s)
-        runner = ModelRunner(config, tp_rank, tp_size)
-        extension = rank_extension(runner) if rank_extension is not None else None
-    except BaseException:
-        status.put(("error", tp_rank, traceback.format_exc()))
-        raise
-    status.put(("ready", tp_rank, ""))
-    try:
-        run_worker_loop(runner, extension)
-    finally:
-        parallel.destroy_tp_group()
-
-
-class _Workers:
-    """The spawned ranks; kept apart from Executor so a finalizer can close them without it."""
-
-    def __init__(self) -> None:
-        self.processes: list[BaseProcess] = []
+    def __init__(self, launcher: RankLauncher) -> None:
+        self.launcher = launcher
         self.group_ready = False
 
-    def dead(self) -> list[str]:
-        return [
-            f"TP rank {rank} (exit code {proc.exitcode})"
-            for rank, proc in enumerate(self.processes, start=1)
-            if not proc.is_alive()
-        ]
-
     def close(self, join_timeout_s: float = 10.0) -> None:
-        if self.group_ready and not self.dead():
+        if self.group_ready and not self.launcher.dead():
             try:
-                parallel.tp_broadcast_object(_SHUTDOWN)
+                parallel.tp_broadcast_object(SHUTDOWN)
             except RuntimeError:
-                pass  # a rank died meanwhile; it is killed below
-        for proc in self.processes:
-            proc.join(join_timeout_s)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(join_timeout_s)
-        self.processes = []
+                pass  # a rank died meanwhile; the launcher kills the rest below
+        self.launcher.stop(join_timeout_s)
         if self.group_ready:
             parallel.destroy_tp_group()
             self.group_ready = False
@@ -127,12 +73,14 @@ class Executor:
 
     def __init__(
         self, config: EngineConfig, timeout_s: float = 120.0,
-        rank_extension: RankExtension | None = None,
+        rank_extension: RankExtension | None = None, launcher: RankLauncher | None = None,
+        master_addr: str = "127.0.0.1",
     ) -> None:
         self.config = config
         self._rank_extension = rank_extension
         self.tp_size = config.tensor_parallel_size
-        self._workers = _Workers()
+        self.master_addr = master_addr
+        self._workers = _Ranks(launcher if launcher is not None else SpawnLauncher())
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._broken: str | None = None
         try:
@@ -172,7 +120,7 @@ class Executor:
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the spawned TP ranks 1..n-1 (empty at TP=1 or after shutdown)."""
-        return [proc.pid for proc in self._workers.processes if proc.pid is not None]
+        return self._workers.launcher.pids() if self._finalizer.alive else []
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [batch.num_sampled, vocab_size] (float32; float64 for float64 models)."""
@@ -195,7 +143,7 @@ class Executor:
             parallel.tp_broadcast_object(message)
             return run_here()
         except RuntimeError as exc:
-            dead = self._workers.dead()
+            dead = self._workers.launcher.dead()
             self._broken = f"{', '.join(dead)} died" if dead else f"TP step failed: {exc}"
             raise RuntimeError(f"TP step failed: {self._broken}") from exc
 
@@ -211,47 +159,31 @@ class Executor:
 
     # ----------------------------------------------------------------- startup
     def _start_workers(self, timeout_s: float) -> None:
-        port = free_port()
-        context = mp.get_context("spawn")
-        self._status = context.Queue()
-        for rank in range(1, self.tp_size):
-            proc = context.Process(
-                target=_worker_main,
-                args=(
-                    self.config, rank, self.tp_size, port, self._status, timeout_s,
-                    self._rank_extension,
-                ),
-                name=f"pdserve-tp-rank-{rank}",
-                daemon=True,
+        port = free_port(self.master_addr)
+        self._workers.launcher.start([
+            RankSpec(
+                self.config, rank, self.tp_size, self.master_addr, port, timeout_s,
+                self._rank_extension,
             )
-            proc.start()
-            self._workers.processes.append(proc)
+            for rank in range(1, self.tp_size)
+        ])
         try:
-            parallel.init_tp_group(0, self.tp_size, port, self.config.device, timeout_s)
+            parallel.init_tp_group(
+                0, self.tp_size, port, self.config.device, timeout_s, master_addr=self.master_addr
+            )
         except Exception as exc:
+            dead = self._workers.launcher.dead()
             raise RuntimeError(
                 f"TP group of {self.tp_size} ranks did not form within {timeout_s:.0f}s; "
-                f"{self._failure_details()}"
+                + (f"dead: {', '.join(dead)}" if dead else "all launched ranks still alive")
             ) from exc
         self._workers.group_ready = True
 
     def _wait_ready(self, timeout_s: float) -> None:
-        for _ in range(self.tp_size - 1):
-            try:
-                state, rank, detail = self._status.get(timeout=timeout_s)
-            except queue.Empty:
-                raise RuntimeError(
-                    f"TP ranks not ready within {timeout_s:.0f}s; {self._failure_details()}"
-                ) from None
-            if state != "ready":
-                raise RuntimeError(f"TP rank {rank} failed to start:\n{detail}")
-
-    def _failure_details(self) -> str:
-        dead = self._workers.dead()
-        return f"dead: {', '.join(dead)}" if dead else "all spawned ranks still alive"
+        self._workers.launcher.wait_ready(timeout_s)
 
     def _raise_if_dead(self) -> None:
-        dead = self._workers.dead()
+        dead = self._workers.launcher.dead()
         if dead:
             self._broken = f"{', '.join(dead)} died"
             raise RuntimeError(f"TP step refused: {self._broken}")

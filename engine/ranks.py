@@ -1,0 +1,161 @@
+"""The non-driver TP ranks: what each one runs, and who starts them.
+
+A rank's body (`run_rank`) is the same wherever it lives: join the TP group, build its
+ModelRunner and extension, report ready, then run every batch or RankCall the driver broadcasts
+until the driver broadcasts None. A `RankLauncher` decides where that body runs:
+`SpawnLauncher` (default) starts local processes; deploy/ starts Ray actors in a placement group
+so that every rank claims its own GPU and sits where the placement logic put it.
+"""
+
+from __future__ import annotations
+
+import queue
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
+
+import torch
+import torch.multiprocessing as mp
+
+from engine import parallel
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+
+SHUTDOWN = None  # broadcast to the ranks to make them leave their loop
+
+RankExtension = Callable[[ModelRunner], Any]
+
+
+@dataclass
+class RankCall:
+    """Run `extension.<method>(*args, **kwargs)` on every TP rank (broadcast like a batch)."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, extension: Any) -> Any:
+        if extension is None:
+            raise RuntimeError(f"rank call {self.method!r} needs a rank_extension")
+        return getattr(extension, self.method)(*self.args, **self.kwargs)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a non-driver rank needs to join its group (picklable)."""
+
+    config: EngineConfig
+    tp_rank: int
+    tp_size: int
+    master_addr: str
+    master_port: int
+    timeout_s: float
+    rank_extension: RankExtension | None = None
+
+
+def run_worker_loop(runner: ModelRunner, extension: Any = None) -> None:
+    """A non-driver TP rank: run every batch (or RankCall) the driver broadcasts, until None."""
+    while True:
+        message = parallel.tp_broadcast_object(None)
+        if message is SHUTDOWN:
+            return
+        if isinstance(message, RankCall):
+            message.apply(extension)
+        else:
+            runner.execute(message)
+
+
+def run_rank(spec: RankSpec, report: Callable[[str, int, str], None]) -> None:
+    """The whole life of a non-driver rank; `report(state, rank, detail)` says ready or error."""
+    torch.set_num_threads(spec.config.num_threads or 1)
+    try:
+        parallel.init_tp_group(
+            spec.tp_rank, spec.tp_size, spec.master_port, spec.config.device, spec.timeout_s,
+            master_addr=spec.master_addr,
+        )
+        runner = ModelRunner(spec.config, spec.tp_rank, spec.tp_size)
+        extension = spec.rank_extension(runner) if spec.rank_extension is not None else None
+    except BaseException:
+        report("error", spec.tp_rank, traceback.format_exc())
+        raise
+    report("ready", spec.tp_rank, "")
+    try:
+        run_worker_loop(runner, extension)
+    finally:
+        parallel.destroy_tp_group()
+
+
+class RankLauncher(Protocol):
+    """Starts ranks 1..n-1 and watches them. Every wait is bounded."""
+
+    def start(self, specs: list[RankSpec]) -> None: ...
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Return once every rank reported ready; raise RuntimeError naming what failed."""
+        ...
+
+    def dead(self) -> list[str]:
+        """A description of every rank that is no longer alive (empty when all are)."""
+        ...
+
+    def pids(self) -> list[int]: ...
+
+    def stop(self, join_timeout_s: float) -> None:
+        """After the driver broadcast SHUTDOWN (or gave up): make sure no rank is left."""
+        ...
+
+
+def _spawned_rank_main(spec: RankSpec, status: Any) -> None:
+    run_rank(spec, lambda state, rank, detail: status.put((state, rank, detail)))
+
+
+class SpawnLauncher:
+    """Ranks as local processes (multiprocessing, spawn context)."""
+
+    def __init__(self) -> None:
+        self.processes: list[BaseProcess] = []
+        self._status: Any = None
+
+    def start(self, specs: list[RankSpec]) -> None:
+        context = mp.get_context("spawn")
+        self._status = context.Queue()
+        for spec in specs:
+            proc = context.Process(
+                target=_spawned_rank_main, args=(spec, self._status),
+                name=f"pdserve-tp-rank-{spec.tp_rank}", daemon=True,
+            )
+            proc.start()
+            self.processes.append(proc)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        for _ in self.processes:
+            try:
+                state, rank, detail = self._status.get(timeout=timeout_s)
+            except queue.Empty:
+                dead = self.dead()
+                raise RuntimeError(
+                    f"TP ranks not ready within {timeout_s:.0f}s; "
+                    + (f"dead: {', '.join(dead)}" if dead else "all spawned ranks still alive")
+                ) from None
+            if state != "ready":
+                raise RuntimeError(f"TP rank {rank} failed to start:\n{detail}")
+
+    def dead(self) -> list[str]:
+        return [
+            f"TP rank {rank} (exit code {proc.exitcode})"
+            for rank, proc in enumerate(self.processes, start=1)
+            if not proc.is_alive()
+        ]
+
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.processes if proc.pid is not None]
+
+    def stop(self, join_timeout_s: float) -> None:
+        for proc in self.processes:
+            proc.join(join_timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(join_timeout_s)
+        self.processes = []
