@@ -171,9 +171,7 @@ class ChannelHost:
     def __init__(self, device: torch.device | str = "cpu", host: str = "127.0.0.1") -> None:
         self.device = torch.device(device)
         # port 0: the OS picks a free port; the endpoint tells prefill ranks which one.
-        self._store = create_store(
-            host, 0, None, True, _STORE_OP_TIMEOUT_S, wait_for_workers=False
-        )
+        self._store = create_store(host, 0, None, True, _STORE_OP_TIMEOUT_S, wait_for_workers=False)
         self.endpoint = ChannelEndpoint(host, self._store.port)
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()

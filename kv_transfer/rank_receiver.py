@@ -19,6 +19,7 @@ from kv_transfer.channel import Channel, ChannelEndpoint, ChannelHost
 from kv_transfer.errors import KVTransferCancelled, KVTransferError
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import PlanSegment, plan_transfer
+from kv_transfer.staging import StagingPool
 from kv_transfer.wire import MAGIC, STATUS_CANCELLED, WireView, empty_control
 
 
@@ -42,6 +43,7 @@ class RecvHandle:
         self._finished = threading.Event()
         self._trailers: list[tuple[int, int]] = []  # (first_token_id, num_tokens) per lane
         self.error: KVTransferError | None = None
+        self.finished_at: float | None = None  # time.monotonic() when the last lane ended
         if num_lanes == 0:
             self._finished.set()
 
@@ -71,6 +73,7 @@ class RecvHandle:
                 self.error = error
             self._remaining_lanes -= 1
             if self._remaining_lanes == 0:
+                self.finished_at = time.monotonic()
                 self._finished.set()
 
 
@@ -84,6 +87,7 @@ class KVRankReceiver:
         self.host = host
         self.decode_rank = decode_rank
         self.num_kv_heads = num_kv_heads
+        self.staging = StagingPool()
 
     @property
     def endpoint(self) -> ChannelEndpoint:
@@ -139,27 +143,32 @@ class KVRankReceiver:
         what = f"request {ticket.request_id} (transfer {ticket.transfer_id})"
         tid = ticket.transfer_id
         channel.wait_connected(deadline)
+        # Post everything at once: one round trip fewer than waiting for the header first.
         header = empty_control(self.cache.device)
-        channel.wait(channel.irecv(header, view.tag(tid, 0)), deadline, f"{what} header")
+        header_work = channel.irecv(header, view.tag(tid, 0))
+        posted = []
+        for index in range(view.num_payload_messages):
+            buffer, staged = view.incoming(index, self.staging)
+            posted.append((channel.irecv(buffer, view.tag(tid, 1 + index)), buffer, staged))
+        trailer = empty_control(self.cache.device)
+        trailer_work = channel.irecv(trailer, view.tag(tid, 1 + view.num_payload_messages))
+        channel.wait(header_work, deadline, f"{what} header")
         try:
             status = view.check_header(header, tid, what)
         except KVTransferError:
             channel.mark_broken()  # the sender's other messages are still queued on it
             raise
         if status == STATUS_CANCELLED:
+            # The payload receives stay posted and would never complete: dropping the channel
+            # is the only way to be sure nothing lands in these blocks after they are freed.
+            channel.mark_broken()
             raise KVTransferCancelled(f"{what}: the prefill side cancelled before sending")
-        num_payload = view.num_payload_messages
-        posted = []
-        for index in range(num_payload):
-            buffer, staged = view.incoming(index)
-            posted.append((channel.irecv(buffer, view.tag(tid, 1 + index)), buffer, staged))
-        trailer = empty_control(self.cache.device)
-        trailer_work = channel.irecv(trailer, view.tag(tid, 1 + num_payload))
         # Scatter message i while later messages are still arriving.
         for index, (work, buffer, staged) in enumerate(posted):
             channel.wait(work, deadline, f"{what} payload {index}")
             if staged:
                 view.scatter(index, buffer)
+                self.staging.give(buffer)
         channel.wait(trailer_work, deadline, f"{what} trailer")
         magic, trailer_tid, status, first_token_id, num_tokens, _ = trailer.tolist()
         if magic != MAGIC or trailer_tid != tid:

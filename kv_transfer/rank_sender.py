@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from engine.kv_cache import KVCache
 from kv_transfer.channel import Channel, ChannelDialer, ChannelEndpoint
-from kv_transfer.errors import KVTransferError
+from kv_transfer.errors import KVTransferCancelled, KVTransferError
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
+from kv_transfer.staging import StagingPool
 from kv_transfer.wire import STATUS_CANCELLED, STATUS_OK, WireView, control_message
 
 
@@ -38,15 +39,19 @@ class _Lane:
     view: WireView
     channel: Channel | None = None
     next_index: int = 0
-    # Posted sends with the tensors they read: a tensor must outlive its send.
-    posted: list[tuple[dist.Work, torch.Tensor, str]] = field(default_factory=list)
+    # Posted sends with the tensors they read (a tensor must outlive its send) and whether the
+    # tensor is a staging buffer to give back once sent.
+    posted: list[tuple[dist.Work, torch.Tensor, str, bool]] = field(default_factory=list)
 
 
 class SendHandle:
     """One transfer on one prefill rank."""
 
-    def __init__(self, ticket: KVTicket, lanes: list[_Lane], dialer: ChannelDialer) -> None:
+    def __init__(
+        self, ticket: KVTicket, lanes: list[_Lane], dialer: ChannelDialer, staging: StagingPool
+    ) -> None:
         self.ticket = ticket
+        self._staging = staging
         self.deadline = time.monotonic() + ticket.timeout_s
         self._lanes = lanes
         self._dialer = dialer
@@ -65,12 +70,14 @@ class SendHandle:
         if self.error is None:
             self.error = exc
 
-    def _post(self, lane: _Lane, tensor: torch.Tensor, index: int, what: str) -> None:
+    def _post(
+        self, lane: _Lane, tensor: torch.Tensor, index: int, what: str, staged: bool = False
+    ) -> None:
         if lane.channel is None:
             return
         try:
             tag = lane.view.tag(self.ticket.transfer_id, index)
-            lane.posted.append((lane.channel.isend(tensor, tag), tensor, what))
+            lane.posted.append((lane.channel.isend(tensor, tag), tensor, what, staged))
         except KVTransferError as exc:
             self._fail(lane, exc)
         except RuntimeError as exc:  # the backend refused: the peer is gone
@@ -79,16 +86,18 @@ class SendHandle:
     def _post_payload_until(self, lane: _Lane, stop: int) -> None:
         while lane.next_index < stop:
             index = lane.next_index
-            self._post(lane, lane.view.outgoing(index), 1 + index, f"payload {index}")
             lane.next_index += 1
+            if lane.channel is None:
+                continue  # the lane failed: nothing to send it on
+            tensor, staged = lane.view.outgoing(index, self._staging)
+            self._post(lane, tensor, 1 + index, f"payload {index}", staged)
 
     def send_layer(self, layer: int) -> None:
-        """Post layer `layer`'s keys and values on every channel (layerwise tickets only).
-
-        Layers must come in order; the KV of `layer` must be final when this is called.
-        """
+        """Post layer `layer`'s keys and values on every channel (a no-op for whole-request
+        tickets, so the model runner calls it regardless). Layers must come in order; the KV of
+        `layer` must be final when this is called."""
         if not self.ticket.layerwise:
-            raise ValueError("send_layer needs a layerwise ticket; call finish() instead")
+            return  # whole-request wire mode: everything goes at finish()
         for lane in self._lanes:
             if lane.next_index != 2 * layer:
                 raise ValueError(
@@ -132,13 +141,16 @@ class SendHandle:
     def _wait_all(self) -> None:
         try:
             for lane in self._lanes:
-                for work, _tensor, what in lane.posted:
+                for work, tensor, what, staged in lane.posted:
                     if lane.channel is None:
                         break
                     try:
                         lane.channel.wait(work, self.deadline, f"{self._what(lane)} {what}")
                     except KVTransferError as exc:
                         self._fail(lane, exc)
+                    else:
+                        if staged:  # sent: the backend no longer reads it
+                            self._staging.give(tensor)
                 lane.posted.clear()
         finally:
             self._finished.set()
@@ -166,6 +178,7 @@ class KVRankSender:
         self.dialer = dialer
         self.prefill_rank = prefill_rank
         self.num_kv_heads = num_kv_heads
+        self.staging = StagingPool()
 
     def start(self, ticket: KVTicket, block_ids: Sequence[int]) -> SendHandle:
         """Dial this rank's channels for `ticket` and send the headers. Blocks only for the dial
@@ -183,7 +196,34 @@ class KVRankSender:
             )
             for segment in plan.for_prefill_rank(self.prefill_rank)
         ]
-        handle = SendHandle(ticket, lanes, self.dialer)
+        return self._open(ticket, lanes, STATUS_OK)
+
+    def cancel_unstarted(self, ticket: KVTicket) -> SendHandle:
+        """End a transfer that will never send (the request was aborted or finished at its first
+        token): dial and send only a CANCELLED header, so the decode ranks' receives end and the
+        reservation is freed at once instead of at the deadline. Reads no KV. The handle is
+        already finished; `wait()` raises KVTransferError (cancelled, or the failure)."""
+        plan = plan_transfer(self.num_kv_heads, ticket.prefill_tp_size, ticket.decode_tp_size)
+        lanes = [
+            _Lane(
+                ticket.decode_endpoints[segment.decode_rank],
+                WireView(self.cache, ticket.block_ids, segment.src_heads, ticket.layerwise),
+            )
+            for segment in plan.for_prefill_rank(self.prefill_rank)
+        ]
+        handle = self._open(ticket, lanes, STATUS_CANCELLED)
+        handle._finishing = True  # nothing follows the header: no payload, no trailer
+        if handle.error is None:
+            handle.error = KVTransferCancelled(f"request {ticket.request_id}: cancelled")
+        threading.Thread(
+            target=handle._wait_all, name=f"kv-cancel-{ticket.request_id}", daemon=True
+        ).start()
+        return handle
+
+    def _open(self, ticket: KVTicket, lanes: list[_Lane], status: int) -> SendHandle:
+        """Dial every lane's channel and post its header."""
+        handle = SendHandle(ticket, lanes, self.dialer, self.staging)
+        plan = plan_transfer(self.num_kv_heads, ticket.prefill_tp_size, ticket.decode_tp_size)
         segments = plan.for_prefill_rank(self.prefill_rank)
         for lane, segment in zip(lanes, segments, strict=True):
             pair_key = ticket.pair_key(self.prefill_rank, segment.decode_rank)
@@ -194,5 +234,5 @@ class KVRankSender:
             except KVTransferError as exc:
                 handle._fail(lane, exc)
                 continue
-            handle._post(lane, lane.view.header(ticket.transfer_id, STATUS_OK), 0, "header")
+            handle._post(lane, lane.view.header(ticket.transfer_id, status), 0, "header")
         return handle

@@ -27,6 +27,7 @@ import torch
 from engine.kv_cache import KVCache
 from kv_transfer.config import MAX_MESSAGES_PER_TRANSFER
 from kv_transfer.errors import KVTransferError
+from kv_transfer.staging import StagingPool
 
 MAGIC = 0x4B5654  # "KVT"
 STATUS_OK = 0
@@ -89,29 +90,38 @@ class WireView:
         layer, kv = key
         return self.cache.data[layer, kv, start : start + len(self.block_ids)]
 
-    def outgoing(self, index: int) -> torch.Tensor:
-        """Payload message `index`, ready to send (a view of the cache when no copy is needed)."""
-        key = self.payload_key(index)
-        direct = self._direct_view(key)
-        if direct is not None:
-            return direct
-        if key is None:  # [L, 2, n, block_size, heads, head_dim]
-            return self.cache.data[..., self.heads, :].index_select(2, self._index())
-        layer, kv = key  # [n, block_size, heads, head_dim]
-        return self.cache.data[layer, kv][..., self.heads, :].index_select(0, self._index())
+    def _message_shape(self, key: tuple[int, int] | None) -> tuple[int, ...]:
+        spec = self.cache.spec
+        num_heads = self.heads.stop - self.heads.start
+        shape: tuple[int, ...] = (len(self.block_ids), spec.block_size, num_heads, spec.head_dim)
+        return shape if key is not None else (spec.num_layers, 2, *shape)
 
-    def incoming(self, index: int) -> tuple[torch.Tensor, bool]:
-        """A buffer to receive payload message `index` into, and whether it must be scattered."""
+    def outgoing(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
+        """Payload message `index` ready to send, and whether it is a staging buffer (to give
+        back once sent) rather than a view of the cache."""
         key = self.payload_key(index)
         direct = self._direct_view(key)
         if direct is not None:
             return direct, False
         spec = self.cache.spec
-        num_heads = self.heads.stop - self.heads.start
-        shape: tuple[int, ...] = (len(self.block_ids), spec.block_size, num_heads, spec.head_dim)
-        if key is None:
-            shape = (spec.num_layers, 2, *shape)
-        return torch.empty(shape, dtype=spec.dtype, device=self.cache.device), True
+        out = staging.take(self._message_shape(key), spec.dtype, self.cache.device)
+        if key is None:  # [L, 2, n, block_size, heads, head_dim]
+            source, dim = self.cache.data[..., self.heads, :], 2
+        else:  # [n, block_size, heads, head_dim]
+            layer, kv = key
+            source, dim = self.cache.data[layer, kv][..., self.heads, :], 0
+        torch.index_select(source, dim, self._index(), out=out)
+        return out, True
+
+    def incoming(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
+        """A buffer to receive payload message `index` into, and whether it is a staging buffer
+        (to scatter, then give back) rather than the destination itself."""
+        key = self.payload_key(index)
+        direct = self._direct_view(key)
+        if direct is not None:
+            return direct, False
+        spec = self.cache.spec
+        return staging.take(self._message_shape(key), spec.dtype, self.cache.device), True
 
     def scatter(self, index: int, staged: torch.Tensor) -> None:
         """Write a staged payload message into its blocks and heads."""

@@ -1,0 +1,347 @@
+"""KV hand-off throughput: one request's KV, prefill TP=p -> decode TP=d, against raw sends.
+
+For the engine benchmark's model shape (8 layers, 2 KV heads, head_dim 64, float32, block_size
+16) and 64/512/2048/8192 tokens, each p,d in {1,2}, whole-request and layerwise wire modes, and
+contiguous or scattered block ids on both sides. Every rank is its own process (gloo on CPU).
+
+    kv_gbps   request KV bytes / (first prefill rank starts -> last decode rank has it landed)
+    raw_gbps  the same bytes as one contiguous tensor over one channel of the same backend,
+              measured in the same run right before the case
+    ratio     kv_gbps / raw_gbps
+    overhead_ms (64 tokens)  kv time - raw time: what the protocol costs per request
+
+Prints one JSON object as its last line; `--out PATH` also writes it.
+Run: python benchmarks/kv_transfer.py [--quick] [--out kv.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads  # noqa: E402
+from kv_transfer.channel import ChannelDialer, ChannelEndpoint, ChannelHost  # noqa: E402
+from kv_transfer.messages import KVTicket  # noqa: E402
+from kv_transfer.rank_receiver import KVRankReceiver  # noqa: E402
+from kv_transfer.rank_sender import KVRankSender  # noqa: E402
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
+DTYPE_BYTES = 4
+NUM_BLOCKS = 1024
+TOKENS = (64, 512, 2048, 8192)
+
+
+def request_bytes(num_tokens: int) -> int:
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    return NUM_LAYERS * 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES
+
+
+def block_ids(num_blocks: int, contiguous: bool, seed: int) -> list[int]:
+    if contiguous:
+        return list(range(num_blocks))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(NUM_BLOCKS, generator=generator)[:num_blocks].tolist()
+
+
+class BenchWorker:
+    """Parent-side handle of one rank process."""
+
+    def __init__(self, role: str, spec: tuple[int, ...]) -> None:
+        context = torch.multiprocessing.get_context("spawn")
+        self.commands, self.replies = context.Queue(), context.Queue()
+        self.process = context.Process(
+            target=_worker_main, args=(role, spec, self.commands, self.replies), daemon=True
+        )
+        self.process.start()
+
+    def post(self, *command: Any) -> None:
+        self.commands.put(command)
+
+    def reply(self, timeout: float = 120.0) -> Any:
+        kind, value = self.replies.get(timeout=timeout)
+        if kind == "error":
+            raise RuntimeError(value)
+        return value
+
+    def call(self, *command: Any) -> Any:
+        self.post(*command)
+        return self.reply()
+
+    def stop(self) -> None:
+        self.post("exit")
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def start_bench_workers(
+    num_prefill: int, num_decode: int, spec: tuple[int, ...]
+) -> tuple[list[BenchWorker], list[BenchWorker]]:
+    prefill = [BenchWorker("prefill", spec) for _ in range(num_prefill)]
+    decode = [BenchWorker("decode", spec) for _ in range(num_decode)]
+    for worker in prefill + decode:
+        worker.reply()  # ready
+    return prefill, decode
+
+
+class _RankState:
+    """One rank process: caches per (tp_size, rank) layout, its channels, the raw baseline."""
+
+    def __init__(self, role: str, spec: tuple[int, ...]) -> None:
+        self.role = role
+        self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = spec
+        self.caches: dict[tuple[int, int], KVCache] = {}
+        self.host = ChannelHost() if role == "decode" else None
+        self.dialer = ChannelDialer()
+        self.pending: Any = None
+        self.ranks: dict[tuple[str, int, int], Any] = {}
+
+    def cache(self, tp_size: int, rank: int) -> KVCache:
+        key = (tp_size, rank)
+        if key not in self.caches:
+            num_local = len(local_kv_heads(self.num_kv_heads, tp_size, rank))
+            spec = KVCacheSpec(
+                self.num_layers,
+                self.num_blocks,
+                self.block_size,
+                num_local,
+                self.head_dim,
+                torch.float32,
+            )
+            self.caches[key] = KVCache(spec)
+            self.caches[key].data.normal_()
+        return self.caches[key]
+
+    def endpoint(self) -> ChannelEndpoint:
+        assert self.host is not None
+        return self.host.endpoint
+
+    def recv(self, ticket: KVTicket, rank: int) -> None:
+        assert self.host is not None
+        cache = self.cache(ticket.decode_tp_size, rank)
+        key = ("recv", ticket.decode_tp_size, rank)
+        if key not in self.ranks:  # one per rank, as a worker keeps it (its staging pool too)
+            self.ranks[key] = KVRankReceiver(cache, self.host, rank, self.num_kv_heads)
+        self.pending = self.ranks[key].receive(ticket)
+
+    def wait_recv(self) -> float:
+        """When the data landed (CLOCK_MONOTONIC is one clock for every process on a machine)."""
+        self.pending.wait(120.0)
+        return self.pending.finished_at
+
+    def send(self, ticket: KVTicket, rank: int, block_ids: list[int]) -> float:
+        cache = self.cache(ticket.prefill_tp_size, rank)
+        start = time.monotonic()
+        key = ("send", ticket.prefill_tp_size, rank)
+        if key not in self.ranks:
+            self.ranks[key] = KVRankSender(cache, self.dialer, rank, self.num_kv_heads)
+        handle = self.ranks[key].start(ticket, block_ids)
+        if ticket.layerwise:
+            for layer in range(self.num_layers):
+                handle.send_layer(layer)
+        handle.finish(first_token_id=0)
+        handle.wait(120.0)
+        return start
+
+    def raw_recv(self, num_bytes: int) -> None:
+        assert self.host is not None
+        deadline = time.monotonic() + 60.0
+        channel = self.host.accept("raw", "raw", deadline)
+        self.pending = _RawWait(channel, torch.empty(num_bytes // 4), deadline)
+
+    def raw_send(self, endpoint: ChannelEndpoint, num_bytes: int) -> float:
+        buffer = torch.ones(num_bytes // 4)
+        start = time.monotonic()
+        deadline = time.monotonic() + 60.0
+        channel = self.dialer.dial(endpoint, "raw", "raw", deadline)
+        channel.wait(channel.isend(buffer, 1), deadline, "raw send")
+        return start
+
+
+class _RawWait:
+    """The raw baseline's receive, timed like a RecvHandle: a thread waits and stamps the end.
+    Posted at once when the channel is up (the first time only after the sender has dialed,
+    since connecting needs both sides)."""
+
+    def __init__(self, channel: Any, buffer: torch.Tensor, deadline: float) -> None:
+        self.channel, self.buffer, self.deadline = channel, buffer, deadline
+        self.finished_at: float | None = None
+        self.work = channel.irecv(buffer, 1) if channel._connected.is_set() else None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        if self.work is None:
+            self.channel.wait_connected(self.deadline)
+            self.work = self.channel.irecv(self.buffer, 1)
+        self.channel.wait(self.work, self.deadline, "raw receive")
+        self.finished_at = time.monotonic()
+
+    def wait(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+
+def _worker_main(role: str, spec: tuple[int, ...], commands: Any, replies: Any) -> None:
+    torch.set_num_threads(1)
+    state = _RankState(role, spec)
+    replies.put(("ok", "ready"))
+    while True:
+        name, *args = commands.get()
+        if name == "exit":
+            return
+        try:
+            replies.put(("ok", getattr(state, name)(*args)))
+        except Exception as exc:  # report, keep serving: the parent decides
+            replies.put(("error", repr(exc)))
+
+
+class Bench:
+    def __init__(self, prefill: list[BenchWorker], decode: list[BenchWorker]) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.endpoints = [worker.call("endpoint") for worker in decode]
+        self.next_transfer_id = 1
+
+    def one_transfer(
+        self, p: int, d: int, num_tokens: int, layerwise: bool, contiguous: bool
+    ) -> float:
+        """Seconds from the first prefill rank's start to the last decode rank's landing."""
+        num_blocks = -(-num_tokens // BLOCK_SIZE)
+        tid, self.next_transfer_id = self.next_transfer_id, self.next_transfer_id + 1
+        ticket = KVTicket(
+            request_id=f"r{tid}",
+            transfer_id=tid,
+            block_ids=tuple(block_ids(num_blocks, contiguous, tid)),
+            num_tokens=num_tokens,
+            prefill_instance_id=f"P{p}",
+            prefill_tp_size=p,
+            decode_instance_id=f"D{d}",
+            decode_tp_size=d,
+            decode_endpoints=tuple(self.endpoints[:d]),
+            layerwise=layerwise,
+            timeout_s=60.0,
+        )
+        for rank in range(d):
+            self.decode[rank].call("recv", ticket, rank)
+        source_ids = block_ids(num_blocks, contiguous, tid + 7919)
+        for rank in range(p):
+            self.prefill[rank].post("send", ticket, rank, source_ids)
+        for rank in range(d):
+            self.decode[rank].post("wait_recv")
+        starts = [self.prefill[rank].reply() for rank in range(p)]
+        ends = [self.decode[rank].reply() for rank in range(d)]
+        return max(ends) - min(starts)
+
+    def one_raw(self, num_bytes: int) -> float:
+        self.decode[0].call("raw_recv", num_bytes)
+        self.prefill[0].post("raw_send", self.endpoints[0], num_bytes)
+        self.decode[0].post("wait_recv")
+        start = self.prefill[0].reply()
+        return self.decode[0].reply() - start
+
+    def case(
+        self, p: int, d: int, num_tokens: int, layerwise: bool, contiguous: bool, iters: int
+    ) -> dict[str, Any]:
+        num_bytes = request_bytes(num_tokens)
+        self.one_raw(num_bytes)  # warm-up: channels and allocator
+        self.one_transfer(p, d, num_tokens, layerwise, contiguous)
+        raw_times, kv_times = [], []
+        for _ in range(iters):  # interleaved, so both see the same load on a shared machine
+            raw_times.append(self.one_raw(num_bytes))
+            kv_times.append(self.one_transfer(p, d, num_tokens, layerwise, contiguous))
+        raw, kv = statistics.median(raw_times), statistics.median(kv_times)
+        return {
+            "p": p,
+            "d": d,
+            "tokens": num_tokens,
+            "mode": "layerwise" if layerwise else "whole",
+            "blocks": "contiguous" if contiguous else "scattered",
+            "bytes": num_bytes,
+            "kv_ms": round(kv * 1e3, 3),
+            "raw_ms": round(raw * 1e3, 3),
+            "kv_gbps": round(num_bytes / kv / 1e9, 3),
+            "raw_gbps": round(num_bytes / raw / 1e9, 3),
+            "ratio": round(raw / kv, 3),
+            "overhead_ms": round((kv - raw) * 1e3, 3),
+        }
+
+
+def iterations(num_tokens: int, quick: bool) -> int:
+    base = {64: 30, 512: 15, 2048: 7, 8192: 5}[num_tokens]
+    return max(3, base // 3) if quick else base
+
+
+def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for mode in ("layerwise", "whole"):
+        for blocks in ("contiguous", "scattered"):
+            rows = [c for c in cases if c["mode"] == mode and c["blocks"] == blocks]
+            big = [c["ratio"] for c in rows if c["tokens"] >= 2048]
+            small = [c["overhead_ms"] for c in rows if c["tokens"] == 64]
+            summary[f"{mode}/{blocks}"] = {
+                "min_ratio_at_2k_and_up": min(big) if big else None,
+                "max_overhead_ms_at_64": max(small) if small else None,
+            }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = (NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    prefill, decode = start_bench_workers(2, 2, spec)
+    cases = []
+    try:
+        bench = Bench(prefill, decode)
+        for p, d in ((1, 1), (1, 2), (2, 1), (2, 2)):
+            for num_tokens in args.tokens:
+                for layerwise in (True, False):
+                    for contiguous in (True, False):
+                        row = bench.case(
+                            p,
+                            d,
+                            num_tokens,
+                            layerwise,
+                            contiguous,
+                            iterations(num_tokens, args.quick),
+                        )
+                        print(json.dumps(row), flush=True)
+                        cases.append(row)
+    finally:
+        for worker in prefill + decode:
+            worker.stop()
+    result = {
+        "benchmark": "kv_transfer",
+        "model_shape": {
+            "num_layers": NUM_LAYERS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": "float32",
+        },
+        "backend": "gloo (CPU, 127.0.0.1)",
+        "summary": summarize(cases),
+        "cases": cases,
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
