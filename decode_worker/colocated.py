@@ -50,6 +50,9 @@ class _Tracked:
 class ColocatedWorker(WorkerLoop):
     """An LLMEngine behind the worker API (role COLOCATED). Starts its loop on construction.
 
+    `engine` is an EngineConfig (the worker builds its engine) or an LLMEngine that nothing
+    else touches from now on (the loop thread owns it).
+
     `max_waiting_requests` / `max_waiting_tokens` bound the queue of requests not yet admitted
     (requests / prompt tokens); `submit` past either raises Overloaded so the router can pick
     another instance instead of queueing without limit.
@@ -60,7 +63,7 @@ class ColocatedWorker(WorkerLoop):
     def __init__(
         self,
         instance_id: str,
-        engine_config: EngineConfig,
+        engine: EngineConfig | LLMEngine,
         *,
         max_waiting_requests: int = 256,
         max_waiting_tokens: int | None = None,
@@ -73,7 +76,7 @@ class ColocatedWorker(WorkerLoop):
         super().__init__(instance_id, idle_wait_s=idle_wait_s)
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
-        self.engine = LLMEngine(engine_config)
+        self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
         self._tracked: dict[str, _Tracked] = {}  # loop thread only, like the engine
         # Requests whose prompt no step has computed yet (their queue time is still running).
         self._not_started: dict[str, _Tracked] = {}

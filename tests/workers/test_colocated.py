@@ -11,7 +11,7 @@ import pytest
 
 from decode_worker.colocated import ColocatedWorker
 from deploy.process_host import ProcessWorker
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import Overloaded, Role, TokenEvent, WorkerRequest
 from engine.request import Request, RequestStatus
 from tests.engine.test_llm import hf_greedy, make_prompts
@@ -114,7 +114,9 @@ def test_greedy_outputs_equal_llm_and_transformers_in_process(tiny_model, refere
 
 
 def test_prefix_hit_counts_skipped_tokens_and_equals_miss(tiny_model, reference) -> None:
-    worker = ColocatedWorker("colo-prefix", config(tiny_model("llama")))
+    engine = LLMEngine(config(tiny_model("llama")))  # a ready engine is taken over as it is
+    worker = ColocatedWorker("colo-prefix", engine)
+    assert worker.engine is engine
     try:
         worker.submit(request("first", PROMPTS[1]))
         collect(worker.poll_events, ["first"])
