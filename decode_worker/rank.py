@@ -1,0 +1,84 @@
+"""One decode TP rank's share of the KV hand-off: receive this rank's KV heads into its cache.
+
+Built on every rank by the Executor (`rank_extension=DecodeRank`, or a partial of it with the
+host address) and driven from the driver with `executor.collective_call`, in step order:
+
+    driver                                      every rank (DecodeRank)
+    collective_call("endpoints")           -->  every rank's ChannelEndpoint, gathered
+    collective_call("start_receive", t)    -->  KVRankReceiver.receive: returns at once; threads
+                                                wait for the data (bounded by the deadline)
+    collective_call("poll_receives")       -->  reports of receives that ended, gathered
+
+The ticket's blocks stay reserved in the driver's KVReceiver until every rank has reported:
+until then the backend may still write into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import parallel
+from engine.model_runner import ModelRunner
+from kv_transfer.channel import ChannelEndpoint, ChannelHost
+from kv_transfer.errors import KVTransferCancelled, KVTransferError
+from kv_transfer.messages import KVTicket
+from kv_transfer.rank_receiver import KVRankReceiver, RecvHandle
+
+
+@dataclass(frozen=True)
+class RecvReport:
+    """One rank's receive ended; `error` None means the KV landed (with the first token)."""
+
+    request_id: str
+    transfer_id: int
+    rank: int
+    first_token_id: int | None
+    error: str | None
+    cancelled: bool = False  # the prefill side ended the transfer on purpose
+
+
+class DecodeRank:
+    """A rank's KVRankReceiver over its runner's KV cache, and the receives in flight on it."""
+
+    def __init__(self, runner: ModelRunner, host: str = "127.0.0.1") -> None:
+        self.rank = parallel.tp_rank()
+        self.channel_host = ChannelHost(runner.device, host)
+        self.receiver = KVRankReceiver(
+            runner.kv_cache, self.channel_host, self.rank, runner.model_config.num_kv_heads
+        )
+        self._handles: list[RecvHandle] = []
+
+    def endpoints(self) -> list[ChannelEndpoint]:
+        """Every rank's endpoint, in rank order (a collective)."""
+        return parallel.tp_all_gather_object(self.channel_host.endpoint)
+
+    def start_receive(self, ticket: KVTicket) -> None:
+        self._handles.append(self.receiver.receive(ticket))
+
+    def num_receiving(self) -> int:
+        return len(self._handles)
+
+    def poll_receives(self) -> list[list[RecvReport]]:
+        """Receives that ended since the last poll, per rank (a collective)."""
+        ended: list[RecvHandle] = []
+        receiving: list[RecvHandle] = []
+        for handle in self._handles:  # done() is checked once: it may turn True meanwhile
+            (ended if handle.done() else receiving).append(handle)
+        self._handles = receiving
+        return parallel.tp_all_gather_object([self._report(handle) for handle in ended])
+
+    def _report(self, handle: RecvHandle) -> RecvReport:
+        ticket = handle.ticket
+        try:
+            received = handle.wait(0)
+        except KVTransferError as exc:
+            cancelled = isinstance(exc, KVTransferCancelled)
+            return RecvReport(
+                ticket.request_id, ticket.transfer_id, self.rank, None, str(exc), cancelled
+            )
+        return RecvReport(
+            ticket.request_id, ticket.transfer_id, self.rank, received.first_token_id, None
+        )
+
+    def close(self) -> None:
+        self.channel_host.close()

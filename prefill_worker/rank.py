@@ -1,0 +1,96 @@
+"""One prefill TP rank's share of the KV hand-off: send this rank's KV heads to the decode ranks.
+
+Built on every rank by the Executor (`rank_extension=PrefillRank`) and driven from the driver with
+`executor.collective_call`, in step order with the batches, so every rank starts the same sends:
+
+    driver                                   every rank (PrefillRank)
+    collective_call("start_send", ...)  -->  a thread: dial, post every message, wait (deadline)
+    collective_call("cancel_send", t)   -->  a thread: dial, send a CANCELLED header only
+    collective_call("poll_sends")       -->  reports of sends that ended, gathered to the driver
+
+Each send runs on a thread of its own because dialing a channel blocks until the decode rank
+joins (up to the ticket's deadline when it is gone); the step loop must never wait on a peer.
+Whole-request mode: the KV is final when the prompt's last chunk has run, so every message is
+posted at once (layerwise tickets just post 2 messages per layer).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine import parallel
+from engine.model_runner import ModelRunner
+from kv_transfer.channel import ChannelDialer
+from kv_transfer.errors import KVTransferCancelled
+from kv_transfer.messages import KVTicket
+from kv_transfer.rank_sender import KVRankSender
+
+
+@dataclass(frozen=True)
+class SendReport:
+    """One rank's send (or cancel) ended; `error` is None when every message was delivered."""
+
+    request_id: str
+    transfer_id: int
+    rank: int
+    cancel: bool
+    error: str | None
+
+
+class PrefillRank:
+    """A rank's KVRankSender over its runner's KV cache, and the sends in flight on it."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.rank = parallel.tp_rank()
+        self.dialer = ChannelDialer(runner.device)
+        self.sender = KVRankSender(
+            runner.kv_cache, self.dialer, self.rank, runner.model_config.num_kv_heads
+        )
+        self._lock = threading.Lock()
+        self._ended: list[SendReport] = []
+
+    def start_send(self, ticket: KVTicket, block_ids: Sequence[int], first_token_id: int) -> None:
+        """Send the KV in `block_ids` (kept referenced by the driver's KVSender until acked)."""
+        self._spawn(ticket, lambda: self._send(ticket, block_ids, first_token_id), cancel=False)
+
+    def cancel_send(self, ticket: KVTicket) -> None:
+        """Tell the decode ranks that this transfer will never come (they free the blocks)."""
+        self._spawn(ticket, lambda: self._cancel(ticket), cancel=True)
+
+    def poll_sends(self) -> list[list[SendReport]]:
+        """Sends that ended since the last poll, per rank (a collective: every rank calls it)."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return parallel.tp_all_gather_object(ended)
+
+    def close(self) -> None:
+        self.dialer.close()
+
+    # ----------------------------------------------------------------- threads
+    def _spawn(self, ticket: KVTicket, run: Callable[[], None], cancel: bool) -> None:
+        def target() -> None:
+            error: str | None = None
+            try:
+                run()
+            except Exception as exc:  # every end is reported, whatever went wrong
+                error = f"{type(exc).__name__}: {exc}"
+            report = SendReport(ticket.request_id, ticket.transfer_id, self.rank, cancel, error)
+            with self._lock:
+                self._ended.append(report)
+
+        name = f"kv-{'cancel' if cancel else 'send'}-{ticket.request_id}"
+        threading.Thread(target=target, name=name, daemon=True).start()
+
+    def _send(self, ticket: KVTicket, block_ids: Sequence[int], first_token_id: int) -> None:
+        handle = self.sender.start(ticket, block_ids)
+        handle.finish(first_token_id)
+        handle.wait(timeout=None)  # every wait inside is bounded by the ticket's deadline
+
+    def _cancel(self, ticket: KVTicket) -> None:
+        handle = self.sender.cancel_unstarted(ticket)
+        try:
+            handle.wait(timeout=None)
+        except KVTransferCancelled:
+            pass  # the expected end
