@@ -1,0 +1,248 @@
+"""A disaggregated cluster in real processes for tests: workers, a control plane, and a relay.
+
+    test process                                           worker processes (ProcessWorker)
+    Relay: reserve on a decode (round robin) ──────────▶   DecodeWorker   (TP=1)
+           submit to the prefill with the ticket ──────▶   PrefillWorker  (TP=k, spawns ranks)
+           poll_events on every worker ◀──────────────     TokenEvents
+    ControlForwarder ◀── one queue ── send_control(instance_id, message) in every worker
+                     ──▶ registry[instance_id].call("deliver", message)
+
+The relay does what the router will; the forwarder does what deploy/ will (Ray calls there).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from decode_worker.config import DecodeConfig
+from decode_worker.worker import DecodeWorker
+from deploy.process_host import ProcessWorker
+from engine.messages import Overloaded, TokenEvent, WorkerRequest, WorkerUnavailable
+from engine.sampling_params import SamplingParams
+from prefill_worker.config import PrefillConfig
+from prefill_worker.worker import PrefillWorker
+
+CALL_TIMEOUT_S = 30.0
+
+
+class QueueControl:
+    """A worker's `send_control`: puts (instance_id, message) on the cluster's control queue.
+    Picklable, so it travels to the worker process with the factory's arguments."""
+
+    def __init__(self, control_queue: Any) -> None:
+        self.queue = control_queue
+
+    def __call__(self, instance_id: str, message: Any) -> None:
+        self.queue.put((instance_id, message))
+
+
+class Cluster:
+    """Worker processes by instance id, and the thread that carries their control messages."""
+
+    def __init__(self) -> None:
+        self.control_queue = mp.get_context("spawn").Queue()
+        self.workers: dict[str, ProcessWorker] = {}
+        self.process_ids: list[int] = []
+        self.num_forwarded = 0
+        self._stop = threading.Event()
+        self._forwarder = threading.Thread(target=self._forward, name="control", daemon=True)
+        self._forwarder.start()
+
+    def start(self, specs: Iterable[tuple[str, PrefillConfig | DecodeConfig]]) -> None:
+        """Start workers concurrently (process start-up dominates the tests' time)."""
+        specs = list(specs)
+        with ThreadPoolExecutor(len(specs)) as pool:
+            started = pool.map(lambda spec: (spec[0], self._start_one(*spec)), specs)
+            for instance_id, worker in started:
+                self.workers[instance_id] = worker
+                self.process_ids.extend(worker.call("process_ids"))
+
+    def _start_one(self, instance_id: str, config: PrefillConfig | DecodeConfig) -> ProcessWorker:
+        factory = PrefillWorker if isinstance(config, PrefillConfig) else DecodeWorker
+        control = QueueControl(self.control_queue)
+        return ProcessWorker(factory, config, instance_id, control, name=instance_id)
+
+    def stop_worker(self, instance_id: str) -> None:
+        worker = self.workers.pop(instance_id, None)
+        if worker is not None:
+            worker.shutdown()
+
+    def shutdown(self) -> None:
+        for instance_id in list(self.workers):
+            self.stop_worker(instance_id)
+        self._stop.set()
+        self._forwarder.join(5)
+
+    def _forward(self) -> None:
+        while not self._stop.is_set():
+            try:
+                instance_id, message = self.control_queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            worker = self.workers.get(instance_id)
+            if worker is None:
+                continue
+            try:
+                worker.call("deliver", message, timeout_s=10.0)
+                self.num_forwarded += 1
+            except WorkerUnavailable:
+                pass  # a dead or stopped instance: its peer's deadline covers it
+
+
+def process_is_running(pid: int) -> bool:
+    """True unless the process is gone or a zombie (nobody may reap orphans in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    sources: list[str] = field(default_factory=list)  # instance id of each token event
+
+
+class Relay:
+    """Does what the router will: reserve on a decode instance (round robin over `decode_ids`),
+    submit to the prefill instance with the ticket, collect events from both until each request
+    ends, and abort the decode reservation of a request that ended at its first token."""
+
+    def __init__(
+        self, cluster: Cluster, prefill_id: str, decode_ids: list[str], prefill_tp_size: int
+    ) -> None:
+        self.cluster = cluster
+        self.prefill_id = prefill_id
+        self.decode_ids = decode_ids
+        self.prefill_tp_size = prefill_tp_size
+        self._next_decode = itertools.cycle(decode_ids)
+        self.decode_of: dict[str, str] = {}
+        self.results: dict[str, Result] = {}
+
+    def worker(self, instance_id: str) -> ProcessWorker:
+        return self.cluster.workers[instance_id]
+
+    def dispatch(self, request: WorkerRequest) -> bool:
+        """Reserve and submit; False if every decode instance is full (retry later)."""
+        for _ in self.decode_ids:
+            decode_id = next(self._next_decode)
+            try:
+                ticket = self.worker(decode_id).call(
+                    "reserve", request, self.prefill_id, self.prefill_tp_size
+                )
+            except Overloaded:
+                continue
+            self.expect(request.request_id, decode_id)
+            self.worker(self.prefill_id).call("submit", request, ticket)
+            return True
+        return False
+
+    def expect(self, request_id: str, decode_id: str) -> None:
+        """Track a request dispatched by hand (tests that step through the stages themselves)."""
+        self.decode_of[request_id] = decode_id
+        self.results[request_id] = Result()
+
+    def poll(
+        self, instance_ids: list[str] | None = None, timeout_s: float = 0.02
+    ) -> list[TokenEvent]:
+        """One round of event polls (default: the prefill and every decode instance)."""
+        events: list[TokenEvent] = []
+        for instance_id in instance_ids or [self.prefill_id, *self.decode_ids]:
+            batch = self.worker(instance_id).call("poll_events", timeout_s)
+            events.extend(batch)
+            for event in batch:
+                self._record(event)
+        return events
+
+    def _record(self, event: TokenEvent) -> None:
+        result = self.results.get(event.request_id)
+        if result is None or result.finish_reason is not None:
+            return  # ended already (a late report from the other side)
+        result.token_ids.extend(event.token_ids)
+        result.sources.extend([event.source] * len(event.token_ids))
+        if event.finish_reason is not None:
+            result.finish_reason = event.finish_reason
+            result.error = event.error
+            if event.source == self.prefill_id:  # the decode side may still hold a reservation
+                decode = self.cluster.workers.get(self.decode_of[event.request_id])
+                try:
+                    if decode is not None:
+                        decode.call("abort", event.request_id)
+                except WorkerUnavailable:
+                    pass  # a dead decode instance holds nothing any more
+
+    def run(
+        self,
+        requests: list[WorkerRequest],
+        timeout_s: float = 60.0,
+        on_poll: Callable[[list[TokenEvent]], None] | None = None,
+    ) -> dict[str, Result]:
+        """Dispatch every request (retrying while decode instances are full) and wait for all."""
+        pending = list(requests)
+        deadline = time.monotonic() + timeout_s
+        ids = [request.request_id for request in requests]
+        while pending or any(self.results[i].finish_reason is None for i in ids):
+            assert time.monotonic() < deadline, f"requests still running: {self.unfinished(ids)}"
+            while pending and self.dispatch(pending[0]):
+                pending.pop(0)
+            events = self.poll()
+            if on_poll is not None:
+                on_poll(events)
+        return {i: self.results[i] for i in ids}
+
+    def unfinished(self, ids: list[str]) -> list[str]:
+        return [i for i in ids if i not in self.results or self.results[i].finish_reason is None]
+
+
+def make_requests(
+    prompts: list[list[int]], params: SamplingParams | list[SamplingParams], prefix: str
+) -> list[WorkerRequest]:
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    return [
+        WorkerRequest(f"{prefix}-{i}", prompt, p, time.time())
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True))
+    ]
+
+
+def wait_for_event(
+    relay: Relay,
+    instance_id: str,
+    condition: Callable[[Result], bool],
+    request_id: str,
+    timeout_s: float = 20.0,
+) -> Result:
+    """Poll `instance_id`'s events until `condition(result of request_id)` holds."""
+    result = relay.results[request_id]
+
+    def holds() -> bool:
+        relay.poll([instance_id], 0.05)
+        return condition(result)
+
+    wait_for(holds, timeout_s, f"{request_id} on {instance_id}")
+    return result
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll until `condition()`; returns the seconds it took, fails the test after timeout_s."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s}s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def free_blocks(cluster: Cluster, instance_id: str) -> int:
+    return cluster.workers[instance_id].call("load").num_free_blocks

@@ -1,0 +1,247 @@
+"""Disaggregated serving end to end in real processes: a prefill instance at TP=2 over gloo (its
+rank 1 spawned by the Executor) and decode instances, each a ProcessWorker; a relay does what the
+router will. Greedy outputs equal engine.LLM's and transformers' token for token (float64), and
+every pool returns to its starting free count after every scenario.
+
+The processes are shared by the whole module (start-up dominates the time on 2 cores); every
+test leaves the pools as it found them, which each test checks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from decode_worker.config import DecodeConfig
+from engine import LLM, EngineConfig, SamplingParams
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.receiver import RANK_REPORT_GRACE_S
+from prefill_worker.config import PrefillConfig
+from tests.engine.test_llm import hf_greedy, make_prompts
+from tests.workers.cluster import (
+    Cluster,
+    Relay,
+    free_blocks,
+    make_requests,
+    process_is_running,
+    wait_for,
+    wait_for_event,
+)
+
+BLOCK_SIZE = 8
+PREFILL_TP = 2
+DOOMED_TIMEOUT_S = 2.0  # the transfer deadline of the decode instance the last test kills
+PROMPTS = make_prompts((5, 12, 19, 33, 40, 70, 100), seed=3)
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def engine_config(model_dir: str, **overrides: object) -> EngineConfig:
+    kwargs: dict[str, object] = {"dtype": "float64", "block_size": BLOCK_SIZE, "num_kv_blocks": 128}
+    kwargs.update(overrides)
+    return EngineConfig(model_dir=model_dir, **kwargs)  # type: ignore[arg-type]
+
+
+def reference(model_dir: str, prompts: list[list[int]], params: object) -> list[list[int]]:
+    with LLM(model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=256) as llm:
+        return [out.token_ids for out in llm.generate(prompts, params)]  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    model_dir = tiny_model("llama")
+    # Chunks of 16 under a budget of 16: one chunk per step, so a long prompt takes many steps
+    # (the abort tests catch requests queued behind it and mid-prefill).
+    prefill = PrefillConfig(
+        engine_config(
+            model_dir, tensor_parallel_size=PREFILL_TP, chunk_size=16, max_num_batched_tokens=16
+        )
+    )
+    decode_kv = KVTransferConfig(transfer_timeout_s=10.0)
+    specs = [
+        ("prefill", prefill),
+        ("decode-0", DecodeConfig(engine_config(model_dir), decode_kv)),
+        ("decode-1", DecodeConfig(engine_config(model_dir), decode_kv)),
+        ("decode-small", DecodeConfig(engine_config(model_dir, num_kv_blocks=16), decode_kv)),
+        (
+            "decode-doomed",
+            DecodeConfig(
+                engine_config(model_dir), KVTransferConfig(transfer_timeout_s=DOOMED_TIMEOUT_S)
+            ),
+        ),
+    ]
+    cluster = Cluster()
+    try:
+        cluster.start(specs)
+        cluster.model_dir = model_dir  # type: ignore[attr-defined]
+        cluster.start_free = {i: free_blocks(cluster, i) for i in cluster.workers}  # type: ignore[attr-defined]
+        yield cluster
+    finally:
+        cluster.shutdown()
+        for worker in list(cluster.workers.values()):
+            worker.kill()
+        wait_for(
+            lambda: not any(process_is_running(pid) for pid in cluster.process_ids),
+            15.0,
+            "every worker process (and the prefill's TP rank) exiting",
+        )
+
+
+def assert_pools_back(cluster: Cluster, instance_ids: list[str], timeout_s: float = 15.0) -> None:
+    for instance_id in instance_ids:
+        start = cluster.start_free[instance_id]  # type: ignore[attr-defined]
+        wait_for(
+            lambda i=instance_id, n=start: free_blocks(cluster, i) == n,
+            timeout_s,
+            f"{instance_id} back to {start} free blocks",
+        )
+
+
+def test_greedy_outputs_equal_llm_and_transformers(cluster) -> None:
+    model_dir = cluster.model_dir
+    expected = reference(model_dir, PROMPTS, GREEDY)
+    assert expected == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    # The same prompts again, ending on stop ids (at the first token: on the prefill side; and
+    # mid-way: on the decode side) and on max_tokens=1.
+    ref0 = expected[0]
+    stopping = [
+        SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(ref0[0],)),
+        SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(expected[2][6],)),
+    ]
+    prompts = PROMPTS + [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    params = [GREEDY] * len(PROMPTS) + stopping
+    expected_all = reference(model_dir, prompts, params)
+    assert expected_all[-3:] == [
+        [ref0[0]],
+        [expected[1][0]],
+        expected[2][: 1 + expected[2].index(expected[2][6])],
+    ]
+
+    relay = Relay(cluster, "prefill", ["decode-0", "decode-1"], PREFILL_TP)
+    results = relay.run(make_requests(prompts, params, "e2e"))
+    outputs = [r.token_ids for r in results.values()]
+    assert outputs == expected_all
+    reasons = [r.finish_reason for r in results.values()]
+    assert reasons == ["length"] * len(PROMPTS) + ["stop", "length", "stop"]
+    for result in results.values():  # the first token from the prefill, the rest from a decode
+        assert result.sources[0] == "prefill"
+        assert set(result.sources[1:]) <= {"decode-0", "decode-1"}
+    used = {source for r in results.values() for source in r.sources[1:]}
+    assert used == {"decode-0", "decode-1"}
+    assert_pools_back(cluster, ["prefill", "decode-0", "decode-1"])
+
+
+def test_prefix_cache_hit_equals_miss_and_counts_skipped_tokens(cluster) -> None:
+    prompt = make_prompts((41,), seed=11)[0]
+    expected = reference(cluster.model_dir, [prompt], GREEDY)[0]
+    relay = Relay(cluster, "prefill", ["decode-0"], PREFILL_TP)
+
+    def hit_tokens() -> float:
+        return relay.worker("prefill").call("load").extra["num_prefix_hit_tokens"]
+
+    before = hit_tokens()
+    miss = relay.run(make_requests([prompt], GREEDY, "miss"))["miss-0"]
+    after_miss = hit_tokens()
+    hit = relay.run(make_requests([prompt], GREEDY, "hit"))["hit-0"]
+    after_hit = hit_tokens()
+    assert miss.token_ids == hit.token_ids == expected
+    assert after_miss == before
+    assert after_hit - after_miss == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 40 skipped
+    assert relay.worker("prefill").call("load").prefix_cache_hit_rate > 0
+    assert_pools_back(cluster, ["prefill", "decode-0"])
+
+
+def test_small_decode_pool_preempts_and_outputs_stay_identical(cluster) -> None:
+    # 4 prompts of 20 tokens growing to 60: 3 blocks each to reserve, 8 each at the end,
+    # 32 in all for a pool of 16 (each alone fits).
+    prompts = make_prompts((20, 20, 20, 20), seed=5)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = reference(cluster.model_dir, prompts, params)
+    relay = Relay(cluster, "prefill", ["decode-small"], PREFILL_TP)
+    preemptions_before = relay.worker("decode-small").call("load").num_preemptions
+    results = relay.run(make_requests(prompts, params, "small"))
+    assert [r.token_ids for r in results.values()] == expected
+    assert relay.worker("decode-small").call("load").num_preemptions > preemptions_before
+    assert_pools_back(cluster, ["prefill", "decode-small"])
+
+
+def test_abort_queued_and_mid_prefill_frees_every_pool(cluster) -> None:
+    relay = Relay(cluster, "prefill", ["decode-0"], PREFILL_TP)
+    prefill, decode = relay.worker("prefill"), relay.worker("decode-0")
+    long_prompt, short_prompt = make_prompts((400, 10), seed=21)
+    for attempt in range(5):  # the stages depend on timing; retry until both were hit
+        requests = make_requests([long_prompt, short_prompt], GREEDY, f"abort{attempt}")
+        for request in requests:
+            ticket = decode.call("reserve", request, "prefill", PREFILL_TP)
+            prefill.call("submit", request, ticket)
+        # The short prompt waits behind the long one (one 16-token chunk per step, first come
+        # first served); the long one is mid-prefill for 25 steps.
+        stages = [prefill.call("abort", request.request_id) for request in reversed(requests)]
+        for request in requests:  # the router aborts everywhere
+            decode.call("abort", request.request_id)
+        assert_pools_back(cluster, ["prefill", "decode-0"])
+        if stages == ["queued", "prefilling"]:
+            break
+    assert stages == ["queued", "prefilling"]
+
+
+def test_abort_mid_transfer_frees_every_pool(cluster) -> None:
+    relay = Relay(cluster, "prefill", ["decode-1"], PREFILL_TP)
+    prefill, decode = relay.worker("prefill"), relay.worker("decode-1")
+    (request,) = make_requests(make_prompts((40,), seed=31), GREEDY, "transfer")
+    relay.expect(request.request_id, "decode-1")
+    ticket = decode.call("reserve", request, "prefill", PREFILL_TP)
+    os.kill(decode.pid, signal.SIGSTOP)  # the decode side cannot take the KV: it stays in flight
+    try:
+        prefill.call("submit", request, ticket)
+        wait_for_event(relay, "prefill", lambda r: bool(r.token_ids), request.request_id)
+        assert free_blocks(cluster, "prefill") < cluster.start_free["prefill"]  # held by the send
+        assert prefill.call("abort", request.request_id) == "sending"
+    finally:
+        os.kill(decode.pid, signal.SIGCONT)
+    assert decode.call("abort", request.request_id) in ("receiving", "decoding", None)
+    assert_pools_back(cluster, ["prefill", "decode-1"])
+
+
+def test_abort_while_decoding_frees_every_pool(cluster) -> None:
+    relay = Relay(cluster, "prefill", ["decode-0"], PREFILL_TP)
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    (request,) = make_requests(make_prompts((30,), seed=41), params, "decoding")
+    assert relay.dispatch(request)
+    wait_for_event(relay, "decode-0", lambda r: len(r.token_ids) > 3, request.request_id)
+    assert relay.worker("decode-0").call("abort", request.request_id) == "decoding"
+    relay.worker("prefill").call("abort", request.request_id)  # the router aborts everywhere
+    result = wait_for_event(
+        relay, "decode-0", lambda r: r.finish_reason is not None, request.request_id
+    )
+    assert result.finish_reason == "abort"
+    assert_pools_back(cluster, ["prefill", "decode-0"])
+
+
+def test_killed_decode_mid_transfer_releases_prefill_blocks_within_deadline(cluster) -> None:
+    relay = Relay(cluster, "prefill", ["decode-doomed"], PREFILL_TP)
+    prefill, doomed = relay.worker("prefill"), relay.worker("decode-doomed")
+    (request,) = make_requests(make_prompts((40,), seed=51), GREEDY, "doomed")
+    relay.expect(request.request_id, "decode-doomed")
+    ticket = doomed.call("reserve", request, "prefill", PREFILL_TP)
+    os.kill(doomed.pid, signal.SIGSTOP)  # the KV stays in flight ...
+    prefill.call("submit", request, ticket)
+    wait_for_event(relay, "prefill", lambda r: bool(r.token_ids), request.request_id)
+    assert free_blocks(cluster, "prefill") < cluster.start_free["prefill"]
+    os.kill(doomed.pid, signal.SIGKILL)  # ... until the decode process dies
+    cluster.workers.pop("decode-doomed").kill()
+    deadline_s = DOOMED_TIMEOUT_S + RANK_REPORT_GRACE_S  # the latest the prefill may notice
+    wait_for(
+        lambda: free_blocks(cluster, "prefill") == cluster.start_free["prefill"],
+        deadline_s + 2.0,
+        "the prefill releasing the blocks of the dead decode's transfer",
+    )
+    # The hand-off failed on the prefill side: it ends the request with an error.
+    result = wait_for_event(
+        relay, "prefill", lambda r: r.finish_reason is not None, request.request_id
+    )
+    assert result.finish_reason == "error"
+    assert "decode-doomed" in (result.error or "")
