@@ -40,6 +40,7 @@ from engine.messages import (
     WorkerRequest,
 )
 from engine.outputs import StepOutput
+from engine.ranks import RankLauncher
 from engine.request import Request
 from engine.worker_loop import WorkerLoop
 from kv_transfer.messages import KVAbort, KVRefusal, KVReserveRequest, KVTicket, KVTransferDone
@@ -72,12 +73,14 @@ class DecodeWorker(WorkerLoop):
         instance_id: str,
         send_control: SendControl | None = None,
         start: bool = True,
+        launcher: RankLauncher | None = None,
     ) -> None:
         super().__init__(instance_id)
         self.config = config
         self.tp_size = config.engine.tensor_parallel_size
         extension = functools.partial(DecodeRank, host=config.kv_transfer.host)
-        self.engine = LLMEngine(config.engine, Executor(config.engine, rank_extension=extension))
+        executor = Executor(config.engine, rank_extension=extension, launcher=launcher)
+        self.engine = LLMEngine(config.engine, executor)
         self.block_size = self.engine.executor.block_size
         self.kv_receiver = KVReceiver(
             self.engine.block_pool,

@@ -43,6 +43,7 @@ from engine.messages import (
     WorkerRequest,
 )
 from engine.outputs import StepOutput
+from engine.ranks import RankLauncher
 from engine.request import Request
 from engine.worker_loop import WorkerLoop
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
@@ -77,11 +78,13 @@ class PrefillWorker(WorkerLoop):
         instance_id: str,
         send_control: SendControl | None = None,
         start: bool = True,
+        launcher: RankLauncher | None = None,
     ) -> None:
         super().__init__(instance_id)
         self.config = config
         self.tp_size = config.engine.tensor_parallel_size
-        self.engine = LLMEngine(config.engine, Executor(config.engine, rank_extension=PrefillRank))
+        executor = Executor(config.engine, rank_extension=PrefillRank, launcher=launcher)
+        self.engine = LLMEngine(config.engine, executor)
         self.kv_sender = KVSender(self.engine.block_pool, self.tp_size, self._on_released)
         self._send_control = send_control
         self._prefills: dict[str, _Prefill] = {}
