@@ -1,8 +1,9 @@
-"""Router handles for workers that live in other processes (deploy/process_host.ProcessWorker).
+"""Router handles (router/worker_api.py) over worker objects, wherever those live.
 
-The router's interface is async (router/worker_api.py); a ProcessWorker call blocks, so each call
-runs on a thread of the default executor with its own timeout. The worker objects themselves
-(PrefillWorker, DecodeWorker, ColocatedWorker) expose the same method names as the handles.
+A worker object (PrefillWorker, DecodeWorker, ColocatedWorker) has blocking, thread-safe methods
+with the same names as the handle's. The router's interface is async, so each call runs on a
+thread of the default executor with its own timeout. `LocalHandle` calls a worker in this
+process; `ProcessHandle` calls one hosted by deploy/process_host.ProcessWorker.
 """
 
 from __future__ import annotations
@@ -14,27 +15,32 @@ from deploy.process_host import ProcessWorker
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
 
 
-class ProcessHandle:
-    """PrefillHandle / DecodeHandle / colocated handle over a ProcessWorker."""
+class _Handle:
+    """PrefillHandle / DecodeHandle / colocated handle; subclasses say how a call is made."""
 
     def __init__(
-        self, instance_id: str, role: Role, worker: ProcessWorker, call_timeout_s: float = 10.0,
+        self, instance_id: str, role: Role, call_timeout_s: float = 10.0,
         prefill_tp_sizes: dict[str, int] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.role = role
-        self.worker = worker
         self.call_timeout_s = call_timeout_s
         # decode handles: the TP size of each prefill instance (the ticket's re-sharding plan)
         self.prefill_tp_sizes = prefill_tp_sizes or {}
 
+    def _invoke(self, method: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+        raise NotImplementedError
+
+    def _alive(self) -> bool:
+        return True
+
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
-        return await asyncio.to_thread(self.worker.call, method, *args, timeout_s=timeout)
+        return await asyncio.to_thread(self._invoke, method, args, timeout)
 
     async def load(self) -> InstanceLoad:
         load: InstanceLoad = await self._call("load")
-        if not self.worker.is_alive():
+        if not self._alive():
             load.healthy = False
         return load
 
@@ -53,6 +59,37 @@ class ProcessHandle:
     async def reserve(self, request: WorkerRequest) -> object:
         tp_size = self.prefill_tp_sizes.get(request.prefill_instance, 1)
         return await self._call("reserve", request, request.prefill_instance, tp_size)
+
+
+class LocalHandle(_Handle):
+    """A worker object in this process."""
+
+    def __init__(self, instance_id: str, role: Role, worker: Any, **kwargs: Any) -> None:
+        super().__init__(instance_id, role, **kwargs)
+        self.worker = worker
+
+    def _invoke(self, method: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def _alive(self) -> bool:
+        return bool(getattr(self.worker, "healthy", True))
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.worker.shutdown)
+
+
+class ProcessHandle(_Handle):
+    """A worker object in a child process (ProcessWorker)."""
+
+    def __init__(self, instance_id: str, role: Role, worker: ProcessWorker, **kwargs: Any) -> None:
+        super().__init__(instance_id, role, **kwargs)
+        self.worker = worker
+
+    def _invoke(self, method: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+        return self.worker.call(method, *args, timeout_s=timeout_s)
+
+    def _alive(self) -> bool:
+        return self.worker.is_alive()
 
     async def close(self) -> None:
         await asyncio.to_thread(self.worker.shutdown)
