@@ -1,0 +1,134 @@
+"""What a cluster is made of, as the role configs the workers and the router take.
+
+    spec = build_cluster_spec(load_config(path))   # resolves "demo" to the local demo model
+    LocalCluster(spec) / RayCluster(...)           # both start exactly this
+
+The config file (deploy/config.py) is the user's language; a ClusterSpec is the code's: one
+EngineConfig per role with the file's KV, scheduler, dtype and TP settings, and the RouterConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decode_worker.config import DecodeConfig
+from deploy.config import ServeConfig
+from deploy.demo_model import ensure_demo_model
+from engine.config import EngineConfig
+from prefill_worker.config import PrefillConfig
+from router.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The instances to start and the router in front of them.
+
+    Disaggregated: `num_prefill_instances` x `prefill` and `num_decode_instances` x `decode`.
+    Colocated: `num_colocated_instances` x `colocated` (an EngineConfig each), no prefill/decode.
+    `pin_cpus` gives each worker process (and its TP ranks) its own cores on CPU.
+    """
+
+    router: RouterConfig
+    prefill: PrefillConfig | None = None
+    num_prefill_instances: int = 0
+    decode: DecodeConfig | None = None
+    num_decode_instances: int = 0
+    colocated: EngineConfig | None = None
+    num_colocated_instances: int = 0
+    pin_cpus: bool = False
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_colocated_instances > 0:
+            if self.colocated is None:
+                raise ValueError("colocated instances need an EngineConfig in `colocated`")
+            if self.num_prefill_instances or self.num_decode_instances:
+                raise ValueError("a cluster is either colocated or prefill + decode, not both")
+            return
+        if self.num_prefill_instances < 1 or self.num_decode_instances < 1:
+            raise ValueError("a disaggregated cluster needs >= 1 prefill and >= 1 decode instance")
+        if self.prefill is None or self.decode is None:
+            raise ValueError(
+                "a disaggregated cluster needs both a PrefillConfig and a DecodeConfig"
+            )
+
+    @property
+    def model_dir(self) -> str:
+        return self.router.model_dir
+
+    @property
+    def is_colocated(self) -> bool:
+        return self.num_colocated_instances > 0
+
+    def instance_ids(self) -> list[str]:
+        """prefill-0.., decode-0.. (or colocated-0..): the names the router and logs use."""
+        if self.is_colocated:
+            return [f"colocated-{i}" for i in range(self.num_colocated_instances)]
+        return [f"prefill-{i}" for i in range(self.num_prefill_instances)] + [
+            f"decode-{i}" for i in range(self.num_decode_instances)
+        ]
+
+
+def resolve_model_dir(model: str) -> str:
+    """A model folder: the given one, or the demo model (built on first use) for "demo"."""
+    return ensure_demo_model() if model == "demo" else model
+
+
+def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int) -> EngineConfig:
+    return EngineConfig(
+        model_dir=model_dir,
+        dtype=config.dtype,
+        device=config.device,
+        tensor_parallel_size=tensor_parallel_size,
+        block_size=config.kv_cache.block_size,
+        num_kv_blocks=config.kv_cache.num_blocks,
+        kv_cache_memory_bytes=config.kv_cache.memory_mb * 1024 * 1024,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        chunk_size=config.scheduler.chunk_size,
+    )
+
+
+def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:
+    router = config.router
+    prefill_policy = (
+        config.colocated.policy if config.mode == "colocated" else config.prefill.policy
+    )
+    return RouterConfig(
+        model_dir=model_dir,
+        host=router.host,
+        port=router.port,
+        metrics_host=router.host,
+        metrics_port=router.metrics_port,
+        tls_cert_file=router.tls_cert_file,
+        tls_key_file=router.tls_key_file,
+        auth_token=router.resolved_auth_token(),
+        block_size=config.kv_cache.block_size,
+        prefill_policy=prefill_policy,
+        decode_policy=config.decode.policy,
+    )
+
+
+def build_cluster_spec(config: ServeConfig, model_dir: str | None = None) -> ClusterSpec:
+    """The ClusterSpec of a config file; `model_dir` (if given) replaces the file's model."""
+    model_dir = model_dir or resolve_model_dir(config.model)
+    common = {
+        "router": router_config(config, model_dir),
+        "pin_cpus": config.pin_cpus,
+        "ray_address": config.ray.address,
+    }
+    if config.mode == "colocated":
+        return ClusterSpec(
+            colocated=engine_config(config, model_dir, config.colocated.tensor_parallel_size),
+            num_colocated_instances=config.colocated.instances,
+            **common,
+        )
+    prefill_engine = engine_config(config, model_dir, config.prefill.tensor_parallel_size)
+    decode_engine = engine_config(config, model_dir, config.decode.tensor_parallel_size)
+    return ClusterSpec(
+        prefill=PrefillConfig(engine=prefill_engine),
+        num_prefill_instances=config.prefill.instances,
+        decode=DecodeConfig(engine=decode_engine),
+        num_decode_instances=config.decode.instances,
+        **common,
+    )

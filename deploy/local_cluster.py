@@ -1,0 +1,270 @@
+"""A whole pdserve cluster on this machine without Ray: every worker a plain process.
+
+    with LocalCluster(spec) as cluster:          # spec: deploy/cluster_spec.ClusterSpec
+        cluster.start(progress=print)            # workers, control relay, router; returns address
+        ...gRPC clients on cluster.address...
+    # shutdown: router drains, every worker process (and its TP ranks) stopped and joined
+
+    this process                                         worker processes (ProcessWorker)
+    Router (asyncio loop thread) ─ ProcessHandle ──────▶ PrefillWorker (TP=k spawns k-1 ranks)
+                                 ─ ProcessHandle ──────▶ DecodeWorker  x N
+    control relay thread ◀── one queue ── send_control(instance_id, message) in every worker
+                         ──▶ workers[instance_id].call("deliver", message)
+
+The same shape as the Ray runtime (deploy/ray_cluster.py), with a pipe where Ray has actor calls.
+Benchmarks use it for colocated layouts too (N ColocatedWorker replicas), optionally with each
+worker pinned to its own cores (`spec.pin_cpus`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from decode_worker.colocated import ColocatedWorker
+from decode_worker.worker import DecodeWorker
+from deploy.cluster_spec import ClusterSpec
+from deploy.handles import ProcessHandle
+from deploy.process_host import ProcessWorker
+from engine.messages import InstanceLoad, Role, WorkerRequest, WorkerUnavailable
+from prefill_worker.worker import PrefillWorker
+from router.server import Router
+
+Progress = Callable[[str], None]
+_LOOP_TIMEOUT_S = 60.0
+
+
+class QueueControl:
+    """A worker's `send_control`: (instance_id, message) onto the cluster's control queue.
+    Picklable, so it travels to the worker process with the factory's arguments."""
+
+    def __init__(self, control_queue: Any) -> None:
+        self.queue = control_queue
+
+    def __call__(self, instance_id: str, message: Any) -> None:
+        self.queue.put((instance_id, message))
+
+
+class PinnedFactory:
+    """Builds the worker after pinning its process to `cpu_ids` (its TP ranks inherit them)."""
+
+    def __init__(self, factory: Callable[..., Any], cpu_ids: list[int] | None) -> None:
+        self.factory = factory
+        self.cpu_ids = cpu_ids
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cpu_ids:
+            os.sched_setaffinity(0, self.cpu_ids)
+        return self.factory(*args, **kwargs)
+
+
+class _RecordingHandle(ProcessHandle):
+    """A ProcessHandle that remembers where the router placed each request (for the demo's
+    "which workers" column: the API's responses do not name the instances)."""
+
+    def __init__(self, *args: Any, placements: dict[str, tuple[str, str]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._placements = placements
+
+    async def submit(self, request: WorkerRequest, ticket: object | None) -> None:
+        self._placements[request.request_id] = (request.prefill_instance, request.decode_instance)
+        await super().submit(request, ticket)
+
+
+def cpu_sets(num_ranks_per_worker: list[int], cpu_ids: list[int]) -> list[list[int]]:
+    """One core per rank, handed out in order and wrapping around when ranks outnumber cores."""
+    sets: list[list[int]] = []
+    next_index = 0
+    for num_ranks in num_ranks_per_worker:
+        sets.append(sorted({cpu_ids[(next_index + j) % len(cpu_ids)] for j in range(num_ranks)}))
+        next_index += num_ranks
+    return sets
+
+
+class LocalCluster:
+    """Workers in plain processes, a control relay, and the gRPC router on a background loop."""
+
+    def __init__(self, spec: ClusterSpec, start_timeout_s: float = 180.0) -> None:
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self.workers: dict[str, ProcessWorker] = {}
+        self.placements: dict[str, tuple[str, str]] = {}  # request_id -> (prefill, decode)
+        self.router: Router | None = None
+        self._handles: list[ProcessHandle] = []
+        self._control_queue = mp.get_context("spawn").Queue()
+        self._stop = threading.Event()
+        self._relay: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, progress: Progress | None = None) -> str:
+        """Start every worker (concurrently), the relay and the router; returns host:port."""
+        say = progress or (lambda _line: None)
+        started_at = time.monotonic()
+        self._relay = threading.Thread(target=self._forward, name="control-relay", daemon=True)
+        self._relay.start()
+        try:
+            self._start_workers(say)
+            say("starting the router")
+            self._start_router()
+        except BaseException:
+            self.shutdown()
+            raise
+        say(f"serving on {self.address} ({time.monotonic() - started_at:.1f} s)")
+        return self.address
+
+    def _start_workers(self, say: Progress) -> None:
+        plan = self._worker_plan()
+        pins = cpu_sets([tp for _, _, _, tp in plan], sorted(os.sched_getaffinity(0)))
+
+        def start_one(index: int) -> tuple[str, ProcessWorker]:
+            instance_id, factory, args, tp_size = plan[index]
+            say(f"starting {instance_id} (TP={tp_size}): loading {self.spec.model_dir}")
+            began = time.monotonic()
+            pinned = PinnedFactory(factory, pins[index] if self.spec.pin_cpus else None)
+            worker = ProcessWorker(
+                pinned, *args, name=instance_id, start_timeout_s=self.start_timeout_s
+            )
+            say(f"{instance_id} ready ({time.monotonic() - began:.1f} s)")
+            return instance_id, worker
+
+        with ThreadPoolExecutor(len(plan)) as pool:
+            futures = [pool.submit(start_one, i) for i in range(len(plan))]
+            errors = []
+            for future in futures:  # keep every worker that started, so shutdown stops it
+                try:
+                    instance_id, worker = future.result()
+                    self.workers[instance_id] = worker
+                except BaseException as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+
+    def _worker_plan(self) -> list[tuple[str, Callable[..., Any], tuple, int]]:
+        """(instance_id, factory, factory args, TP size) for each worker, prefill first."""
+        spec = self.spec
+        control = QueueControl(self._control_queue)
+        if spec.is_colocated:
+            assert spec.colocated is not None
+            tp = spec.colocated.tensor_parallel_size
+            return [(i, ColocatedWorker, (i, spec.colocated), tp) for i in spec.instance_ids()]
+        assert spec.prefill is not None and spec.decode is not None
+        plan: list[tuple[str, Callable[..., Any], tuple, int]] = []
+        for instance_id in spec.instance_ids():
+            if instance_id.startswith("prefill"):
+                tp = spec.prefill.engine.tensor_parallel_size
+                plan.append((instance_id, PrefillWorker, (spec.prefill, instance_id, control), tp))
+            else:
+                tp = spec.decode.engine.tensor_parallel_size
+                plan.append((instance_id, DecodeWorker, (spec.decode, instance_id, control), tp))
+        return plan
+
+    def _start_router(self) -> None:
+        spec = self.spec
+        prefill_tp = {} if spec.prefill is None else {
+            i: spec.prefill.engine.tensor_parallel_size for i in spec.instance_ids()
+        }  # fmt: skip
+        front, back = [], []
+        for instance_id, worker in self.workers.items():
+            if instance_id.startswith("decode"):
+                back.append(ProcessHandle(instance_id, Role.DECODE, worker,
+                                          prefill_tp_sizes=prefill_tp))  # fmt: skip
+            else:
+                role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
+                front.append(_RecordingHandle(instance_id, role, worker,
+                                              placements=self.placements))  # fmt: skip
+        self._handles = [*front, *back]
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="router-loop", daemon=True
+        )
+        self._loop_thread.start()
+        self.router = Router(spec.router, front, back)
+        self._run(self.router.start())
+
+    def shutdown(self) -> None:
+        """Stop admitting, drain the router, stop every worker and its ranks; idempotent."""
+        if self._loop is not None:
+            try:
+                if self.router is not None:
+                    self._run(self.router.stop())
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                if self._loop_thread is not None:
+                    self._loop_thread.join(_LOOP_TIMEOUT_S)
+                self._loop.close()
+                self._loop = None
+        with ThreadPoolExecutor(max(1, len(self.workers))) as pool:
+            list(pool.map(lambda worker: worker.shutdown(), list(self.workers.values())))
+        self.workers.clear()
+        self._stop.set()
+        if self._relay is not None:
+            self._relay.join(5)
+        self._control_queue.close()
+        self._control_queue.join_thread()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def address(self) -> str:
+        assert self.router is not None, "start() the cluster first"
+        return self.router.address
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.router is None else self.router.metrics_port
+
+    def status(self) -> list[InstanceLoad]:
+        """Every worker's load report (healthy=False for one that does not answer)."""
+        loads = []
+        for instance_id, worker in self.workers.items():
+            try:
+                loads.append(worker.call("load", timeout_s=10.0))
+            except WorkerUnavailable:
+                role = Role.DECODE if instance_id.startswith("decode") else Role.PREFILL
+                loads.append(InstanceLoad(instance_id, role, healthy=False))
+        return loads
+
+    def process_ids(self) -> list[int]:
+        """Every worker process and the TP ranks it spawned."""
+        ids: list[int] = []
+        for worker in self.workers.values():
+            try:
+                ids.extend(worker.call("process_ids", timeout_s=10.0))
+            except AttributeError:  # a worker without TP ranks of its own to report
+                ids.append(worker.pid)
+        return ids
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, coroutine: Any) -> Any:
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return future.result(_LOOP_TIMEOUT_S)
+
+    def _forward(self) -> None:
+        while not self._stop.is_set():
+            try:
+                instance_id, message = self._control_queue.get(timeout=0.05)
+            except (queue.Empty, OSError, EOFError):
+                continue
+            worker = self.workers.get(instance_id)
+            if worker is None:
+                continue
+            try:
+                worker.call("deliver", message, timeout_s=10.0)
+            except WorkerUnavailable:
+                pass  # a dead or stopped instance: its peer's transfer deadline covers it
