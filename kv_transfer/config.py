@@ -14,21 +14,30 @@ class KVTransferConfig:
 
     `transfer_timeout_s` bounds one request's whole hand-off, from the ticket to the last byte;
     a peer that dies or stalls turns into `KVTransferTimeout`/`KVTransferError` within it.
-    `connect_timeout_s` bounds building a channel (both sides must join).
-    `layerwise` sends one message per (layer, key/value) instead of one per request: it lets the
-    prefill side send layer i while layer i+1 computes and, with contiguous blocks, avoids every
-    copy (see benchmarks/kv_transfer.py for the figures that chose the default).
+    Building a channel (both sides must join) is bounded by the same deadline.
+    `layerwise` picks the wire mode: True sends one message per (layer, key/value), so the
+    prefill side can send layer i while layer i+1 computes and contiguous block runs travel with
+    no copy; False packs the whole request into one message per channel (fewest round trips).
+    None (the default) chooses per request: layerwise from `layerwise_min_tokens` tokens up,
+    whole below, as measured by benchmarks/kv_transfer.py (whole wins at 64-512 tokens on
+    per-request overhead, layerwise at 2048 and up on throughput).
     """
 
     transfer_timeout_s: float = 30.0
-    connect_timeout_s: float = 10.0
-    layerwise: bool = True
+    layerwise: bool | None = None
+    layerwise_min_tokens: int = 2048
     host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
-        if not self.connect_timeout_s > 0:
-            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+        if self.layerwise_min_tokens < 1:
+            raise ValueError(f"layerwise_min_tokens must be >= 1, got {self.layerwise_min_tokens}")
         if not self.host:
             raise ValueError("host must name the address decode ranks listen on, e.g. 127.0.0.1")
+
+    def use_layerwise(self, num_tokens: int) -> bool:
+        """The wire mode for a request of `num_tokens` prompt tokens."""
+        if self.layerwise is not None:
+            return self.layerwise
+        return num_tokens >= self.layerwise_min_tokens

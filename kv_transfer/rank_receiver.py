@@ -143,6 +143,8 @@ class KVRankReceiver:
         what = f"request {ticket.request_id} (transfer {ticket.transfer_id})"
         tid = ticket.transfer_id
         channel.wait_connected(deadline)
+        if not view.layerwise:
+            return self._receive_packed(ticket, channel, view, deadline)
         # Post everything at once: one round trip fewer than waiting for the header first.
         header = empty_control(self.cache.device)
         header_work = channel.irecv(header, view.tag(tid, 0))
@@ -177,6 +179,23 @@ class KVRankReceiver:
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
         return int(first_token_id), int(num_tokens)
+
+    def _receive_packed(
+        self, ticket: KVTicket, channel: Channel, view: WireView, deadline: float
+    ) -> tuple[int, int]:
+        """Whole mode: one message holds header, KV and trailer."""
+        what = f"request {ticket.request_id} (transfer {ticket.transfer_id})"
+        message = view.packed_buffer(self.staging)
+        channel.wait(channel.irecv(message, view.tag(ticket.transfer_id, 0)), deadline, what)
+        try:
+            status, first_token_id, num_tokens = view.unpack(message, ticket.transfer_id, what)
+        except KVTransferError:
+            channel.mark_broken()  # the two sides disagree: trust nothing on this channel
+            raise
+        self.staging.give(message)
+        if status == STATUS_CANCELLED:
+            raise KVTransferCancelled(f"{what}: the prefill side cancelled")
+        return first_token_id, num_tokens
 
     def close(self) -> None:
         self.host.close()

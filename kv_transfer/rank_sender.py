@@ -122,6 +122,9 @@ class SendHandle:
             return
         self._finishing = True
         for lane in self._lanes:
+            if not lane.view.layerwise:
+                self._post_packed(lane, status, first_token_id)
+                continue
             self._post_payload_until(lane, lane.view.num_payload_messages)
             values = (
                 self.ticket.transfer_id,
@@ -137,6 +140,15 @@ class SendHandle:
         ).start()
         if status == STATUS_CANCELLED and self.error is None:
             self.error = KVTransferError(f"request {self.ticket.request_id}: cancelled")
+
+    def _post_packed(self, lane: _Lane, status: int, first_token_id: int | None) -> None:
+        if lane.channel is None:
+            return
+        first = -1 if first_token_id is None else first_token_id
+        message = lane.view.pack(
+            self._staging, self.ticket.transfer_id, status, first, self.ticket.num_tokens
+        )
+        self._post(lane, message, 0, "packed KV", staged=True)
 
     def _wait_all(self) -> None:
         try:
@@ -234,5 +246,8 @@ class KVRankSender:
             except KVTransferError as exc:
                 handle._fail(lane, exc)
                 continue
-            handle._post(lane, lane.view.header(ticket.transfer_id, status), 0, "header")
+            if lane.view.layerwise:
+                handle._post(lane, lane.view.header(ticket.transfer_id, status), 0, "header")
+            elif status == STATUS_CANCELLED:  # whole mode: the one message, without KV
+                handle._post_packed(lane, status, None)
         return handle

@@ -85,7 +85,7 @@ class KVReceiver:
             decode_instance_id=self.instance_id,
             decode_tp_size=len(self.endpoints),
             decode_endpoints=self.endpoints,
-            layerwise=self.config.layerwise,
+            layerwise=self.config.use_layerwise(request.num_tokens),
             timeout_s=self.config.transfer_timeout_s,
         )
         deadline = self._clock() + ticket.timeout_s

@@ -1,20 +1,23 @@
 """What travels on one channel for one transfer, and how it leaves and lands in the KV cache.
 
-Per (transfer, channel), in tag order:
+Two wire modes (the ticket says which; see KVTransferConfig for how it is chosen):
+
+    whole (packed): ONE message per channel, built at finish(), the same count as a raw send:
+        uint8[ header int64[6] | payload [L, 2, num_blocks, block_size, heads, head_dim] | trailer ]
+    layerwise: header, then 2L payload messages [num_blocks, block_size, heads, head_dim] in
+        (layer, k/v) order, each posted as soon as its layer is computed, then the trailer.
 
     header   int64[6]  MAGIC, transfer_id, status, num_blocks, num_heads, num_payload_messages
-    payload  whole:     1 message   [num_layers, 2, num_blocks, block_size, num_heads, head_dim]
-             layerwise: 2L messages [num_blocks, block_size, num_heads, head_dim], (layer, k/v) order
     trailer  int64[6]  MAGIC, transfer_id, status, first_token_id, num_tokens, 0
 
-The receiver posts payload receives only after the header arrives, so a sender that cancels before
-sending sends a header with status CANCELLED and nothing else; one that cancels later sends the
-rest of the payload and a CANCELLED trailer. Either way both sides finish the protocol at once.
+The receiver posts every receive at once. A sender that cancels mid-way still sends the rest of
+the payload, with a CANCELLED trailer; one that never started (layerwise) sends only a CANCELLED
+header, and the receiver then drops the channel (its other receives could never complete).
 
 Copies. KV cache layout is [num_layers, 2, num_blocks, block_size, heads, head_dim], so one
 (layer, k/v) run of consecutive blocks with all heads is contiguous: layerwise messages are sent
-from it and received into it without a copy. Otherwise the sender gathers (index_select) and the
-receiver stages the message and scatters it (index_copy_).
+from it and received into it without a copy. Otherwise the sender gathers (index_select) into a
+reused staging buffer and the receiver stages the message and scatters it (index_copy_).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ MAGIC = 0x4B5654  # "KVT"
 STATUS_OK = 0
 STATUS_CANCELLED = 1
 CONTROL_LEN = 6
+_CONTROL_BYTES = CONTROL_LEN * 8
 
 
 def contiguous_start(block_ids: Sequence[int]) -> int | None:
@@ -60,6 +64,13 @@ class WireView:
     block_ids: tuple[int, ...]
     heads: slice  # the local heads that travel on this channel
     layerwise: bool
+
+    def __post_init__(self) -> None:
+        if self.num_messages > MAX_MESSAGES_PER_TRANSFER:
+            raise ValueError(
+                f"{self.cache.spec.num_layers} layers need {self.num_messages} layerwise messages, "
+                f"more than the {MAX_MESSAGES_PER_TRANSFER} tags a transfer has; use whole mode"
+            )
 
     @property
     def num_payload_messages(self) -> int:
@@ -147,3 +158,61 @@ class WireView:
                 "(magic, transfer id, status, blocks, heads, messages): the two sides disagree"
             )
         return int(got[2])
+
+    # ------------------------------------------------------------ packed (whole) mode
+    def _packed_layout(self) -> tuple[int, int]:
+        """(payload bytes, trailer offset) of the packed message; the trailer is 8-aligned."""
+        spec = self.cache.spec
+        element = torch.empty((), dtype=spec.dtype).element_size()
+        payload_bytes = element * _numel(self._message_shape(None))
+        return payload_bytes, _CONTROL_BYTES + -(-payload_bytes // 8) * 8
+
+    def _packed_parts(self, message: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        payload_bytes, trailer_at = self._packed_layout()
+        spec = self.cache.spec
+        header = message[:_CONTROL_BYTES].view(torch.int64)
+        payload = message[_CONTROL_BYTES : _CONTROL_BYTES + payload_bytes].view(spec.dtype)
+        trailer = message[trailer_at : trailer_at + _CONTROL_BYTES].view(torch.int64)
+        return header, payload.view(self._message_shape(None)), trailer
+
+    def packed_buffer(self, staging: StagingPool) -> torch.Tensor:
+        _, trailer_at = self._packed_layout()
+        return staging.take((trailer_at + _CONTROL_BYTES,), torch.uint8, self.cache.device)
+
+    def pack(
+        self,
+        staging: StagingPool,
+        transfer_id: int,
+        status: int,
+        first_token_id: int,
+        num_tokens: int,
+    ) -> torch.Tensor:
+        """The one message of a whole-mode transfer (no KV is read when status is CANCELLED)."""
+        message = self.packed_buffer(staging)
+        header, payload, trailer = self._packed_parts(message)
+        header.copy_(self.header(transfer_id, status))
+        if status == STATUS_OK:
+            source = self.cache.data[..., self.heads, :]
+            torch.index_select(source, 2, self._index(), out=payload)
+        values = (transfer_id, status, first_token_id, num_tokens, 0)
+        trailer.copy_(control_message(values, self.cache.device))
+        return message
+
+    def unpack(self, message: torch.Tensor, transfer_id: int, what: str) -> tuple[int, int, int]:
+        """Check a received packed message and scatter its KV (unless cancelled).
+        Returns (status, first_token_id, num_tokens)."""
+        header, payload, trailer = self._packed_parts(message)
+        status = self.check_header(header, transfer_id, what)
+        magic, trailer_tid, _, first_token_id, num_tokens, _ = trailer.tolist()
+        if magic != MAGIC or trailer_tid != transfer_id:
+            raise KVTransferError(f"{what}: bad trailer {trailer.tolist()}")
+        if status == STATUS_OK:
+            self.cache.data[..., self.heads, :].index_copy_(2, self._index(), payload)
+        return status, int(first_token_id), int(num_tokens)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

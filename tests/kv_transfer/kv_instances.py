@@ -23,11 +23,13 @@ class InstanceState(_WorkerState):
     """Commands the failure tests send to a worker process (see kv_procs._worker_main)."""
 
     # ------------------------------------------------------------------ decode
-    def decode_setup(self, num_kv_heads: int, head_dim: int, timeout_s: float) -> Any:
+    def decode_setup(
+        self, num_kv_heads: int, head_dim: int, timeout_s: float, layerwise: bool = True
+    ) -> Any:
         self.host = self.host or ChannelHost()
         spec = rank_spec(num_kv_heads, 1, 0, head_dim)
         self.decode_pool = BlockPool(spec.num_blocks)
-        config = KVTransferConfig(transfer_timeout_s=timeout_s)
+        config = KVTransferConfig(transfer_timeout_s=timeout_s, layerwise=layerwise)
         self.receiver = KVReceiver(
             self.decode_pool, spec.block_size, "D", [self.host.endpoint], config
         )
@@ -98,6 +100,14 @@ class InstanceState(_WorkerState):
         message = self.sender.abort(request_id, "the client cancelled")
         self.sends[request_id][0].cancel()
         return message
+
+    def prefill_cancel_unstarted(self, ticket: KVTicket) -> None:
+        """The request ended before its prefill ran: nothing to release, only tell decode."""
+        assert self.sender.abort(ticket.request_id, "the client cancelled") is None
+        self.sends[ticket.request_id] = (
+            self.rank_sender.cancel_unstarted(ticket),
+            time.monotonic(),
+        )
 
     def prefill_on_abort(self, message: KVAbort) -> None:
         if self.sender.on_abort(message):

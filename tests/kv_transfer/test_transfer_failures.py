@@ -21,16 +21,17 @@ NUM_TOKENS = 4 * 12 - 2  # 12 blocks of 4 tokens
 BIG_HEAD_DIM = 65536  # 8 MiB per block: a transfer far larger than the socket buffers
 
 
-def start_pair(head_dim: int = 8) -> tuple[Worker, Worker]:
+def start_pair(head_dim: int = 8, layerwise: bool = True) -> tuple[Worker, Worker]:
     prefill, decode = start_workers(2)
     prefill.call("prefill_setup", 2, head_dim)
-    decode.call("decode_setup", 2, head_dim, TIMEOUT_S)
+    decode.call("decode_setup", 2, head_dim, TIMEOUT_S, layerwise)
     return prefill, decode
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[Worker, Worker]]:
-    workers = start_pair()
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
+    """A prefill and a decode process; layerwise wire mode unless parametrized otherwise."""
+    workers = start_pair(layerwise=getattr(request, "param", True))
     yield workers
     for worker in workers:
         worker.stop()
@@ -100,6 +101,7 @@ def test_killed_prefill_process_fails_the_decode_side_within_the_deadline(
     assert received["num_free_blocks"] == NUM_BLOCKS
 
 
+@pytest.mark.parametrize("pair", [True, False], ids=["layerwise", "whole"], indirect=True)
 def test_abort_mid_transfer_from_either_side_frees_both_and_the_channel_recovers(
     pair: tuple[Worker, Worker],
 ) -> None:
@@ -115,6 +117,13 @@ def test_abort_mid_transfer_from_either_side_frees_both_and_the_channel_recovers
     prefill.call("prefill_start", ticket, 1)
     prefill.call("prefill_on_abort", decode.call("decode_abort", "d-abort"))
     assert_failed_and_freed(prefill, decode, "d-abort")
+    # the prefill side aborts before its prefill ran: only a CANCELLED message goes out
+    ticket = reserve(decode, "never-started")
+    prefill.call("prefill_cancel_unstarted", ticket)
+    received = decode.call("decode_wait", "never-started")
+    assert received["error"] == "KVTransferCancelled" and received["elapsed_s"] < 1.0
+    assert received["num_free_blocks"] == NUM_BLOCKS
+    assert prefill.call("prefill_wait", "never-started")["error"] == "KVTransferCancelled"
     assert_transfer_works(prefill, decode, "after-aborts")
 
 
