@@ -77,8 +77,10 @@ class Cluster:
             worker.shutdown()
 
     def shutdown(self) -> None:
-        for instance_id in list(self.workers):
-            self.stop_worker(instance_id)
+        instance_ids = list(self.workers)
+        if instance_ids:  # concurrently: each waits for its loop, its ranks and its process
+            with ThreadPoolExecutor(len(instance_ids)) as pool:
+                list(pool.map(self.stop_worker, instance_ids))
         self._stop.set()
         self._forwarder.join(5)
 
@@ -110,10 +112,29 @@ def process_is_running(pid: int) -> bool:
 
 @dataclass
 class Result:
-    token_ids: list[int] = field(default_factory=list)
+    """One request's tokens as the relay assembled them.
+
+    The prefill's first-token event and the decode's first event race through different
+    processes, so the first token is kept apart and always goes first (the router must do the
+    same: decode tokens follow the prefill's first token whatever order they arrive in).
+    """
+
+    first_token_ids: list[int] = field(default_factory=list)  # from the prefill instance
+    decode_token_ids: list[int] = field(default_factory=list)
+    decode_sources: list[str] = field(default_factory=list)  # instance id of each decode token
     finish_reason: str | None = None
     error: str | None = None
-    sources: list[str] = field(default_factory=list)  # instance id of each token event
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.first_token_ids + self.decode_token_ids
+
+    @property
+    def done(self) -> bool:
+        """Ended, and every token is in (a decode's last event may beat the first token)."""
+        return self.finish_reason is not None and (
+            bool(self.first_token_ids) or self.finish_reason in ("abort", "error")
+        )
 
 
 class Relay:
@@ -169,11 +190,14 @@ class Relay:
 
     def _record(self, event: TokenEvent) -> None:
         result = self.results.get(event.request_id)
-        if result is None or result.finish_reason is not None:
+        if result is None or result.done:
             return  # ended already (a late report from the other side)
-        result.token_ids.extend(event.token_ids)
-        result.sources.extend([event.source] * len(event.token_ids))
-        if event.finish_reason is not None:
+        if event.source == self.prefill_id:
+            result.first_token_ids.extend(event.token_ids)
+        else:
+            result.decode_token_ids.extend(event.token_ids)
+            result.decode_sources.extend([event.source] * len(event.token_ids))
+        if event.finish_reason is not None and result.finish_reason is None:
             result.finish_reason = event.finish_reason
             result.error = event.error
             if event.source == self.prefill_id:  # the decode side may still hold a reservation
@@ -194,7 +218,7 @@ class Relay:
         pending = list(requests)
         deadline = time.monotonic() + timeout_s
         ids = [request.request_id for request in requests]
-        while pending or any(self.results[i].finish_reason is None for i in ids):
+        while pending or any(not self.results[i].done for i in ids):
             assert time.monotonic() < deadline, f"requests still running: {self.unfinished(ids)}"
             while pending and self.dispatch(pending[0]):
                 pending.pop(0)
@@ -204,7 +228,7 @@ class Relay:
         return {i: self.results[i] for i in ids}
 
     def unfinished(self, ids: list[str]) -> list[str]:
-        return [i for i in ids if i not in self.results or self.results[i].finish_reason is None]
+        return [i for i in ids if i not in self.results or not self.results[i].done]
 
 
 def make_requests(

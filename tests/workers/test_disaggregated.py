@@ -127,11 +127,28 @@ def test_greedy_outputs_equal_llm_and_transformers(cluster) -> None:
     reasons = [r.finish_reason for r in results.values()]
     assert reasons == ["length"] * len(PROMPTS) + ["stop", "length", "stop"]
     for result in results.values():  # the first token from the prefill, the rest from a decode
-        assert result.sources[0] == "prefill"
-        assert set(result.sources[1:]) <= {"decode-0", "decode-1"}
-    used = {source for r in results.values() for source in r.sources[1:]}
+        assert len(result.first_token_ids) == 1
+        assert set(result.decode_sources) <= {"decode-0", "decode-1"}
+    used = {source for r in results.values() for source in r.decode_sources}
     assert used == {"decode-0", "decode-1"}
     assert_pools_back(cluster, ["prefill", "decode-0", "decode-1"])
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64, 256])
+def test_chunked_prefill_equals_unchunked(cluster, chunk_size: int) -> None:
+    prompts = make_prompts((300, 130, 45, 17), seed=7)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = reference(cluster.model_dir, prompts, params)  # one chunk per prompt (512)
+    instance_id = f"prefill-chunk{chunk_size}"
+    config = engine_config(cluster.model_dir, chunk_size=chunk_size, max_num_batched_tokens=256)
+    cluster.start([(instance_id, PrefillConfig(config))])
+    try:
+        relay = Relay(cluster, instance_id, ["decode-0", "decode-1"], 1)
+        results = relay.run(make_requests(prompts, params, f"chunk{chunk_size}"))
+        assert [r.token_ids for r in results.values()] == expected
+    finally:
+        cluster.stop_worker(instance_id)
+    assert_pools_back(cluster, ["decode-0", "decode-1"])
 
 
 def test_prefix_cache_hit_equals_miss_and_counts_skipped_tokens(cluster) -> None:
@@ -214,9 +231,7 @@ def test_abort_while_decoding_frees_every_pool(cluster) -> None:
     wait_for_event(relay, "decode-0", lambda r: len(r.token_ids) > 3, request.request_id)
     assert relay.worker("decode-0").call("abort", request.request_id) == "decoding"
     relay.worker("prefill").call("abort", request.request_id)  # the router aborts everywhere
-    result = wait_for_event(
-        relay, "decode-0", lambda r: r.finish_reason is not None, request.request_id
-    )
+    result = wait_for_event(relay, "decode-0", lambda r: r.done, request.request_id)
     assert result.finish_reason == "abort"
     assert_pools_back(cluster, ["prefill", "decode-0"])
 
@@ -240,8 +255,6 @@ def test_killed_decode_mid_transfer_releases_prefill_blocks_within_deadline(clus
         "the prefill releasing the blocks of the dead decode's transfer",
     )
     # The hand-off failed on the prefill side: it ends the request with an error.
-    result = wait_for_event(
-        relay, "prefill", lambda r: r.finish_reason is not None, request.request_id
-    )
+    result = wait_for_event(relay, "prefill", lambda r: r.done, request.request_id)
     assert result.finish_reason == "error"
     assert "decode-doomed" in (result.error or "")
