@@ -1,0 +1,128 @@
+"""The Ray actors of a pdserve cluster: one per worker instance (its TP rank 0), and the router.
+
+    WorkerActor  "pdserve-prefill-0"  PrefillWorker, rank 0 in bundle 0 (RankActors in 1..k-1)
+    WorkerActor  "pdserve-decode-j"   DecodeWorker
+    RouterActor  "pdserve-router"     router.server.Router with a RayHandle per worker actor
+
+A WorkerActor is threaded (many concurrent calls: a long `poll_events` never blocks `submit` or
+`abort`; the worker object serialises them on its own loop thread). Its constructor builds the
+whole worker (model, KV pool, TP group), so "the actor is up" means "the worker is ready", and a
+restart (Ray's max_restarts, after the process died) builds a fresh worker behind the same
+name and handle. The RouterActor is an asyncio actor: the gRPC server runs on the actor's loop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from decode_worker.config import DecodeConfig
+from decode_worker.worker import DecodeWorker
+from deploy.ray_handles import ActorControl, RayHandle
+from deploy.ray_launcher import RayRankLauncher
+from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
+from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
+from prefill_worker.config import PrefillConfig
+from prefill_worker.worker import PrefillWorker
+
+
+class WorkerActor:
+    """A prefill or decode instance's driver process (TP rank 0)."""
+
+    def __init__(
+        self, config: PrefillConfig | DecodeConfig, placement: InstancePlacement,
+        num_workers: int, pin_cores: bool, namespace: str,
+    ) -> None:
+        import ray
+
+        if pin_cores:
+            pin_to_core_set(core_set(placement.worker_indices[0], num_workers))
+        torch.set_num_threads(config.engine.num_threads or 1)
+        self.node_ip = ray.util.get_node_ip_address()
+        if self.node_ip != config.kv_transfer.host and config.kv_transfer.host == "127.0.0.1":
+            # decode ranks listen where prefill ranks on other nodes can reach them
+            config = replace(config, kv_transfer=replace(config.kv_transfer, host=self.node_ip))
+        launcher = (
+            RayRankLauncher(placement, num_workers, pin_cores) if placement.tp_size > 1 else None
+        )
+        control = ActorControl(namespace)
+        self.instance_id = placement.instance_id
+        if placement.role == Role.PREFILL:
+            assert isinstance(config, PrefillConfig)
+            self.worker: Any = PrefillWorker(config, self.instance_id, control, launcher=launcher)
+        else:
+            assert isinstance(config, DecodeConfig)
+            self.worker = DecodeWorker(config, self.instance_id, control, launcher=launcher)
+
+    # The worker's API, one actor method each (see router/worker_api.py).
+    def submit(self, request: WorkerRequest, ticket: Any) -> None:
+        self.worker.submit(request, ticket)
+
+    def reserve(self, request: WorkerRequest, prefill_instance_id: str, tp_size: int) -> Any:
+        return self.worker.reserve(request, prefill_instance_id, tp_size)
+
+    def abort(self, request_id: str) -> str | None:
+        return self.worker.abort(request_id)
+
+    def deliver(self, message: Any) -> None:
+        self.worker.deliver(message)
+
+    def load(self) -> InstanceLoad:
+        load: InstanceLoad = self.worker.load()
+        return load
+
+    def poll_events(self, timeout_s: float) -> list[TokenEvent]:
+        events: list[TokenEvent] = self.worker.poll_events(timeout_s)
+        return events
+
+    def info(self) -> dict[str, Any]:
+        """Where this instance runs: node address and process ids (rank 0 first)."""
+        return {"node_ip": self.node_ip, "pids": self.worker.process_ids()}
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class RouterActor:
+    """router.server.Router on this actor's event loop, over RayHandles to the worker actors."""
+
+    def __init__(self, router_config: Any) -> None:
+        self.config = router_config
+        self.router: Any = None
+
+    async def start(
+        self, prefill_actors: dict[str, Any], decode_actors: dict[str, Any],
+        prefill_tp_sizes: dict[str, int], namespace: str,
+    ) -> str:
+        from router.server import Router
+
+        timeout_s = self.config.worker_timeout_s
+        prefill = [
+            RayHandle(i, Role.PREFILL, actor, namespace, timeout_s)
+            for i, actor in prefill_actors.items()
+        ]
+        decode = [
+            RayHandle(i, Role.DECODE, actor, namespace, timeout_s, prefill_tp_sizes)
+            for i, actor in decode_actors.items()
+        ]
+        self.router = Router(self.config, prefill, decode)
+        await self.router.start()
+        return str(self.router.address)
+
+    async def serving(self) -> bool:
+        return self.router is not None and bool(self.router.pool.healthy())
+
+    async def metrics_port(self) -> int | None:
+        return None if self.router is None else self.router.metrics_port
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop admitting, let in-flight requests finish for `grace_s`, abort the rest."""
+        if self.router is not None:
+            await self.router.stop(grace_s)
+            self.router = None

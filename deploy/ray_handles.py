@@ -1,0 +1,117 @@
+"""The router's handles over worker actors, and the workers' control path to each other.
+
+`RayHandle` is the PrefillHandle / DecodeHandle of router/worker_api.py over a worker actor
+(deploy/ray_actors.WorkerActor): each method is one actor call, awaited on the router's event
+loop with its own timeout. Failures map onto what the router understands:
+
+    the actor died / is restarting / did not answer in time  -> WorkerUnavailable
+    the worker raised (Overloaded, ValueError, ...)           -> that same exception, unwrapped
+
+A restarted actor (Ray's max_restarts) keeps its name and its handle, so the same RayHandle
+reaches it again; after an error the handle also looks the actor up by name again, which covers
+an actor that someone re-created under the same name.
+
+`ActorControl` is the `send_control(instance_id, message)` every worker is built with
+(KVTransferDone decode -> prefill, KVAbort either way): a fire-and-forget `deliver` call on the
+named peer actor. Only these small messages travel through Ray; KV travels over the
+kv_transfer channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest, WorkerUnavailable
+
+
+def actor_name(instance_id: str) -> str:
+    return f"pdserve-{instance_id}"
+
+
+class RayHandle:
+    """A router handle over the worker actor named `actor_name(instance_id)` in `namespace`."""
+
+    def __init__(
+        self, instance_id: str, role: Role, actor: Any, namespace: str,
+        call_timeout_s: float = 10.0, prefill_tp_sizes: dict[str, int] | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.role = role
+        self.namespace = namespace
+        self.call_timeout_s = call_timeout_s
+        self.prefill_tp_sizes = prefill_tp_sizes or {}  # decode handles: the ticket's plan
+        self._actor: Any | None = actor
+
+    def _resolve(self) -> Any:
+        if self._actor is None:
+            try:
+                self._actor = ray.get_actor(actor_name(self.instance_id), self.namespace)
+            except ValueError:
+                raise WorkerUnavailable(f"{self.instance_id}: no such actor (yet)") from None
+        return self._actor
+
+    async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        timeout = self.call_timeout_s if timeout_s is None else timeout_s
+        ref = getattr(self._resolve(), method).remote(*args)
+        try:
+            return await asyncio.wait_for(ref, timeout)
+        except (TimeoutError, asyncio.TimeoutError, GetTimeoutError):
+            ray.cancel(ref)
+            raise WorkerUnavailable(
+                f"{self.instance_id} did not answer {method} within {timeout:.1f}s"
+            ) from None
+        except RayActorError as exc:
+            self._actor = None  # look it up again next time
+            raise WorkerUnavailable(f"{self.instance_id} is down ({_first_line(exc)})") from None
+        except RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, Exception) else None
+            if cause is not None:
+                raise cause from None
+            raise
+
+    async def load(self) -> InstanceLoad:
+        load: InstanceLoad = await self._call("load")
+        return load
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("abort", request_id)
+
+    async def poll_events(self, timeout_s: float) -> list[TokenEvent]:
+        events: list[TokenEvent] = await self._call(
+            "poll_events", timeout_s, timeout_s=timeout_s + self.call_timeout_s
+        )
+        return events
+
+    async def submit(self, request: WorkerRequest, ticket: object | None) -> None:
+        await self._call("submit", request, ticket)
+
+    async def reserve(self, request: WorkerRequest) -> object:
+        tp_size = self.prefill_tp_sizes.get(request.prefill_instance, 1)
+        return await self._call("reserve", request, request.prefill_instance, tp_size)
+
+
+class ActorControl:
+    """A worker's `send_control`: `deliver` on the peer actor, without waiting for it."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._actors: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, instance_id: str, message: Any) -> None:
+        with self._lock:
+            actor = self._actors.get(instance_id)
+            if actor is None:
+                actor = ray.get_actor(actor_name(instance_id), self.namespace)
+                self._actors[instance_id] = actor
+        actor.deliver.remote(message)  # a lost message is covered by the peer's deadline
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,155 @@
+"""Starting (or joining) Ray, and leaving nothing of it behind.
+
+`start_local_ray` starts a one-node Ray cluster that listens on 127.0.0.1 only:
+
+- Ray turns a loopback node address into a "remotely reachable" one (the first interface's
+  address) unless `ENABLE_RAY_CLUSTER` is off, so it is switched off here, in this process's
+  copy of the constant and (through the environment) in every process Ray starts. With the node
+  address 127.0.0.1, the GCS, raylet, core-worker gRPC servers, the dashboard agent (HTTP, gRPC,
+  metrics export), the runtime-env agent and the autoscaler monitor all bind 127.0.0.1
+  (checked by tests/deploy/test_ray_cluster.py over every process of the cluster).
+- No dashboard UI, a small object store (KV never travels through it), its own temp dir under
+  /tmp, `num_cpus` from the machine.
+
+`LocalRay.stop()` runs `ray.shutdown()` and then makes sure every process that was a descendant
+of this one when Ray was up (GCS, raylet, agents, workers) is gone, killing stragglers by id.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # control messages only
+
+
+def use_loopback_node_address() -> None:
+    """Make Ray keep 127.0.0.1 as the node address (and so bind its servers there)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def worker_env_vars() -> dict[str, str]:
+    """Environment for Ray's worker processes: pdserve and its generated stubs importable, and
+    one torch thread unless the rank sets more."""
+    paths = [str(REPO_ROOT), str(REPO_ROOT / "proto")]
+    existing = os.environ.get("PYTHONPATH")
+    return {
+        "PYTHONPATH": os.pathsep.join(paths + ([existing] if existing else [])),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def descendant_pids(root_pid: int) -> list[int]:
+    """Every live process below `root_pid`, read from /proc (no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(name))
+    found: list[int] = []
+    stack = list(children.get(root_pid, []))
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def process_is_running(pid: int) -> bool:
+    """True unless the process is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_and_wait(pids: list[int], timeout_s: float) -> list[int]:
+    """SIGTERM, then SIGKILL after half the timeout; returns the pids still running."""
+    deadline = time.monotonic() + timeout_s
+    for sig, until in ((signal.SIGTERM, deadline - timeout_s / 2), (signal.SIGKILL, deadline)):
+        for pid in pids:
+            if process_is_running(pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        while time.monotonic() < until and any(process_is_running(p) for p in pids):
+            time.sleep(0.05)
+    return [pid for pid in pids if process_is_running(pid)]
+
+
+@dataclass
+class LocalRay:
+    """A Ray cluster this process started (or joined, `owned=False`)."""
+
+    owned: bool
+    temp_dir: str | None = None
+    node_ip_address: str = "127.0.0.1"
+    known_pids: set[int] = field(default_factory=set)
+
+    def remember_processes(self) -> None:
+        """Record Ray's processes (call while it runs: workers appear as actors start)."""
+        if self.owned:
+            self.known_pids.update(descendant_pids(os.getpid()))
+
+    def pids(self) -> list[int]:
+        self.remember_processes()
+        return sorted(pid for pid in self.known_pids if process_is_running(pid))
+
+    def stop(self, timeout_s: float = 20.0) -> list[int]:
+        """Disconnect; for an owned cluster stop it and kill leftovers. Returns survivors."""
+        self.remember_processes()
+        if ray.is_initialized():
+            ray.shutdown()
+        if not self.owned:
+            return []
+        survivors = kill_and_wait(sorted(self.known_pids), timeout_s)
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return survivors
+
+
+def start_local_ray(namespace: str, num_cpus: int | None = None) -> LocalRay:
+    """A fresh one-node Ray cluster on 127.0.0.1 with its own temp dir (see the module doc)."""
+    use_loopback_node_address()
+    temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")
+    ray.init(
+        num_cpus=num_cpus or len(os.sched_getaffinity(0)),
+        namespace=namespace,
+        include_dashboard=False,
+        object_store_memory=_OBJECT_STORE_BYTES,
+        runtime_env={"env_vars": worker_env_vars()},
+        log_to_driver=False,
+        configure_logging=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=temp_dir,
+    )
+    node = LocalRay(owned=True, temp_dir=temp_dir)
+    node.remember_processes()
+    return node
+
+
+def connect_ray(address: str, namespace: str) -> LocalRay:
+    """Join an existing cluster (`ray start` / `ray up` / KubeRay); it stays up after us."""
+    ray.init(
+        address=address, namespace=namespace, runtime_env={"env_vars": worker_env_vars()},
+        log_to_driver=False, configure_logging=False,
+    )
+    return LocalRay(owned=False, node_ip_address=ray.util.get_node_ip_address())
