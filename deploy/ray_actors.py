@@ -33,8 +33,12 @@ class WorkerActor:
     """A prefill or decode instance's driver process (TP rank 0)."""
 
     def __init__(
-        self, config: PrefillConfig | DecodeConfig, placement: InstancePlacement,
-        num_workers: int, pin_cores: bool, namespace: str,
+        self,
+        config: PrefillConfig | DecodeConfig,
+        placement: InstancePlacement,
+        num_workers: int,
+        pin_cores: bool,
+        namespace: str,
     ) -> None:
         import ray
 
@@ -94,8 +98,11 @@ class RouterActor:
         self.router: Any = None
 
     async def start(
-        self, prefill_actors: dict[str, Any], decode_actors: dict[str, Any],
-        prefill_tp_sizes: dict[str, int], namespace: str,
+        self,
+        prefill_actors: dict[str, Any],
+        decode_actors: dict[str, Any],
+        prefill_tp_sizes: dict[str, int],
+        namespace: str,
     ) -> str:
         from router.server import Router
 

@@ -134,18 +134,23 @@ class RayCluster:
                 else self.config.decode_config()
             )  # fmt: skip
             self.worker_actors[placement.instance_id] = remote.options(
-                name=actor_name(placement.instance_id), max_concurrency=64,
-                max_restarts=self.config.max_restarts, max_task_retries=0,
-                num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
+                name=actor_name(placement.instance_id),
+                max_concurrency=64,
+                max_restarts=self.config.max_restarts,
+                max_task_retries=0,
+                num_cpus=placement.num_cpus,
+                num_gpus=placement.num_gpus,
                 scheduling_strategy=placement.strategy(0),
             ).remote(config, placement, self.config.num_workers, pin, self.namespace)
         infos = [actor.info.remote() for actor in self.worker_actors.values()]
         ray.get(infos, timeout=self.config.start_timeout_s)  # the actors are built: ready
 
     def _start_router(self) -> None:
-        self.router_actor = ray.remote(RouterActor).options(
-            name=actor_name("router"), num_cpus=0, max_restarts=0
-        ).remote(self.config.router_config())
+        self.router_actor = (
+            ray.remote(RouterActor)
+            .options(name=actor_name("router"), num_cpus=0, max_restarts=0)
+            .remote(self.config.router_config())
+        )
         prefill = {i: a for i, a in self.worker_actors.items() if i.startswith("prefill-")}
         decode = {i: a for i, a in self.worker_actors.items() if i.startswith("decode-")}
         tp_sizes = dict.fromkeys(prefill, self.config.prefill_tp_size)

@@ -77,9 +77,7 @@ class RayClusterConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.num_cpus_per_worker is not None and not self.num_cpus_per_worker > 0:
-            raise ValueError(
-                f"num_cpus_per_worker must be > 0, got {self.num_cpus_per_worker!r}"
-            )
+            raise ValueError(f"num_cpus_per_worker must be > 0, got {self.num_cpus_per_worker!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < -1:
             raise ValueError(f"max_restarts must be an integer >= -1, got {self.max_restarts!r}")
         for name in ("prefill_resources", "decode_resources"):

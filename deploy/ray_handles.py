@@ -37,8 +37,13 @@ class RayHandle:
     """A router handle over the worker actor named `actor_name(instance_id)` in `namespace`."""
 
     def __init__(
-        self, instance_id: str, role: Role, actor: Any, namespace: str,
-        call_timeout_s: float = 10.0, prefill_tp_sizes: dict[str, int] | None = None,
+        self,
+        instance_id: str,
+        role: Role,
+        actor: Any,
+        namespace: str,
+        call_timeout_s: float = 10.0,
+        prefill_tp_sizes: dict[str, int] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.role = role

@@ -77,7 +77,9 @@ class RayRankLauncher:
             self._runs.append(actor.run.remote(spec))
 
     def wait_ready(self, timeout_s: float) -> None:
-        answers = ray.get([a.wait_ready.remote(timeout_s) for a in self.actors], timeout=timeout_s + 10)
+        answers = ray.get(
+            [a.wait_ready.remote(timeout_s) for a in self.actors], timeout=timeout_s + 10
+        )
         for rank, (state, detail) in enumerate(answers, start=1):
             if state != "ready":
                 raise RuntimeError(

@@ -149,7 +149,10 @@ def start_local_ray(namespace: str, num_cpus: int | None = None) -> LocalRay:
 def connect_ray(address: str, namespace: str) -> LocalRay:
     """Join an existing cluster (`ray start` / `ray up` / KubeRay); it stays up after us."""
     ray.init(
-        address=address, namespace=namespace, runtime_env={"env_vars": worker_env_vars()},
-        log_to_driver=False, configure_logging=False,
+        address=address,
+        namespace=namespace,
+        runtime_env={"env_vars": worker_env_vars()},
+        log_to_driver=False,
+        configure_logging=False,
     )
     return LocalRay(owned=False, node_ip_address=ray.util.get_node_ip_address())

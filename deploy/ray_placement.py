@@ -78,8 +78,9 @@ def place_instances(plan: PlacementPlan, name_prefix: str) -> list[InstancePlace
     placements: list[InstancePlacement] = []
     next_worker = 0
 
-    def instance(instance_id: str, role: Role, tp: int, group: PlacementGroup,
-                 bundles: tuple[int, ...]) -> None:
+    def instance(
+        instance_id: str, role: Role, tp: int, group: PlacementGroup, bundles: tuple[int, ...]
+    ) -> None:
         nonlocal next_worker
         workers = tuple(range(next_worker, next_worker + tp))
         next_worker += tp
@@ -90,7 +91,9 @@ def place_instances(plan: PlacementPlan, name_prefix: str) -> list[InstancePlace
     for i in range(plan.num_prefill_instances):
         bundle = _bundle(plan, plan.prefill_resources)
         group = placement_group(
-            [bundle] * plan.prefill_tp_size, strategy="STRICT_PACK", name=f"{name_prefix}prefill-{i}"
+            [bundle] * plan.prefill_tp_size,
+            strategy="STRICT_PACK",
+            name=f"{name_prefix}prefill-{i}",
         )
         instance(f"prefill-{i}", Role.PREFILL, plan.prefill_tp_size, group,
                  tuple(range(plan.prefill_tp_size)))  # fmt: skip
@@ -104,7 +107,8 @@ def place_instances(plan: PlacementPlan, name_prefix: str) -> list[InstancePlace
     else:
         for j in range(plan.num_decode_instances):
             group = placement_group(
-                [bundle] * plan.decode_tp_size, strategy="STRICT_PACK",
+                [bundle] * plan.decode_tp_size,
+                strategy="STRICT_PACK",
                 name=f"{name_prefix}decode-{j}",
             )
             instance(f"decode-{j}", Role.DECODE, plan.decode_tp_size, group,
