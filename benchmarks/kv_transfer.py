@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads  # noqa: E402
 from kv_transfer.channel import ChannelDialer, ChannelEndpoint, ChannelHost  # noqa: E402
+from kv_transfer.config import KVTransferConfig  # noqa: E402
 from kv_transfer.messages import KVTicket  # noqa: E402
 from kv_transfer.rank_receiver import KVRankReceiver  # noqa: E402
 from kv_transfer.rank_sender import KVRankSender  # noqa: E402
@@ -261,6 +262,7 @@ class Bench:
             raw_times.append(self.one_raw(num_bytes))
             kv_times.append(self.one_transfer(p, d, num_tokens, layerwise, contiguous))
         raw, kv = statistics.median(raw_times), statistics.median(kv_times)
+        raw_best, kv_best = min(raw_times), min(kv_times)
         return {
             "p": p,
             "d": d,
@@ -274,6 +276,11 @@ class Bench:
             "raw_gbps": round(num_bytes / raw / 1e9, 3),
             "ratio": round(raw / kv, 3),
             "overhead_ms": round((kv - raw) * 1e3, 3),
+            # best of N: what the code can do when the shared machine leaves it alone
+            "kv_ms_best": round(kv_best * 1e3, 3),
+            "raw_ms_best": round(raw_best * 1e3, 3),
+            "ratio_best": round(raw_best / kv_best, 3),
+            "overhead_ms_best": round((kv_best - raw_best) * 1e3, 3),
         }
 
 
@@ -283,15 +290,32 @@ def iterations(num_tokens: int, quick: bool) -> int:
 
 
 def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per wire mode (and 'default', the mode KVTransferConfig picks per request size): the worst
+    ratio at 2048 tokens and up and the worst per-request overhead at 64 tokens, over p,d."""
+    default = KVTransferConfig()
     summary: dict[str, Any] = {}
-    for mode in ("layerwise", "whole"):
+    for mode in ("default", "layerwise", "whole"):
         for blocks in ("contiguous", "scattered"):
-            rows = [c for c in cases if c["mode"] == mode and c["blocks"] == blocks]
-            big = [c["ratio"] for c in rows if c["tokens"] >= 2048]
-            small = [c["overhead_ms"] for c in rows if c["tokens"] == 64]
+            rows = [
+                c
+                for c in cases
+                if c["blocks"] == blocks
+                and c["mode"]
+                == (
+                    mode
+                    if mode != "default"
+                    else ("layerwise" if default.use_layerwise(c["tokens"]) else "whole")
+                )
+            ]
+            big = [c for c in rows if c["tokens"] >= 2048]
+            small = [c for c in rows if c["tokens"] == 64]
             summary[f"{mode}/{blocks}"] = {
-                "min_ratio_at_2k_and_up": min(big) if big else None,
-                "max_overhead_ms_at_64": max(small) if small else None,
+                "min_ratio_at_2k_and_up": min((c["ratio"] for c in big), default=None),
+                "min_ratio_best_at_2k_and_up": min((c["ratio_best"] for c in big), default=None),
+                "max_overhead_ms_at_64": max((c["overhead_ms"] for c in small), default=None),
+                "max_overhead_ms_best_at_64": max(
+                    (c["overhead_ms_best"] for c in small), default=None
+                ),
             }
     return summary
 
