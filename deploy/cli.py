@@ -1,0 +1,210 @@
+"""The `pdserve` command line: serve, generate, status, demo.
+
+    pdserve serve --config deploy/local.yaml [--port 50051 --prefill-tp 2 ...]
+    pdserve generate --address 127.0.0.1:50051 --prompt "Hello" --max-tokens 32
+    pdserve status --address 127.0.0.1:50051 --metrics 127.0.0.1:9400
+    pdserve demo
+
+Flags override the config file; `serve` without --config starts from the defaults (the demo
+model). Errors the user can fix end with exit code 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+import grpc
+
+from deploy.config import ConfigError, ServeConfig, apply_overrides, load_config
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_OVERRIDES = (
+    "model", "host", "port", "metrics_port", "prefill_instances", "prefill_tp",
+    "decode_instances", "decode_tp", "colocated_instances", "colocated_tp", "mode",
+)  # fmt: skip
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="start a cluster and serve until SIGINT/SIGTERM")
+    serve.add_argument("--config", help="YAML config file (see deploy/local.yaml)")
+    serve.add_argument("--model", help="Hugging Face model folder, or 'demo'")
+    serve.add_argument("--host", help="address the router listens on")
+    serve.add_argument("--port", type=int, help="router port (0: a free one)")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus port (0: a free one)")
+    for role in ("prefill", "decode", "colocated"):
+        serve.add_argument(f"--{role}-instances", type=int, help=f"number of {role} instances")
+        serve.add_argument(f"--{role}-tp", type=int, help=f"TP ranks per {role} instance")
+    serve.add_argument("--mode", choices=("disaggregated", "colocated"))
+    serve.add_argument("--no-ray", action="store_true", help="run workers as plain processes")
+    serve.set_defaults(func=cmd_serve)
+
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser("generate", help="stream one generation to the terminal")
+    generate.add_argument("--address", default=DEFAULT_ADDRESS, help="router HOST:PORT")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--token", dest="token_file", help="file holding the bearer token")
+    generate.add_argument("--auth-token", help="the bearer token itself")
+    generate.add_argument("--tls-ca", help="CA certificate (PEM) to verify a TLS router")
+    generate.add_argument("--timeout", type=float, default=300.0, help="seconds for the call")
+    generate.set_defaults(func=cmd_generate)
+
+
+def _add_status(commands: argparse._SubParsersAction) -> None:
+    status = commands.add_parser("status", help="workers, load, KV usage and health")
+    status.add_argument("--address", default=DEFAULT_ADDRESS, help="router HOST:PORT")
+    status.add_argument("--metrics", help="router metrics HOST:PORT (default: from --config)")
+    status.add_argument("--config", help="the config file the cluster was served with")
+    status.add_argument("--token", dest="token_file", help="file holding the bearer token")
+    status.add_argument("--auth-token", help="the bearer token itself")
+    status.add_argument("--tls-ca", help="CA certificate (PEM) to verify a TLS router")
+    status.set_defaults(func=cmd_status)
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser("demo", help="local cluster, a few streamed generations, a table")
+    demo.add_argument("--no-ray", action="store_true", help="run workers as plain processes")
+    demo.add_argument("--max-tokens", type=int, default=24)
+    # Tests and the cold-start script point the demo at another small model folder.
+    demo.add_argument(
+        "--model", default=os.environ.get("PDSERVE_DEMO_MODEL"), help=argparse.SUPPRESS
+    )
+    demo.set_defaults(func=cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_serve, _add_generate, _add_status, _add_demo):
+        add(commands)
+    return parser
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The config file (or the defaults) with the command line's flags over it."""
+    config = load_config(args.config) if args.config else ServeConfig()
+    overrides = {name: getattr(args, name) for name in _OVERRIDES}
+    return apply_overrides(config, no_ray=True if args.no_ray else None, **overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deploy.cluster_spec import build_cluster_spec
+    from deploy.launch import open_cluster
+
+    config = serve_config(args)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    say = _say
+    if config.model == "demo":
+        say("preparing the demo model (built on first use)")
+    spec = build_cluster_spec(config)
+    with open_cluster(spec, config.ray.enabled, say=say) as cluster:
+        address = cluster.start(progress=say)
+        metrics_port = getattr(cluster, "metrics_port", None)
+        metrics = (
+            f", metrics http://{config.router.host}:{metrics_port}/metrics" if metrics_port else ""
+        )
+        say(f"serving on {address}{metrics}; Ctrl-C to stop")
+        stop.wait()
+        say("stopping: draining in-flight requests")
+    say("stopped")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve_proto.v1 import generation_pb2 as pb
+
+    from deploy.client import RouterClient, read_token
+
+    request = pb.GenerateRequest(
+        prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    for name in ("top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            setattr(request, name, getattr(args, name))
+    token = read_token(args.token_file, args.auth_token)
+    last = pb.GenerateResponse()
+    with RouterClient(args.address, token, args.tls_ca) as client:
+        for response in client.generate(request, timeout_s=args.timeout):
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            last = response
+    sys.stdout.write("\n")
+    reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+    timings = last.timings
+    print(
+        f"[{reason}: {last.usage.completion_tokens} tokens, TTFT {1000 * timings.first_token_s:.1f}"
+        f" ms, TPOT {1000 * timings.per_token_s:.1f} ms]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2
+
+    from deploy.client import RouterClient, fetch_metrics, read_token
+    from deploy.status import format_status, parse_metrics
+
+    metrics_address = args.metrics
+    if metrics_address is None and args.config:
+        router = load_config(args.config).router
+        if router.metrics_port:
+            metrics_address = f"{router.host}:{router.metrics_port}"
+    if metrics_address is None:
+        raise ConfigError("give --metrics HOST:PORT (or --config with router.metrics_port set)")
+    token = read_token(args.token_file, args.auth_token)
+    with RouterClient(args.address, token, args.tls_ca) as client:
+        try:
+            health = health_pb2.HealthCheckResponse.ServingStatus.Name(client.health())
+        except grpc.RpcError as exc:
+            health = f"unreachable ({exc.code().name})"
+    status = parse_metrics(fetch_metrics(metrics_address))
+    print(format_status(args.address, health, status))
+    return 0 if health == "SERVING" else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from deploy.demo import run_demo
+
+    run_demo(model_dir=args.model, use_ray=not args.no_ray, max_tokens=args.max_tokens)
+    return 0
+
+
+def _say(line: str) -> None:
+    print(f"[pdserve] {line}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script `pdserve`."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        print(f"pdserve {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
