@@ -1,0 +1,59 @@
+"""This machine's unloaded latencies, which the synthetic shapes' SLOs are multiples of.
+
+One LLMEngine in this process on one thread (a worker's core, without the cluster around it):
+  prefill_s      a prompt of the workload's median length, alone: the best TTFT possible
+  decode_step_s  one decode step of a single sequence with that context: the best TPOT possible
+Each is the median of a few repetitions, after a warm-up.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Calibration:
+    prompt_len: int
+    prefill_s: float
+    decode_step_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def calibrate(
+    engine_config: Any, prompt_len: int, token_id_range: tuple[int, int], repeats: int = 3
+) -> Calibration:
+    import torch
+
+    from engine.llm import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    engine = LLMEngine(engine_config)
+    prefill_times, step_times = [], []
+    try:
+        for index in range(repeats + 1):  # the first round warms up and is not counted
+            prompt = [rng.randrange(*token_id_range) for _ in range(prompt_len)]
+            params = SamplingParams(max_tokens=6, ignore_eos=True)
+            engine.add_request(f"calibrate-{index}", prompt, params)
+            began = time.perf_counter()
+            while not any(output.new_token_ids for output in engine.step()):
+                pass  # a prompt longer than chunk_size takes several steps
+            prefill_s = time.perf_counter() - began
+            steps = []
+            while engine.has_unfinished():
+                began = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - began)
+            if index > 0:
+                prefill_times.append(prefill_s)
+                step_times.append(statistics.median(steps))
+    finally:
+        engine.shutdown()
+    return Calibration(prompt_len, statistics.median(prefill_times), statistics.median(step_times))

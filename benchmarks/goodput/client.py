@@ -1,0 +1,100 @@
+"""One shard of the load: asyncio gRPC streaming clients sending requests on schedule.
+
+Each request is a `Generate` server stream with `token_ids` (no tokenizer effects), `max_tokens`
+= its target and `ignore_eos`. The client notes the send time, the arrival time of every token
+(a message carrying n tokens gives all n the same time) and the finish, on this process's
+monotonic clock mapped to wall-clock time once at start (`WallClock`): several processes or
+nodes then share one timeline (up to their wall clocks' agreement), while each latency is a
+difference of two readings of one monotonic clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from benchmarks.goodput.metrics import RequestRecord
+from benchmarks.goodput.workloads import BenchRequest
+
+TIMING_FIELDS = (
+    "router_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s",
+    "first_token_s", "per_token_s", "e2e_s",
+)  # fmt: skip
+_FINISH_REASONS = {0: "", 1: "stop", 2: "length", 3: "abort", 4: "error"}
+
+
+class WallClock:
+    """time.time() read once, time.perf_counter() after: monotonic, in the wall-clock frame."""
+
+    def __init__(self) -> None:
+        self.wall_anchor = time.time()
+        self.monotonic_anchor = time.perf_counter()
+
+    def now(self) -> float:
+        return self.wall_anchor + (time.perf_counter() - self.monotonic_anchor)
+
+
+async def _one_request(
+    stub: Any, request: BenchRequest, clock: WallClock, shard: int, timeout_s: float
+) -> RequestRecord:
+    from pdserve_proto.v1 import generation_pb2 as pb
+
+    message = pb.GenerateRequest(
+        token_ids=list(request.prompt_token_ids), max_tokens=request.output_len,
+        ignore_eos=True, request_id=request.request_id,
+    )  # fmt: skip
+    record = RequestRecord(
+        request.request_id, len(request.prompt_token_ids), request.output_len, clock.now(),
+        shard=shard,
+    )  # fmt: skip
+    try:
+        async for response in stub.Generate(message, timeout=timeout_s):
+            now = clock.now()
+            record.token_times.extend([now] * len(response.token_ids))
+            if response.finish_reason:
+                record.finish_reason = _FINISH_REASONS.get(response.finish_reason, "?")
+                record.timings = {f: getattr(response.timings, f) for f in TIMING_FIELDS}
+    except grpc.aio.AioRpcError as exc:
+        record.error = f"{exc.code().name}: {exc.details()}"
+    if not record.error and not record.finish_reason:
+        record.error = "the stream ended without a finish_reason"
+    return record
+
+
+async def run_shard_async(
+    address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
+    request_timeout_s: float = 300.0,
+) -> list[RequestRecord]:
+    """Send each request at start_wall_time + its offset; every record, in request order."""
+    from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
+
+    clock = WallClock()
+    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        tasks = []
+        for request in sorted(requests, key=lambda r: r.send_offset_s):
+            delay = start_wall_time + request.send_offset_s - clock.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(
+                _one_request(stub, request, clock, shard, request_timeout_s)
+            ))  # fmt: skip
+        records = await asyncio.gather(*tasks)
+    by_id = {record.request_id: record for record in records}
+    return [by_id[request.request_id] for request in requests]
+
+
+def run_shard(
+    address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
+    request_timeout_s: float = 300.0,
+) -> list[dict[str, Any]]:
+    """`run_shard_async` in a fresh event loop, records as JSON dicts (picklable anywhere:
+    a spawned process or a Ray task)."""
+    records = asyncio.run(
+        run_shard_async(address, requests, start_wall_time, shard, request_timeout_s)
+    )
+    return [record.to_json() for record in records]

@@ -1,0 +1,194 @@
+"""The comparison in one command: one workload, the disaggregated layout and the colocated
+baseline on the same devices, a rate sweep each, goodput at every SLO scale, plots.
+
+    python -m benchmarks.goodput --compare --out runs/today [--quick]   (= pdserve bench ...)
+
+For each regime (a synthetic shape, or a ShareGPT file): make the requests, calibrate the SLOs
+(calibrate.py, unless given), then for each layout start a local cluster (or use a running router,
+--target), warm it up, sweep the rate (sweep.py), shut it down. Output in --out:
+    raw/{regime}.json   config, workload, SLOs, every request's timings at every rate
+    summary.json        goodputs, ratio and SLOs of the main regime, the ratio of every regime
+    {regime}_*.png      plots.py
+The last line printed is summary.json's content as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.goodput import layouts
+from benchmarks.goodput.calibrate import calibrate
+from benchmarks.goodput.driver import LoadDriver
+from benchmarks.goodput.options import QUICK_REGIME, parse_bench_args, parse_target
+from benchmarks.goodput.plots import plot_regime
+from benchmarks.goodput.report import regime_summary
+from benchmarks.goodput.sharegpt import load_sharegpt, sharegpt_prompts
+from benchmarks.goodput.sweep import RatePoint, RateSweep, SweepPolicy, warm_up
+from benchmarks.goodput.workloads import SHAPES, random_prompts, synthetic_lengths, unit_rate_gaps
+
+SUMMARY_SCHEMA = "pdserve.goodput.summary/1"
+RAW_SCHEMA = "pdserve.goodput.raw/1"
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "goodput-llama"
+
+
+def _regime_prompts(args: argparse.Namespace, model_dir: Path, name: str, num: int) -> list:
+    max_model_len, _ = layouts.model_limits(model_dir)
+    if name == "sharegpt":
+        pairs = load_sharegpt(args.sharegpt)
+        encode = layouts.make_encoder(model_dir)
+        return sharegpt_prompts(pairs, encode, num, max_model_len, args.seed)
+    lengths = synthetic_lengths(SHAPES[name], num, max_model_len, args.seed)
+    return random_prompts(lengths, layouts.prompt_token_range(model_dir), args.seed)
+
+
+def _slo_and_start(args, model_dir: Path, name: str, prompts: list) -> dict[str, Any]:
+    """The regime's SLOs (given, or shape factors x calibration) and the sweep's start rate."""
+    prompt_len = int(statistics.median(len(ids) for ids, _ in prompts))
+    output_len = statistics.median(out for _, out in prompts)
+    config = layouts.engine_config(
+        model_dir, chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    base = calibrate(config, prompt_len, layouts.prompt_token_range(model_dir))
+    shape = SHAPES.get(name, SHAPES["chatbot"])  # ShareGPT is chatbot traffic
+    ttft_slo = args.ttft_slo or shape.ttft_slo_factor * base.prefill_s
+    tpot_slo = args.tpot_slo or shape.tpot_slo_factor * base.decode_step_s
+    # Two cores each running one request at a time, with no batching gain: a rate below what
+    # either layout sustains, so the sweep starts under the knee and climbs.
+    work_s = base.prefill_s + output_len * base.decode_step_s
+    return {
+        "ttft_s": ttft_slo, "tpot_s": tpot_slo, "calibration": base.to_json(),
+        "ttft_factor": None if args.ttft_slo else shape.ttft_slo_factor,
+        "tpot_factor": None if args.tpot_slo else shape.tpot_slo_factor,
+        "start_rate": args.start_rate or 1.2 / work_s,
+    }  # fmt: skip
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, str | None, int]]:
+    """(layout, router address or None to start one here, devices) to run, in order."""
+    if args.target:
+        return [parse_target(text) for text in args.target]
+    return [(layout, None, layouts.NUM_DEVICES[layout]) for layout in layouts.LAYOUTS]
+
+
+def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, bar) -> dict:
+    layout, address, num_devices = target
+    cluster = None
+    if address is None:
+        bar.set_description(f"{regime}: starting {layout}")
+        spec = layouts.cluster_spec(
+            layout, model_dir, pin_cpus=not args.no_pin, chunk_size=args.chunk_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )  # fmt: skip
+        cluster = layouts.start_local_cluster(spec)
+        address = cluster.address
+    try:
+        warm_up(driver, address, prompts)
+        bar.set_description(f"{regime}: {layout}")
+
+        def on_point(point: RatePoint, attained: float) -> None:
+            bar.update(1)
+            bar.set_postfix(rate=f"{point.rate_per_device:.2f}/dev", attained=f"{attained:.0%}")
+
+        sweep = RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
+                          (slo["ttft_s"], slo["tpot_s"]), on_point)  # fmt: skip
+        policy = SweepPolicy(slo["start_rate"], args.growth, args.max_points, rates=args.rates)
+        points = sweep.run(policy)
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+    return {"num_devices": num_devices, "address": address, "points": points}
+
+
+def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any) -> dict:
+    """One regime end to end; writes raw/{regime}.json and its plots, returns its summary."""
+    load_before = os.getloadavg()
+    prompts = _regime_prompts(args, model_dir, regime, args.num_requests)
+    gaps = unit_rate_gaps(args.num_requests, args.arrival, args.cv, args.seed)
+    slo = _slo_and_start(args, model_dir, regime, prompts)
+    runs = {target[0]: _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo,
+                                     driver, bar) for target in _targets(args)}  # fmt: skip
+    points_by_layout = {layout: run["points"] for layout, run in runs.items()}
+    summary = regime_summary(points_by_layout, (slo["ttft_s"], slo["tpot_s"]), args.slo_scales)
+    workload = {
+        "regime": regime, "source": SHAPES[regime].source if regime in SHAPES else str(args.sharegpt),
+        "arrival": args.arrival, "cv": args.cv, "seed": args.seed,
+        "num_requests": args.num_requests,
+        "mean_prompt_len": statistics.mean(len(ids) for ids, _ in prompts),
+        "mean_output_len": statistics.mean(out for _, out in prompts),
+    }  # fmt: skip
+    summary.update(slo=slo, workload=workload, load_average_before=list(load_before))
+    summary["devices"] = {layout: run["num_devices"] for layout, run in runs.items()}
+    raw = {
+        "schema": RAW_SCHEMA, "regime": regime, "config": _jsonable(vars(args)),
+        "model_dir": str(model_dir), "slo": slo, "workload": workload,
+        "requests": [{"prompt_len": len(ids), "output_len": out, "unit_gap_s": gap}
+                     for (ids, out), gap in zip(prompts, gaps, strict=False)],
+        "layouts": {layout: {"num_devices": run["num_devices"], "address": run["address"],
+                             "points": [p.to_json() for p in run["points"]]}
+                    for layout, run in runs.items()},
+    }  # fmt: skip
+    (args.out / "raw").mkdir(parents=True, exist_ok=True)
+    (args.out / "raw" / f"{regime}.json").write_text(json.dumps(raw))
+    summary["plots"] = plot_regime(
+        args.out, regime, points_by_layout, (slo["ttft_s"], slo["tpot_s"]), summary
+    )
+    return summary
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in values.items()}
+
+
+def _fill_defaults(args: argparse.Namespace) -> list[str]:
+    """The regimes to run, and defaults that depend on --quick."""
+    args.num_requests = args.num_requests or (40 if args.quick else 50)
+    args.max_points = args.max_points or (5 if args.quick else 6)
+    if args.sharegpt is not None:
+        return ["sharegpt"]
+    if args.workloads:
+        return list(args.workloads)
+    return [QUICK_REGIME] if args.quick else [QUICK_REGIME, "chatbot", "code"]
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    started = time.time()
+    regimes = _fill_defaults(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = layouts.ensure_bench_model(args.model_dir or DEFAULT_MODEL_DIR, args.model_size)
+    num_layouts = len(_targets(args))
+    points_each = len(args.rates) or args.max_points
+    results: dict[str, Any] = {}
+    with LoadDriver(args.client_processes, args.ray_address) as driver, tqdm(
+        total=len(regimes) * num_layouts * points_each, unit="rate", dynamic_ncols=True
+    ) as bar:
+        for regime in regimes:
+            results[regime] = run_regime(args, model_dir, regime, driver, bar)
+    main = results[regimes[0]]
+    summary = {
+        "schema": SUMMARY_SCHEMA, "main_regime": regimes[0],
+        "goodput_disaggregated": main.get("goodput_disaggregated"),
+        "goodput_colocated": main.get("goodput_colocated"),
+        "goodput_ratio": main.get("goodput_ratio"),
+        "goodput_unit": "requests/s per device", "slo": main["slo"], "workload": main["workload"],
+        "ratios": {regime: result.get("goodput_ratio") for regime, result in results.items()},
+        "regimes": results, "config": _jsonable(vars(args)), "model_dir": str(model_dir),
+        "duration_s": time.time() - started,
+    }  # fmt: skip
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    summary = run_benchmark(parse_bench_args(argv))
+    print(json.dumps({k: summary[k] for k in (
+        "main_regime", "goodput_disaggregated", "goodput_colocated", "goodput_ratio", "ratios",
+        "duration_s")}))  # fmt: skip
+    return summary

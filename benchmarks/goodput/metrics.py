@@ -1,0 +1,177 @@
+"""DistServe's metrics, computed from per-request timings (REFERENCES.md, "DistServe"):
+
+    TTFT        = first token time - send time
+    TPOT        = (last token time - first token time) / (output tokens - 1), 0 for one token
+    ITL         = the gaps between consecutive tokens as the client received them
+    e2e         = last token time - send time
+    attainment  = share of requests with TTFT <= s * TTFT_SLO and TPOT <= s * TPOT_SLO
+                  (a request that failed, or produced no token, meets neither)
+    goodput     = the largest rate per device with attainment >= 90%, interpolated linearly
+                  between the two measured rates where the curve first crosses 90% going up
+
+Times are wall-clock seconds (time.time() frame); send and token times of one request come from
+the same process's monotonic clock, so latencies never mix two machines' clocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTAINMENT_TARGET = 0.9
+PERCENTILES = (50, 90, 99)
+BREAKDOWN_STAGES = ("router_queue", "prefill_queue", "prefill", "transfer", "decode_queue", "decode")
+
+
+@dataclass
+class RequestRecord:
+    """What the driver saw of one request (one entry of the raw JSON)."""
+
+    request_id: str
+    prompt_len: int
+    output_len: int  # the target (max_tokens with ignore_eos)
+    send_time: float
+    token_times: list[float] = field(default_factory=list)  # one per token received
+    finish_reason: str = ""
+    error: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # the response's Timings
+    shard: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and len(self.token_times) > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RequestRecord:
+        return cls(**data)
+
+
+def ttft(record: RequestRecord) -> float:
+    return record.token_times[0] - record.send_time
+
+
+def tpot(record: RequestRecord) -> float:
+    num_tokens = len(record.token_times)
+    if num_tokens <= 1:
+        return 0.0
+    return (record.token_times[-1] - record.token_times[0]) / (num_tokens - 1)
+
+
+def inter_token_latencies(record: RequestRecord) -> list[float]:
+    times = record.token_times
+    return [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+
+
+def e2e(record: RequestRecord) -> float:
+    return record.token_times[-1] - record.send_time
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    lower = math.floor(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
+
+
+def latency_stats(records: Iterable[RequestRecord]) -> dict[str, dict[str, float]]:
+    """Mean and p50/p90/p99 of TTFT, TPOT, ITL and e2e over the requests that succeeded."""
+    done = [r for r in records if r.ok]
+    series = {
+        "ttft_s": [ttft(r) for r in done],
+        "tpot_s": [tpot(r) for r in done],
+        "itl_s": [gap for r in done for gap in inter_token_latencies(r)],
+        "e2e_s": [e2e(r) for r in done],
+    }
+    stats = {}
+    for name, values in series.items():
+        entry = {f"p{q}": percentile(values, q) for q in PERCENTILES}
+        entry["mean"] = sum(values) / len(values) if values else math.nan
+        stats[name] = entry
+    return stats
+
+
+def meets_slo(record: RequestRecord, ttft_slo_s: float, tpot_slo_s: float, scale: float) -> bool:
+    return record.ok and ttft(record) <= scale * ttft_slo_s and tpot(record) <= scale * tpot_slo_s
+
+
+def attainment(
+    records: Sequence[RequestRecord], ttft_slo_s: float, tpot_slo_s: float, scale: float = 1.0
+) -> float:
+    """The share of `records` that meet both SLOs scaled by `scale`."""
+    if not records:
+        raise ValueError("attainment of no requests is undefined")
+    met = sum(meets_slo(r, ttft_slo_s, tpot_slo_s, scale) for r in records)
+    return met / len(records)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """`rate` is per device. `bound` says how to read it: "crossed" (interpolated at the 90%
+    crossing), "at_least" (every measured rate met 90%: a lower bound, sweep higher) or
+    "below_lowest" (even the lowest rate missed 90%: 0, sweep lower)."""
+
+    rate: float
+    bound: str
+
+
+def goodput(points: Sequence[tuple[float, float]], target: float = ATTAINMENT_TARGET) -> Goodput:
+    """Goodput from (rate per device, attainment) points of a sweep, in any order.
+
+    Walking up in rate, the first pair (a >= target, next < target) is the crossing; the rate
+    there is interpolated linearly. Later points above the target (noise past saturation) are
+    ignored, which keeps the figure conservative.
+    """
+    if not points:
+        raise ValueError("goodput needs at least one (rate, attainment) point")
+    ordered = sorted(points)
+    if ordered[0][1] < target:
+        return Goodput(0.0, "below_lowest")
+    for (rate_low, att_low), (rate_high, att_high) in zip(ordered, ordered[1:], strict=False):
+        if att_low >= target > att_high:
+            fraction = (att_low - target) / (att_low - att_high)
+            return Goodput(rate_low + fraction * (rate_high - rate_low), "crossed")
+    return Goodput(ordered[-1][0], "at_least")
+
+
+def breakdown(record: RequestRecord) -> dict[str, float]:
+    """Where one request's time went, from the response's Timings and the client's clock.
+
+    router_queue, prefill_queue, prefill and transfer, decode_queue come from the workers; decode
+    is the rest of the time after the first token (client-measured last - first token, less the
+    transfer and decode queue, which happen after the first token has left the prefill side).
+    """
+    timings = record.timings
+    after_first = record.token_times[-1] - record.token_times[0] if record.ok else 0.0
+    transfer = timings.get("kv_transfer_s", 0.0)
+    before_transfer = timings.get("prefill_queue_s", 0.0) + timings.get("prefill_s", 0.0)
+    if transfer > before_transfer:
+        # DecodeWorker reports kv_transfer_s from its reservation, which the router makes before
+        # the prefill is queued: the prefill queue and the prefill are inside it.
+        transfer -= before_transfer
+    decode_queue = timings.get("decode_queue_s", 0.0)
+    return {
+        "router_queue": timings.get("router_queue_s", 0.0),
+        "prefill_queue": timings.get("prefill_queue_s", 0.0),
+        "prefill": timings.get("prefill_s", 0.0),
+        "transfer": transfer,
+        "decode_queue": decode_queue,
+        "decode": max(0.0, after_first - transfer - decode_queue),
+    }
+
+
+def mean_breakdown(records: Iterable[RequestRecord]) -> dict[str, float]:
+    """Each stage's mean over the requests that succeeded (0 for none)."""
+    done = [breakdown(r) for r in records if r.ok]
+    return {
+        stage: (sum(b[stage] for b in done) / len(done) if done else 0.0)
+        for stage in BREAKDOWN_STAGES
+    }

@@ -1,0 +1,132 @@
+"""PNG plots of one regime (matplotlib, Agg): both layouts on every chart.
+
+    {regime}_attainment_vs_rate.png    attainment against rate per device, 90% line, goodputs
+    {regime}_attainment_vs_scale.png   attainment against SLO scale at one shared rate
+    {regime}_latency_cdf.png           TTFT and TPOT CDFs at that rate, SLOs marked
+    {regime}_ttft_breakdown.png        mean TTFT split into stages, stacked, per layout and rate
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.goodput.metrics import ATTAINMENT_TARGET, attainment, breakdown, tpot, ttft
+from benchmarks.goodput.report import common_rate, point_at
+from benchmarks.goodput.sweep import RatePoint
+
+COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange"}
+TTFT_STAGES = ("router_queue", "prefill_queue", "prefill")
+SCALES = [0.25 * k for k in range(1, 17)]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_regime(
+    out_dir: Path, regime: str, points_by_layout: dict[str, list[RatePoint]],
+    slo: tuple[float, float], summary: dict[str, Any],
+) -> list[str]:
+    """Write the four charts; returns their file names."""
+    plt = _pyplot()
+    goodputs = [summary.get(f"goodput_{layout}", 0.0) or 0.0 for layout in points_by_layout]
+    shared = common_rate(points_by_layout, max(goodputs))
+    names = [_attainment_vs_rate(plt, out_dir, regime, points_by_layout, slo, summary)]
+    if shared is not None:
+        names.append(_attainment_vs_scale(plt, out_dir, regime, points_by_layout, slo, shared))
+        names.append(_latency_cdf(plt, out_dir, regime, points_by_layout, slo, shared))
+    names.append(_ttft_breakdown(plt, out_dir, regime, points_by_layout))
+    return names
+
+
+def _save(plt: Any, figure: Any, path: Path) -> str:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path.name
+
+
+def _attainment_vs_rate(plt, out_dir, regime, points_by_layout, slo, summary) -> str:
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for layout, points in points_by_layout.items():
+        ordered = sorted(points, key=lambda p: p.rate)
+        axis.plot([p.rate_per_device for p in ordered],
+                  [100 * attainment(p.records, *slo) for p in ordered],
+                  "o-", color=COLORS.get(layout), label=layout)  # fmt: skip
+        rate = summary.get(f"goodput_{layout}")
+        if rate:
+            axis.axvline(rate, color=COLORS.get(layout), linestyle=":", linewidth=1)
+    axis.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--", linewidth=1)
+    ratio = summary.get("goodput_ratio")
+    title = f"{regime}: SLO attainment" + (f" (goodput ratio {ratio:.2f}x)" if ratio else "")
+    axis.set(xlabel="rate per device (requests/s)", ylabel="SLO attainment (%)", title=title,
+             ylim=(-2, 102))  # fmt: skip
+    axis.legend()
+    return _save(plt, figure, out_dir / f"{regime}_attainment_vs_rate.png")
+
+
+def _attainment_vs_scale(plt, out_dir, regime, points_by_layout, slo, rate) -> str:
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for layout, points in points_by_layout.items():
+        records = point_at(points, rate).records
+        axis.plot(SCALES, [100 * attainment(records, *slo, scale) for scale in SCALES],
+                  "o-", color=COLORS.get(layout), label=layout)  # fmt: skip
+    axis.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--", linewidth=1)
+    axis.set(xlabel="SLO scale s (TTFT <= s*TTFT_SLO, TPOT <= s*TPOT_SLO)",
+             ylabel="SLO attainment (%)", ylim=(-2, 102),
+             title=f"{regime}: attainment vs SLO scale at {rate:.2f} req/s/device")  # fmt: skip
+    axis.legend()
+    return _save(plt, figure, out_dir / f"{regime}_attainment_vs_scale.png")
+
+
+def _cdf(axis: Any, values: list[float], color: str | None, label: str) -> None:
+    ordered = sorted(values)
+    if ordered:
+        axis.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))],
+                  where="post", color=color, label=label)  # fmt: skip
+
+
+def _latency_cdf(plt, out_dir, regime, points_by_layout, slo, rate) -> str:
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for layout, points in points_by_layout.items():
+        done = [r for r in point_at(points, rate).records if r.ok]
+        _cdf(axes[0], [ttft(r) for r in done], COLORS.get(layout), layout)
+        _cdf(axes[1], [tpot(r) for r in done], COLORS.get(layout), layout)
+    for axis, limit, name in ((axes[0], slo[0], "TTFT"), (axes[1], slo[1], "TPOT")):
+        axis.axvline(limit, color="gray", linestyle="--", linewidth=1, label=f"{name} SLO")
+        axis.set(xlabel=f"{name} (s)", ylabel="fraction of requests",
+                 title=f"{regime}: {name} CDF at {rate:.2f} req/s/device")  # fmt: skip
+        axis.legend()
+    return _save(plt, figure, out_dir / f"{regime}_latency_cdf.png")
+
+
+def _ttft_breakdown(plt, out_dir, regime, points_by_layout) -> str:
+    """Mean TTFT per (layout, rate) as stacked stages; "other" is the client-measured TTFT
+    the stages do not cover (gRPC, router dispatch, event polling)."""
+    labels, stacks = [], []
+    for layout, points in points_by_layout.items():
+        for point in sorted(points, key=lambda p: p.rate):
+            done = [r for r in point.records if r.ok]
+            if not done:
+                continue
+            parts = [sum(breakdown(r)[s] for r in done) / len(done) for s in TTFT_STAGES]
+            mean_ttft = sum(ttft(r) for r in done) / len(done)
+            stacks.append([*parts, max(0.0, mean_ttft - sum(parts))])
+            labels.append(f"{layout[:6]}\n{point.rate_per_device:.2f}")
+    figure, axis = plt.subplots(figsize=(max(6, 0.7 * len(labels) + 2), 4))
+    bottoms = [0.0] * len(stacks)
+    for index, stage in enumerate((*TTFT_STAGES, "other")):
+        heights = [stack[index] for stack in stacks]
+        axis.bar(range(len(stacks)), heights, bottom=bottoms, label=stage)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=False)]
+    axis.set_xticks(range(len(labels)), labels, fontsize=7)
+    axis.set(ylabel="mean TTFT (s)", xlabel="layout, rate per device (req/s)",
+             title=f"{regime}: where the time to first token goes")  # fmt: skip
+    axis.legend(fontsize=8)
+    return _save(plt, figure, out_dir / f"{regime}_ttft_breakdown.png")

@@ -1,0 +1,86 @@
+"""From sweep points to the numbers in summary.json (one regime at a time).
+
+Every figure here is recomputable from the raw JSON's per-request timings with metrics.py; the
+test (tests/benchmarks/test_goodput_e2e.py) does exactly that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.goodput.metrics import (
+    attainment,
+    goodput,
+    latency_stats,
+    mean_breakdown,
+    tpot,
+    ttft,
+)
+from benchmarks.goodput.sweep import RatePoint
+
+DEFAULT_SLO_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def goodput_at_scale(points: Sequence[RatePoint], slo: tuple[float, float], scale: float) -> Any:
+    curve = [(p.rate_per_device, attainment(p.records, *slo, scale)) for p in points]
+    return goodput(curve)
+
+
+def _point_summary(point: RatePoint, slo: tuple[float, float]) -> dict[str, Any]:
+    done = [r for r in point.records if r.ok]
+    return {
+        "rate": point.rate,
+        "rate_per_device": point.rate_per_device,
+        "attainment": attainment(point.records, *slo),
+        "num_requests": len(point.records),
+        "num_failed": len(point.records) - len(done),
+        "wall_s": point.wall_s,
+        "latency": latency_stats(point.records),
+        "breakdown_mean_s": mean_breakdown(point.records),
+        "ttft_mean_s": sum(ttft(r) for r in done) / len(done) if done else None,
+        "tpot_mean_s": sum(tpot(r) for r in done) / len(done) if done else None,
+    }
+
+
+def regime_summary(
+    points_by_layout: dict[str, list[RatePoint]],
+    slo: tuple[float, float],
+    slo_scales: Sequence[float] = DEFAULT_SLO_SCALES,
+) -> dict[str, Any]:
+    """Goodput of each layout (per device, SLO scale 1), their ratio, and per scale the same;
+    per point: attainment, latency percentiles and the mean per-request breakdown."""
+    result: dict[str, Any] = {"points": {}, "goodput_by_scale": {}}
+    for layout, points in points_by_layout.items():
+        result["points"][layout] = [_point_summary(p, slo) for p in points]
+    for scale in sorted(set(slo_scales) | {1.0}):
+        entry: dict[str, Any] = {}
+        for layout, points in points_by_layout.items():
+            found = goodput_at_scale(points, slo, scale)
+            entry[layout] = {"rate": found.rate, "bound": found.bound}
+        if {"disaggregated", "colocated"} <= set(entry):
+            entry["ratio"] = _ratio(entry["disaggregated"]["rate"], entry["colocated"]["rate"])
+        result["goodput_by_scale"][f"{scale:g}"] = entry
+    main = result["goodput_by_scale"]["1"]
+    for layout in points_by_layout:
+        result[f"goodput_{layout}"] = main[layout]["rate"]
+        result[f"goodput_{layout}_bound"] = main[layout]["bound"]
+    result["goodput_ratio"] = main.get("ratio")
+    return result
+
+
+def common_rate(points_by_layout: dict[str, list[RatePoint]], near: float) -> float | None:
+    """The per-device rate that every layout ran, nearest to `near` (for side-by-side plots)."""
+    rate_sets = [
+        {round(p.rate_per_device, 9) for p in points} for points in points_by_layout.values()
+    ]
+    shared = set.intersection(*rate_sets) if rate_sets else set()
+    return min(shared, key=lambda rate: abs(rate - near)) if shared else None
+
+
+def point_at(points: Sequence[RatePoint], rate_per_device: float) -> RatePoint:
+    return min(points, key=lambda p: abs(p.rate_per_device - rate_per_device))

@@ -1,0 +1,119 @@
+"""JSON Schemas of the benchmark's output files (summary.json and raw/{regime}.json).
+
+Tests validate every run against them; other tools can too (`jsonschema.validate`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_NUMBER = {"type": "number"}
+_OPTIONAL_NUMBER = {"type": ["number", "null"]}
+_BOUND = {"enum": ["crossed", "at_least", "below_lowest"]}
+
+SLO_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["ttft_s", "tpot_s", "calibration", "start_rate"],
+    "properties": {
+        "ttft_s": {"type": "number", "exclusiveMinimum": 0},
+        "tpot_s": {"type": "number", "exclusiveMinimum": 0},
+        "calibration": {
+            "type": "object", "required": ["prompt_len", "prefill_s", "decode_step_s"],
+        },
+        "start_rate": {"type": "number", "exclusiveMinimum": 0},
+    },
+}  # fmt: skip
+
+WORKLOAD_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["regime", "source", "arrival", "cv", "seed", "num_requests",
+                 "mean_prompt_len", "mean_output_len"],
+}  # fmt: skip
+
+POINT_SUMMARY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["rate", "rate_per_device", "attainment", "num_requests", "num_failed",
+                 "latency", "breakdown_mean_s"],
+    "properties": {
+        "attainment": {"type": "number", "minimum": 0, "maximum": 1},
+        "breakdown_mean_s": {
+            "type": "object",
+            "required": ["router_queue", "prefill_queue", "prefill", "transfer",
+                         "decode_queue", "decode"],
+        },
+        "latency": {"type": "object", "required": ["ttft_s", "tpot_s", "itl_s", "e2e_s"]},
+    },
+}  # fmt: skip
+
+REGIME_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["points", "goodput_by_scale", "goodput_disaggregated", "goodput_colocated",
+                 "goodput_ratio", "slo", "workload", "devices", "plots"],
+    "properties": {
+        "points": {"type": "object", "additionalProperties": {
+            "type": "array", "items": POINT_SUMMARY_SCHEMA}},
+        "goodput_by_scale": {"type": "object", "additionalProperties": {
+            "type": "object",
+            "properties": {
+                "disaggregated": {"type": "object", "required": ["rate", "bound"],
+                                  "properties": {"rate": _NUMBER, "bound": _BOUND}},
+                "colocated": {"type": "object", "required": ["rate", "bound"],
+                              "properties": {"rate": _NUMBER, "bound": _BOUND}},
+                "ratio": _OPTIONAL_NUMBER,
+            },
+        }},
+        "goodput_disaggregated": _NUMBER,
+        "goodput_colocated": _NUMBER,
+        "goodput_ratio": _OPTIONAL_NUMBER,
+        "slo": SLO_SCHEMA,
+        "workload": WORKLOAD_SCHEMA,
+        "plots": {"type": "array", "items": {"type": "string", "pattern": r"\.png$"}},
+    },
+}  # fmt: skip
+
+SUMMARY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["schema", "main_regime", "goodput_disaggregated", "goodput_colocated",
+                 "goodput_ratio", "goodput_unit", "slo", "workload", "ratios", "regimes",
+                 "config", "duration_s"],
+    "properties": {
+        "schema": {"const": "pdserve.goodput.summary/1"},
+        "goodput_disaggregated": _NUMBER,
+        "goodput_colocated": _NUMBER,
+        "goodput_ratio": _OPTIONAL_NUMBER,
+        "slo": SLO_SCHEMA,
+        "workload": WORKLOAD_SCHEMA,
+        "ratios": {"type": "object", "additionalProperties": _OPTIONAL_NUMBER},
+        "regimes": {"type": "object", "additionalProperties": REGIME_SCHEMA},
+    },
+}  # fmt: skip
+
+RECORD_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["request_id", "prompt_len", "output_len", "send_time", "token_times",
+                 "finish_reason", "error", "timings", "shard"],
+    "properties": {
+        "send_time": _NUMBER,
+        "token_times": {"type": "array", "items": _NUMBER},
+        "timings": {"type": "object", "additionalProperties": _NUMBER},
+    },
+}  # fmt: skip
+
+RAW_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["schema", "regime", "config", "slo", "workload", "requests", "layouts"],
+    "properties": {
+        "schema": {"const": "pdserve.goodput.raw/1"},
+        "slo": SLO_SCHEMA,
+        "workload": WORKLOAD_SCHEMA,
+        "requests": {"type": "array", "items": {
+            "type": "object", "required": ["prompt_len", "output_len", "unit_gap_s"]}},
+        "layouts": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["num_devices", "address", "points"],
+            "properties": {"points": {"type": "array", "items": {
+                "type": "object", "required": ["rate", "rate_per_device", "wall_s", "records"],
+                "properties": {"records": {"type": "array", "items": RECORD_SCHEMA}},
+            }}},
+        }},
+    },
+}  # fmt: skip

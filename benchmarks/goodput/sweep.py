@@ -1,0 +1,113 @@
+"""The rate sweep of one layout: the same requests at increasing rates until SLOs break.
+
+Rates form one geometric grid, start * growth**k (total requests/s), shared by both layouts so
+their points line up. From the start rate the sweep goes up until attainment (at SLO scale 1)
+falls below `stop_below`, or `max_points` are run; if even the start rate misses 90%, it first
+halves the rate (at most `max_halvings` times) to find a rate that meets it. An explicit `rates`
+list runs exactly those. Each point replays the same prompts with the arrival gaps scaled to its
+rate (workloads.arrival_offsets), and the next point starts only when every request has ended.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.goodput.driver import LoadDriver
+from benchmarks.goodput.metrics import ATTAINMENT_TARGET, RequestRecord, attainment
+from benchmarks.goodput.workloads import BenchRequest, arrival_offsets, build_requests
+
+
+@dataclass(frozen=True)
+class SweepPolicy:
+    start_rate: float
+    growth: float = 1.4
+    max_points: int = 6
+    stop_below: float = 0.5
+    max_halvings: int = 2
+    rates: tuple[float, ...] = ()  # explicit total rates: run these, nothing adaptive
+
+    def __post_init__(self) -> None:
+        if self.start_rate <= 0 or self.growth <= 1 or self.max_points < 1:
+            raise ValueError("need start_rate > 0, growth > 1 and max_points >= 1")
+        if any(rate <= 0 for rate in self.rates):
+            raise ValueError(f"every rate must be > 0, got {self.rates}")
+
+
+@dataclass
+class RatePoint:
+    rate: float  # offered requests/s, all devices together
+    rate_per_device: float
+    records: list[RequestRecord]
+    wall_s: float  # first send to last token
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rate": self.rate, "rate_per_device": self.rate_per_device, "wall_s": self.wall_s,
+            "records": [record.to_json() for record in self.records],
+        }  # fmt: skip
+
+
+class RateSweep:
+    """Runs the points of one layout against one router address."""
+
+    def __init__(
+        self, driver: LoadDriver, address: str, prompts: list[tuple[list[int], int]],
+        unit_gaps: list[float], id_prefix: str, num_devices: int, slo: tuple[float, float],
+        on_point: Callable[[RatePoint, float], None] | None = None,
+    ) -> None:
+        self.driver = driver
+        self.address = address
+        self.prompts = prompts
+        self.unit_gaps = unit_gaps
+        self.id_prefix = id_prefix
+        self.num_devices = num_devices
+        self.ttft_slo_s, self.tpot_slo_s = slo
+        self.on_point = on_point
+        self.points: list[RatePoint] = []
+
+    def run_rate(self, rate: float) -> RatePoint:
+        index = len(self.points)
+        requests: list[BenchRequest] = build_requests(
+            self.prompts, arrival_offsets(self.unit_gaps, rate), f"{self.id_prefix}-r{index}"
+        )
+        records = self.driver.run(self.address, requests)
+        finished = [t for r in records for t in r.token_times[-1:]] or [records[0].send_time]
+        wall_s = max(finished) - min(r.send_time for r in records)
+        point = RatePoint(rate, rate / self.num_devices, records, wall_s)
+        self.points.append(point)
+        if self.on_point is not None:
+            self.on_point(point, self.attainment(point))
+        return point
+
+    def attainment(self, point: RatePoint) -> float:
+        return attainment(point.records, self.ttft_slo_s, self.tpot_slo_s)
+
+    def run(self, policy: SweepPolicy) -> list[RatePoint]:
+        if policy.rates:
+            for rate in policy.rates:
+                self.run_rate(rate)
+            return self.points
+        rate = policy.start_rate
+        for _ in range(policy.max_halvings + 1):
+            if self.attainment(self.run_rate(rate)) >= ATTAINMENT_TARGET:
+                break
+            rate /= 2.0
+        else:
+            return self.points  # even the lowest rate missed 90%: goodput is below it
+        while len(self.points) < policy.max_points:
+            rate *= policy.growth
+            if self.attainment(self.run_rate(rate)) < policy.stop_below:
+                break
+        return self.points
+
+
+def warm_up(driver: LoadDriver, address: str, prompts: list[tuple[list[int], int]]) -> float:
+    """A few requests one at a time, so first-call costs (allocation, lazy init) stay out of
+    the sweep; returns the seconds it took."""
+    began = time.monotonic()
+    for index, (ids, _) in enumerate(prompts[:3]):
+        driver.run(address, build_requests([(ids, 4)], [0.0], f"warmup-{index}"))
+    return time.monotonic() - began
