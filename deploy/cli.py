@@ -102,25 +102,34 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deploy.cluster_spec import build_cluster_spec
+    from deploy.cluster_spec import resolve_model_dir
     from deploy.launch import open_cluster
 
     config = serve_config(args)
     stop = threading.Event()
+    serving = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+        if not serving.is_set():  # still starting: abandon start-up (the `with` cleans up)
+            raise KeyboardInterrupt(f"signal {signum}")
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
     say = _say
     if config.model == "demo":
         say("preparing the demo model (built on first use)")
-    spec = build_cluster_spec(config)
-    with open_cluster(spec, config.ray.enabled, say=say) as cluster:
+    model_dir = resolve_model_dir(config.model)
+    with open_cluster(config, model_dir, say=say) as cluster:
         address = cluster.start(progress=say)
-        metrics_port = getattr(cluster, "metrics_port", None)
+        metrics_port = getattr(cluster, "metrics_port", None) or config.router.metrics_port
         metrics = (
             f", metrics http://{config.router.host}:{metrics_port}/metrics" if metrics_port else ""
         )
         say(f"serving on {address}{metrics}; Ctrl-C to stop")
-        stop.wait()
+        serving.set()
+        while not stop.wait(0.5):
+            pass
         say("stopping: draining in-flight requests")
     say("stopped")
     return 0

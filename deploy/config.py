@@ -11,7 +11,7 @@ so a typo fails at start-up instead of silently keeping a default. The schema, w
     dtype: float32               # float32 | float16 | bfloat16 | float64
     device: cpu                  # cpu | cuda
     mode: disaggregated          # disaggregated | colocated (the baseline)
-    pin_cpus: false              # CPU mode: give each worker process its own set of cores
+    pin_cpus: true               # CPU mode: give each worker process its own set of cores
     prefill:   {instances: 1, tensor_parallel_size: 1, policy: least_tokens}
     decode:    {instances: 1, tensor_parallel_size: 1, policy: most_free_blocks}
     colocated: {instances: 1, tensor_parallel_size: 1, policy: least_tokens}
@@ -209,7 +209,7 @@ class ServeConfig:
     dtype: str = "float32"
     device: str = "cpu"
     mode: str = "disaggregated"
-    pin_cpus: bool = False
+    pin_cpus: bool = True
     prefill: PrefillSection = field(default_factory=PrefillSection)
     decode: DecodeSection = field(default_factory=DecodeSection)
     colocated: ColocatedSection = field(default_factory=ColocatedSection)

@@ -18,8 +18,7 @@ from typing import TextIO
 from pdserve_proto.v1 import generation_pb2 as pb
 
 from deploy.client import RouterClient
-from deploy.cluster_spec import build_cluster_spec
-from deploy.config import KVCacheConfig, RouterSection, ServeConfig, parse_config
+from deploy.config import KVCacheConfig, RaySection, RouterSection, ServeConfig, parse_config
 from deploy.demo_model import DEMO_PROMPTS, default_cache_dir, ensure_demo_model
 from deploy.launch import open_cluster
 from deploy.status import format_table
@@ -38,7 +37,7 @@ class DemoResult:
     workers: str
 
 
-def demo_config(model: str) -> ServeConfig:
+def demo_config(model: str, use_ray: bool = True) -> ServeConfig:
     """One prefill instance at TP=2 and two decode instances, on 127.0.0.1, a free port."""
     config = parse_config(
         {
@@ -51,6 +50,7 @@ def demo_config(model: str) -> ServeConfig:
         config,
         kv_cache=KVCacheConfig(memory_mb=32),
         router=RouterSection(host="127.0.0.1", port=0),
+        ray=RaySection(enabled=use_ray),
     )
 
 
@@ -72,8 +72,8 @@ def run_demo(
 ) -> list[DemoResult]:  # fmt: skip
     """Start, stream DEMO_PROMPTS, print the table, shut down; returns the rows."""
     model = resolve_demo_model(model_dir, out)
-    spec = build_cluster_spec(demo_config(model), model_dir=model)
-    cluster = open_cluster(spec, use_ray, say=lambda line: _say(out, line))
+    config = demo_config(model, use_ray)
+    cluster = open_cluster(config, model, say=lambda line: _say(out, line))
     results: list[DemoResult] = []
     with cluster:
         address = cluster.start(progress=lambda line: _say(out, line))
@@ -104,7 +104,8 @@ def _stream_one(
         out.flush()
         last = response
     out.write("\n")
-    placement = getattr(cluster, "placements", {}).get(request_id)
+    # Only LocalCluster records placements; the API's responses do not name the instances.
+    placement = getattr(cluster, "request_placements", {}).get(request_id)
     return DemoResult(
         request_id=request_id,
         prompt=prompt,

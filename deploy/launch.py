@@ -1,21 +1,29 @@
-"""Pick the runtime for a ClusterSpec: Ray actors (deploy/ray_cluster.py) or plain processes.
+"""Pick the runtime for a config: Ray actors (deploy/ray_cluster.py) or plain processes.
 
-Both runtimes have the same surface: `start(progress) -> address`, `address`, `metrics_port`,
-`shutdown()`, and use as a context manager. `pdserve serve` and `pdserve demo` call
-`open_cluster`; `--no-ray` (or `ray.enabled: false`) asks for plain processes.
+    cluster = open_cluster(config, model_dir)      # RayCluster, or LocalCluster with ray off
+    with cluster:
+        address = cluster.start(progress=print)
+
+Both runtimes have the same surface: `start(progress) -> address`, `address`, `shutdown()`,
+and use as a context manager. `--no-ray` (or `ray.enabled: false`) asks for plain processes;
+the colocated layout (a baseline for benchmarks) runs only as plain processes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from deploy.cluster_spec import ClusterSpec
+from deploy.cluster_spec import build_cluster_spec
+from deploy.config import ConfigError, ServeConfig
 from deploy.local_cluster import LocalCluster
+
+if TYPE_CHECKING:
+    from deploy.ray_config import RayClusterConfig
 
 
 class Cluster(Protocol):
-    """What the command line needs from a running cluster."""
+    """What the command line needs from a cluster (LocalCluster and RayCluster have it)."""
 
     @property
     def address(self) -> str: ...
@@ -24,23 +32,54 @@ class Cluster(Protocol):
 
     def shutdown(self) -> None: ...
 
+    def __enter__(self) -> Cluster: ...
 
-def ray_runtime_available() -> bool:
-    try:
-        import deploy.ray_cluster  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    def __exit__(self, *exc_info: object) -> None: ...
+
+
+def ray_cluster_config(config: ServeConfig, model_dir: str) -> RayClusterConfig:
+    """The config file, field by field, as deploy/ray_config.RayClusterConfig."""
+    from deploy.ray_config import RayClusterConfig
+
+    if config.mode != "disaggregated":
+        raise ConfigError(
+            f"mode {config.mode!r} runs as plain processes only: set ray.enabled: false "
+            "(or pass --no-ray)"
+        )
+    router = config.router
+    return RayClusterConfig(
+        model_dir=model_dir,
+        dtype=config.dtype,
+        device=config.device,
+        num_prefill_instances=config.prefill.instances,
+        prefill_tp_size=config.prefill.tensor_parallel_size,
+        num_decode_instances=config.decode.instances,
+        decode_tp_size=config.decode.tensor_parallel_size,
+        block_size=config.kv_cache.block_size,
+        num_kv_blocks=config.kv_cache.num_blocks,
+        kv_cache_memory_bytes=config.kv_cache.memory_mb * 1024 * 1024,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        chunk_size=config.scheduler.chunk_size,
+        prefill_policy=config.prefill.policy,
+        decode_policy=config.decode.policy,
+        host=router.host,
+        port=router.port,
+        metrics_port=router.metrics_port,
+        auth_token=router.resolved_auth_token(),
+        tls_cert_file=router.tls_cert_file,
+        tls_key_file=router.tls_key_file,
+        address=config.ray.address,
+        pin_cpus=config.pin_cpus,
+    )
 
 
 def open_cluster(
-    spec: ClusterSpec, use_ray: bool, say: Callable[[str], None] = print
-) -> Cluster | Any:
-    """A cluster object for `spec`, not started yet."""
-    if use_ray:
-        if ray_runtime_available():
-            from deploy.ray_cluster import RayCluster
+    config: ServeConfig, model_dir: str, say: Callable[[str], None] = print
+) -> Cluster:
+    """A cluster for `config` (not started yet), on Ray unless `config.ray.enabled` is off."""
+    if config.ray.enabled:
+        from deploy.ray_cluster import RayCluster
 
-            return RayCluster.from_spec(spec)  # type: ignore[attr-defined]
-        say("the Ray runtime (deploy/ray_cluster.py) is not available: running plain processes")
-    return LocalCluster(spec)
+        return RayCluster(ray_cluster_config(config, model_dir))
+    return LocalCluster(build_cluster_spec(config, model_dir=model_dir))

@@ -96,7 +96,7 @@ class LocalCluster:
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.workers: dict[str, ProcessWorker] = {}
-        self.placements: dict[str, tuple[str, str]] = {}  # request_id -> (prefill, decode)
+        self.request_placements: dict[str, tuple[str, str]] = {}  # request_id -> (prefill, decode)
         self.router: Router | None = None
         self._handles: list[ProcessHandle] = []
         self._control_queue = mp.get_context("spawn").Queue()
@@ -181,7 +181,7 @@ class LocalCluster:
             else:
                 role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
                 front.append(_RecordingHandle(instance_id, role, worker,
-                                              placements=self.placements))  # fmt: skip
+                                              placements=self.request_placements))  # fmt: skip
         self._handles = [*front, *back]
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
