@@ -1,0 +1,174 @@
+"""The serving config file: schema, unknown keys, bad values, flag overrides, and the mapping onto
+the role configs (LocalCluster) and RayClusterConfig (RayCluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import build_parser, serve_config
+from deploy.cluster_spec import build_cluster_spec
+from deploy.config import ConfigError, ServeConfig, apply_overrides, load_config, parse_config
+from deploy.launch import ray_cluster_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def model_dir(tmp_path: Path) -> str:
+    (tmp_path / "config.json").write_text("{}")  # enough for the config's folder check
+    return str(tmp_path)
+
+
+def test_local_yaml_is_one_prefill_at_tp2_and_two_decodes_on_loopback() -> None:
+    config = load_config(REPO_ROOT / "deploy" / "local.yaml")
+    assert config.model == "demo" and config.mode == "disaggregated"
+    assert (config.prefill.instances, config.prefill.tensor_parallel_size) == (1, 2)
+    assert (config.decode.instances, config.decode.tensor_parallel_size) == (2, 1)
+    assert config.router.host == "127.0.0.1" and config.ray.address is None
+
+
+def test_defaults_equal_an_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == ServeConfig() == parse_config({})
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"prefil": {}}, "unknown key 'prefil' in config (did you mean 'prefill'?); valid keys: "
+                         "model, dtype, device, mode, pin_cpus, prefill, decode"),
+        ({"prefill": {"tp": 2}}, "unknown key 'tp' in prefill; valid keys: instances, "
+                                 "tensor_parallel_size, policy"),
+        ({"router": {"prot": 1}}, "unknown key 'prot' in router (did you mean 'port'?)"),
+        ({"kv_cache": {"memory": 8}}, "unknown key 'memory' in kv_cache (did you mean 'memory_mb'?)"),
+    ],
+)  # fmt: skip
+def test_unknown_keys_are_named_with_the_valid_ones(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config(data)
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"prefill": {"instances": -1}}, "prefill.instances must be an integer >= 0, got -1"),
+        ({"decode": {"tensor_parallel_size": 0}},
+         "decode.tensor_parallel_size must be an integer >= 1, got 0"),
+        ({"prefill": {"tensor_parallel_size": "2"}},
+         "prefill.tensor_parallel_size must be an integer >= 1, got '2'"),
+        ({"prefill": {"policy": "random"}},
+         "prefill.policy must be one of least_tokens, round_robin, prefix_affinity; got 'random'"),
+        ({"decode": {"policy": "least_tokens"}},
+         "decode.policy must be one of most_free_blocks; got 'least_tokens'"),
+        ({"dtype": "fp8"}, "config.dtype must be one of float32, float16, bfloat16, float64"),
+        ({"device": "tpu"}, "config.device must be 'cpu' or 'cuda', got 'tpu'"),
+        ({"router": {"port": 70000}}, "router.port must be a port in [0, 65535], got 70000"),
+        ({"router": {"tls_cert_file": "/nonexistent.pem"}}, "router: TLS needs both"),
+        ({"router": {"auth_token_file": "/nonexistent"}},
+         "router.auth_token_file: '/nonexistent' is not a file"),
+        ({"router": {"auth_token": "a", "auth_token_file": "b"}},
+         "router: give auth_token or auth_token_file, not both"),
+        ({"scheduler": {"chunk_size": 4096}},
+         "scheduler.chunk_size (4096) must not exceed scheduler.max_num_batched_tokens (2048)"),
+        ({"kv_cache": {"num_blocks": 0}}, "kv_cache.num_blocks must be an integer >= 1, got 0"),
+        ({"decode": {"instances": 0}}, "mode disaggregated needs prefill.instances >= 1"),
+        ({"model": "/no/such/folder"}, "model '/no/such/folder' is not a Hugging Face model"),
+        ({"ray": {"enabled": "yes"}}, "ray.enabled must be true or false, got 'yes'"),
+        ({"prefill": 2}, "prefill must be a mapping of keys, got 2"),
+    ],
+)  # fmt: skip
+def test_bad_values_say_what_to_fix(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config(data)
+    assert str(error.value).startswith(message)
+
+
+def test_a_file_that_is_not_a_mapping_or_not_yaml_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "list.yaml").write_text("- model\n- demo\n")
+    (tmp_path / "bad.yaml").write_text("model: [demo\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of keys"):
+        load_config(tmp_path / "list.yaml")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_command_line_flags_override_the_file(tmp_path: Path, model_dir: str) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "prefill: {instances: 2, tensor_parallel_size: 1, policy: round_robin}\n"
+        "decode: {instances: 3}\nrouter: {port: 6000, metrics_port: 6001}\n"
+    )
+    argv = ["serve", "--config", str(path), "--model", model_dir, "--host", "0.0.0.0",
+            "--port", "7000", "--prefill-tp", "2", "--decode-instances", "1", "--no-ray"]  # fmt: skip
+    config = serve_config(build_parser().parse_args(argv))
+    assert config.model == model_dir
+    assert (config.router.host, config.router.port, config.router.metrics_port) == (
+        "0.0.0.0", 7000, 6001,
+    )  # fmt: skip
+    assert config.prefill == config.prefill.__class__(2, 2, "round_robin")  # file kept instances
+    assert (config.decode.instances, config.ray.enabled) == (1, False)
+
+
+def test_flags_alone_serve_without_a_file(model_dir: str) -> None:
+    argv = ["serve", "--model", model_dir, "--prefill-instances", "1", "--decode-tp", "2"]
+    config = serve_config(build_parser().parse_args(argv))
+    assert config == apply_overrides(ServeConfig(), model=model_dir, decode_tp=2)
+    assert config.ray.enabled and config.decode.tensor_parallel_size == 2
+
+
+def test_overrides_are_checked_like_the_file(model_dir: str) -> None:
+    with pytest.raises(ConfigError, match="prefill.tensor_parallel_size must be an integer >= 1"):
+        apply_overrides(ServeConfig(), prefill_tp=0)
+    with pytest.raises(ConfigError, match="router.port must be a port"):
+        apply_overrides(ServeConfig(), port=-5)
+
+
+def test_cluster_spec_carries_every_setting_to_the_role_configs(
+    tmp_path: Path, model_dir: str
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    config = parse_config({
+        "model": model_dir, "dtype": "bfloat16",
+        "prefill": {"instances": 1, "tensor_parallel_size": 2, "policy": "prefix_affinity"},
+        "decode": {"instances": 3},
+        "kv_cache": {"block_size": 8, "memory_mb": 3},
+        "scheduler": {"chunk_size": 64, "max_num_seqs": 7, "max_num_batched_tokens": 128},
+        "router": {"port": 0, "metrics_port": 0, "auth_token_file": str(token_file)},
+    })  # fmt: skip
+    spec = build_cluster_spec(config)
+    assert spec.instance_ids() == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+    assert spec.prefill is not None and spec.decode is not None
+    prefill, decode = spec.prefill.engine, spec.decode.engine
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)
+    assert prefill.dtype == decode.dtype == "bfloat16"
+    assert prefill.block_size == spec.router.block_size == 8
+    assert prefill.kv_cache_memory_bytes == 3 * 1024 * 1024 and prefill.num_kv_blocks is None
+    assert (decode.chunk_size, decode.max_num_seqs, decode.max_num_batched_tokens) == (64, 7, 128)
+    assert spec.router.auth_token == "s3cret" and spec.router.prefill_policy == "prefix_affinity"
+    ray_config = ray_cluster_config(config, model_dir)
+    assert ray_config.prefill_config() == spec.prefill.__class__(
+        prefill, ray_config.kv_transfer_config()
+    )
+    assert (ray_config.num_decode_instances, ray_config.auth_token) == (3, "s3cret")
+    assert ray_config.router_config().prefill_policy == "prefix_affinity"
+
+
+def test_colocated_layout_has_replicas_and_no_ray(model_dir: str) -> None:
+    config = parse_config({"model": model_dir, "mode": "colocated",
+                           "colocated": {"instances": 3, "policy": "round_robin"}})  # fmt: skip
+    spec = build_cluster_spec(config)
+    assert spec.is_colocated and spec.instance_ids() == [
+        "colocated-0",
+        "colocated-1",
+        "colocated-2",
+    ]
+    assert spec.router.prefill_policy == "round_robin"
+    with pytest.raises(ConfigError, match="runs as plain processes only"):
+        ray_cluster_config(config, model_dir)
