@@ -46,6 +46,7 @@ class WorkerActor:
             pin_to_core_set(core_set(placement.worker_indices[0], num_workers))
         torch.set_num_threads(config.engine.num_threads or 1)
         self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
         if self.node_ip != config.kv_transfer.host and config.kv_transfer.host == "127.0.0.1":
             # decode ranks listen where prefill ranks on other nodes can reach them
             config = replace(config, kv_transfer=replace(config.kv_transfer, host=self.node_ip))
@@ -83,8 +84,8 @@ class WorkerActor:
         return events
 
     def info(self) -> dict[str, Any]:
-        """Where this instance runs: node address and process ids (rank 0 first)."""
-        return {"node_ip": self.node_ip, "pids": self.worker.process_ids()}
+        """Where this instance runs: node address and id, process ids (rank 0 first)."""
+        return {"node_ip": self.node_ip, "node_id": self.node_id, "pids": self.worker.process_ids()}
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -94,6 +95,8 @@ class RouterActor:
     """router.server.Router on this actor's event loop, over RayHandles to the worker actors."""
 
     def __init__(self, router_config: Any) -> None:
+        import router.server  # noqa: F401 - import while the workers load, not after
+
         self.config = router_config
         self.router: Any = None
 

@@ -126,6 +126,12 @@ class RayCluster:
         wait_until_placed(self.placements, self.config.start_timeout_s)
 
     def _start_workers(self) -> None:
+        # The router's process starts (and imports) while the workers load the model.
+        self.router_actor = (
+            ray.remote(RouterActor)
+            .options(name=actor_name("router"), num_cpus=0, max_restarts=0)
+            .remote(self.config.router_config())
+        )
         remote = ray.remote(WorkerActor)
         pin = self.config.pin_cpus and self.config.device == "cpu"
         for placement in self.placements:
@@ -146,11 +152,6 @@ class RayCluster:
         ray.get(infos, timeout=self.config.start_timeout_s)  # the actors are built: ready
 
     def _start_router(self) -> None:
-        self.router_actor = (
-            ray.remote(RouterActor)
-            .options(name=actor_name("router"), num_cpus=0, max_restarts=0)
-            .remote(self.config.router_config())
-        )
         prefill = {i: a for i, a in self.worker_actors.items() if i.startswith("prefill-")}
         decode = {i: a for i, a in self.worker_actors.items() if i.startswith("decode-")}
         tp_sizes = dict.fromkeys(prefill, self.config.prefill_tp_size)
@@ -200,7 +201,8 @@ class RayCluster:
             status = WorkerStatus(placement.instance_id, placement.role, placement.tp_size, False)
             try:
                 info, load = ray.get([actor.info.remote(), actor.load.remote()], timeout=timeout_s)
-                status.node_ip, status.pids, status.load = info["node_ip"], info["pids"], load
+                status.node_ip, status.node_id = info["node_ip"], info["node_id"]
+                status.pids, status.load = info["pids"], load
                 status.healthy = bool(load.healthy)
             except Exception as exc:  # dead, restarting or stuck: say so, do not raise
                 status.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}"

@@ -135,6 +135,7 @@ class WorkerStatus:
     tp_size: int
     healthy: bool
     node_ip: str = ""
+    node_id: str = ""
     pids: list[int] = field(default_factory=list)
     load: InstanceLoad | None = None  # None when the actor did not answer
     error: str | None = None

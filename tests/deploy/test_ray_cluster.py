@@ -1,0 +1,149 @@
+"""RayCluster end to end on a local Ray cluster (127.0.0.1): one prefill instance at TP=2 (two
+actors in one STRICT_PACK group) and two decode instances, driven by a real gRPC client.
+
+One cluster for the module (start-up dominates the time); the test that kills an actor runs last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import ray
+
+from deploy.ray_cluster import RayCluster
+from deploy.ray_config import RayClusterConfig
+from deploy.ray_node import process_is_running
+from engine.messages import Role
+from tests.deploy.ray_support import (
+    hf_greedy,
+    make_prompts,
+    non_loopback_listeners,
+    stream,
+    stream_all,
+    tiny_model_with_tokenizer,
+)
+
+MAX_TOKENS = 12
+PROMPTS = make_prompts(tuple(3 + (7 * i) % 41 for i in range(32)), seed=3)
+LONG_MAX_TOKENS = 400  # streams that are still running when an actor is killed
+LONG_PROMPTS = make_prompts((9, 14, 5, 11, 20, 7, 16, 12), seed=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("ray_cluster"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: str) -> dict[str, list[list[int]]]:
+    return {
+        "short": hf_greedy(model_dir, PROMPTS, MAX_TOKENS),
+        "long": hf_greedy(model_dir, LONG_PROMPTS, LONG_MAX_TOKENS),
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: str) -> Iterator[RayCluster]:
+    config = RayClusterConfig(
+        model_dir=model_dir, dtype="float64", prefill_tp_size=2, num_decode_instances=2,
+        block_size=8, num_kv_blocks=256, max_num_batched_tokens=256, chunk_size=32,
+        kv_transfer_timeout_s=5.0, worker_timeout_s=5.0, shutdown_grace_s=1.0,
+    )  # fmt: skip
+    ray_cluster = RayCluster(config)
+    progress: list[str] = []
+    try:
+        ray_cluster.start(progress=progress.append)
+        assert progress[0] == "starting Ray" and progress[-1].startswith("serving on 127.0.0.1:")
+        yield ray_cluster
+    finally:
+        pids = ray_cluster.pids()
+        ray_cluster.shutdown()
+    assert not ray.is_initialized()
+    assert [pid for pid in pids if process_is_running(pid)] == []
+
+
+def test_32_concurrent_streams_equal_transformers(cluster: RayCluster, reference) -> None:
+    results = stream_all(cluster.address, PROMPTS, MAX_TOKENS)
+    assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(PROMPTS)
+    assert [r.token_ids for r in results] == reference["short"]
+
+
+def test_status_shows_every_worker_and_its_placement(cluster: RayCluster) -> None:
+    status = cluster.status()
+    assert status.serving and status.router_address == cluster.address
+    by_id = {worker.instance_id: worker for worker in status.workers}
+    assert sorted(by_id) == ["decode-0", "decode-1", "prefill-0"]
+    assert [by_id["prefill-0"].role, by_id["decode-0"].role] == [Role.PREFILL, Role.DECODE]
+    assert [len(by_id[i].pids) for i in sorted(by_id)] == [1, 1, 2]  # TP=2: two rank actors
+    for worker in status.workers:
+        assert worker.healthy and worker.error is None and worker.node_ip == "127.0.0.1"
+        assert worker.load is not None and worker.load.num_total_blocks == 256
+        assert set(worker.pids) <= set(status.ray_pids)  # Ray's processes, so shut down by id
+    # one torch thread per worker, each pinned to its own core set
+    for worker in status.workers:
+        for pid in worker.pids:
+            assert len(os.sched_getaffinity(pid)) == 1
+
+
+def test_every_listening_socket_is_on_loopback(cluster: RayCluster) -> None:
+    pids = [os.getpid(), *cluster.pids()]  # the driver, GCS, raylet, agents, every actor
+    assert len(pids) >= 8
+    assert non_loopback_listeners(pids) == []
+
+
+def test_killed_decode_actor_fails_its_streams_and_is_restarted(
+    cluster: RayCluster, reference
+) -> None:
+    victim = next(w for w in cluster.status().workers if w.instance_id == "decode-0")
+    started: list[int] = []
+    results: list = [None] * len(LONG_PROMPTS)
+
+    def run(i: int) -> None:
+        results[i] = stream(cluster.address, LONG_PROMPTS[i], LONG_MAX_TOKENS, 60.0, started)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(LONG_PROMPTS))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(started) < len(LONG_PROMPTS) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(victim.pids[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    for thread in threads:
+        thread.join(30)
+    assert time.monotonic() - killed_at < 30
+    failed = [r for r in results if r.code != grpc.StatusCode.OK]
+    assert failed, "decode-0 held none of the streams"
+    for result in failed:
+        assert result.code == grpc.StatusCode.UNAVAILABLE
+        assert "worker decode-0 became unavailable" in result.details
+        assert "retry the request" in result.details
+    for result, expected in zip(results, reference["long"], strict=True):
+        if result.code == grpc.StatusCode.OK:
+            assert result.token_ids == expected
+        else:  # what it streamed before the kill is a prefix of the right answer
+            assert result.token_ids == expected[: len(result.token_ids)]
+
+    # Ray restarts the actor; once it reports healthy the router uses it again.
+    deadline = time.monotonic() + 90
+    while True:
+        worker = next(w for w in cluster.status().workers if w.instance_id == "decode-0")
+        if worker.healthy and worker.pids and worker.pids[0] != victim.pids[0]:
+            break
+        assert time.monotonic() < deadline, f"decode-0 not back: {worker}"
+        time.sleep(0.2)
+    while not cluster.serving():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)  # a load refresh or two: the router sees decode-0 healthy again
+    results = stream_all(cluster.address, PROMPTS[:16], MAX_TOKENS)
+    assert [r.code for r in results] == [grpc.StatusCode.OK] * 16
+    assert [r.token_ids for r in results] == reference["short"][:16]
+    assert not process_is_running(victim.pids[0])
+
