@@ -207,7 +207,9 @@ class ChannelDialer:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
-        self._channels: dict[str, Channel] = {}
+        # Keyed by endpoint too: a restarted decode rank has a new store (new port) whose epochs
+        # start again at 1, so its channels must not be confused with the old ones.
+        self._channels: dict[tuple[str, int, str], Channel] = {}
         self._lock = threading.Lock()
 
     def dial(
@@ -216,6 +218,7 @@ class ChannelDialer:
         """The channel for this transfer, connected; waits for the decode side to accept it."""
         store = self._store_for(endpoint, deadline)
         key = f"{pair_key}/t/{transfer_key}"
+        channel_key = (endpoint.host, endpoint.port, pair_key)
         try:
             # get() waits for the key: one round trip when the decode side has accepted already.
             store.set_timeout(_timedelta(_remaining(deadline)))
@@ -227,7 +230,7 @@ class ChannelDialer:
                 f"decode side of {pair_key} did not accept transfer {transfer_key} in time: {exc}"
             ) from exc
         with self._lock:
-            channel = self._channels.get(pair_key)
+            channel = self._channels.get(channel_key)
             if channel is not None and channel.epoch == epoch and not channel.broken:
                 return channel
             if channel is not None and channel.epoch >= epoch:
@@ -239,8 +242,14 @@ class ChannelDialer:
                 channel.close()
             rank = 1 if endpoint.receiver_is_rank0 else 0
             channel = Channel(pair_key, epoch, store, rank, self.device)
-            self._channels[pair_key] = channel
-        store.set(f"{pair_key}/dialing/{epoch}", "1")
+            self._channels[channel_key] = channel
+        if store.add(f"{pair_key}/dialing/{epoch}", 1) > 1:
+            # An earlier incarnation of this prefill rank (a restarted process with the same
+            # instance id) joined this epoch; its rendezvous keys are stale. Fail fast; the
+            # decode side rebuilds on its next accept.
+            channel.mark_broken()
+            self._report_broken(store, channel)
+            raise KVTransferError(f"{channel} was joined by an earlier process; retry")
         channel.connect(deadline)
         return channel
 
