@@ -1,0 +1,121 @@
+"""DistServe's metric math on hand-made timings (binary fractions, so equalities are exact)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.goodput.metrics import (
+    Goodput,
+    RequestRecord,
+    attainment,
+    breakdown,
+    e2e,
+    goodput,
+    inter_token_latencies,
+    latency_stats,
+    mean_breakdown,
+    percentile,
+    tpot,
+    ttft,
+)
+
+
+def record(send: float, token_times: list[float], error: str = "", **timings: float) -> RequestRecord:
+    return RequestRecord(
+        "r", prompt_len=8, output_len=len(token_times), send_time=send,
+        token_times=token_times, finish_reason="" if error else "length", error=error,
+        timings=dict(timings),
+    )  # fmt: skip
+
+
+def test_ttft_tpot_itl_e2e_follow_distserve_definitions() -> None:
+    r = record(10.0, [10.5, 10.75, 11.0, 11.5])
+    assert ttft(r) == 0.5
+    assert tpot(r) == (11.5 - 10.5) / 3
+    assert inter_token_latencies(r) == [0.25, 0.25, 0.5]
+    assert e2e(r) == 1.5
+
+
+def test_a_single_token_has_tpot_zero_and_no_gaps() -> None:
+    r = record(1.0, [1.25])
+    assert tpot(r) == 0.0
+    assert inter_token_latencies(r) == []
+    assert e2e(r) == ttft(r) == 0.25
+
+
+def test_tokens_in_one_message_share_a_time_and_count_in_tpot() -> None:
+    r = record(0.0, [0.5, 0.5, 1.5])  # the router merged the first two tokens into one message
+    assert tpot(r) == 0.5
+    assert inter_token_latencies(r) == [0.0, 1.0]
+
+
+def test_percentile_interpolates_between_ranks_like_numpy() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 90) == 3.0 + 0.7 * 1.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_latency_stats_skip_failed_requests() -> None:
+    records = [record(0.0, [0.5, 1.0]), record(0.0, [0.25, 0.75]), record(0.0, [], "UNAVAILABLE")]
+    stats = latency_stats(records)
+    assert stats["ttft_s"]["p50"] == 0.375
+    assert stats["ttft_s"]["mean"] == 0.375
+    assert stats["tpot_s"]["p99"] == 0.5
+    assert stats["e2e_s"]["p50"] == 0.875
+
+
+def test_attainment_needs_both_slos_and_scales_them() -> None:
+    records = [
+        record(0.0, [0.5, 0.75]),   # ttft 0.5, tpot 0.25: meets both at scale 1
+        record(0.0, [1.5, 1.75]),   # ttft 1.5: misses TTFT at 1, meets at 2
+        record(0.0, [0.5, 1.25]),   # tpot 0.75: misses TPOT at 1 and 2
+        record(0.0, [], "DEADLINE_EXCEEDED"),  # failed: a miss at every scale
+    ]  # fmt: skip
+    assert attainment(records, ttft_slo_s=1.0, tpot_slo_s=0.25) == 0.25
+    assert attainment(records, ttft_slo_s=1.0, tpot_slo_s=0.25, scale=2.0) == 0.5
+    assert attainment(records, ttft_slo_s=1.0, tpot_slo_s=0.25, scale=4.0) == 0.75
+    assert attainment(records, ttft_slo_s=0.5, tpot_slo_s=0.25) == 0.25  # <= is inclusive
+    with pytest.raises(ValueError):
+        attainment([], 1.0, 1.0)
+
+
+def test_goodput_interpolates_the_first_crossing_of_90_percent() -> None:
+    points = [(3.0, 0.75), (1.0, 1.0), (2.0, 0.95), (4.0, 0.95)]  # unsorted; noise at 4.0
+    found = goodput(points)  # 2 + (0.95 - 0.9) / (0.95 - 0.75) * (3 - 2)
+    assert found.bound == "crossed"
+    assert found.rate == pytest.approx(2.25, abs=1e-12)  # 0.9 and 0.95 are not binary fractions
+
+
+def test_goodput_exactly_at_the_target_counts_as_meeting_it() -> None:
+    assert goodput([(1.0, 0.9), (2.0, 0.5)]) == Goodput(1.0, "crossed")
+
+
+def test_goodput_bounds_when_the_sweep_does_not_cross() -> None:
+    assert goodput([(1.0, 1.0), (2.0, 0.9)]) == Goodput(2.0, "at_least")
+    assert goodput([(1.0, 0.5), (2.0, 0.25)]) == Goodput(0.0, "below_lowest")
+    with pytest.raises(ValueError):
+        goodput([])
+
+
+def test_breakdown_splits_a_disaggregated_request() -> None:
+    # kv_transfer_s as DecodeWorker reports it spans reservation -> landed, which includes the
+    # prefill queue (0.25) and the prefill (0.5): the transfer itself is 0.125.
+    r = record(0.0, [1.0, 1.5, 2.0], router_queue_s=0.0625, prefill_queue_s=0.25, prefill_s=0.5,
+               kv_transfer_s=0.875, decode_queue_s=0.25)  # fmt: skip
+    assert breakdown(r) == {
+        "router_queue": 0.0625, "prefill_queue": 0.25, "prefill": 0.5,
+        "transfer": 0.125, "decode_queue": 0.25, "decode": 1.0 - 0.125 - 0.25,
+    }  # fmt: skip
+
+
+def test_breakdown_of_a_colocated_request_has_no_transfer() -> None:
+    r = record(0.0, [0.5, 1.0], prefill_queue_s=0.125, prefill_s=0.25)
+    parts = breakdown(r)
+    assert parts["transfer"] == parts["decode_queue"] == 0.0
+    assert parts["decode"] == 0.5
+    assert mean_breakdown([r, record(0.0, [], "UNAVAILABLE")])["prefill"] == 0.25

@@ -1,0 +1,78 @@
+"""Arrival processes and synthetic length shapes: seeded, scaled, bounded."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from benchmarks.goodput.workloads import (
+    SHAPES,
+    arrival_offsets,
+    build_requests,
+    random_prompts,
+    synthetic_lengths,
+    unit_rate_gaps,
+)
+
+
+def test_same_seed_same_arrivals_and_rates_only_compress_time() -> None:
+    gaps = unit_rate_gaps(50, "poisson", 1.0, seed=7)
+    assert gaps == unit_rate_gaps(50, "poisson", 1.0, seed=7)
+    assert gaps != unit_rate_gaps(50, "poisson", 1.0, seed=8)
+    slow, fast = arrival_offsets(gaps, 1.0), arrival_offsets(gaps, 4.0)
+    assert slow[0] == fast[0] == 0.0
+    assert fast == [offset / 4.0 for offset in slow]
+    assert slow[-1] == pytest.approx(sum(gaps[1:]))
+
+
+@pytest.mark.parametrize("arrival,cv", [("poisson", 1.0), ("gamma", 0.5), ("gamma", 2.0)])
+def test_gaps_have_mean_one_and_the_asked_coefficient_of_variation(arrival, cv) -> None:
+    gaps = unit_rate_gaps(40_000, arrival, cv, seed=0)
+    mean = statistics.fmean(gaps)
+    assert mean == pytest.approx(1.0, rel=0.03)
+    assert statistics.pstdev(gaps) / mean == pytest.approx(cv, rel=0.05)
+
+
+def test_bad_arrival_settings_are_rejected_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="arrival must be one of"):
+        unit_rate_gaps(3, "uniform", 1.0, 0)
+    with pytest.raises(ValueError, match="coefficient of variation"):
+        unit_rate_gaps(3, "gamma", 0.0, 0)
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        arrival_offsets([1.0], 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_synthetic_lengths_stay_in_range_and_fit_the_model(name) -> None:
+    shape = SHAPES[name]
+    lengths = synthetic_lengths(shape, 500, max_model_len=600, seed=1)
+    assert lengths == synthetic_lengths(shape, 500, max_model_len=600, seed=1)
+    for prompt_len, output_len in lengths:
+        assert shape.output_range[0] <= output_len <= shape.output_range[1]
+        assert 1 <= prompt_len <= shape.prompt_range[1]
+        assert prompt_len + output_len <= 600
+
+
+def test_shapes_differ_the_way_their_datasets_do() -> None:
+    def medians(name: str) -> tuple[float, float]:
+        lengths = synthetic_lengths(SHAPES[name], 400, 1024, seed=0)
+        return statistics.median(p for p, _ in lengths), statistics.median(o for _, o in lengths)
+
+    (chat_in, chat_out), (code_in, _), (sum_in, sum_out) = map(
+        medians, ("chatbot", "code", "summarization")
+    )
+    assert sum_in > chat_in > code_in  # LongBench documents > ShareGPT turns > HumanEval stubs
+    assert chat_out > sum_out  # chat answers are long, summaries short
+
+
+def test_requests_carry_ids_lengths_and_offsets() -> None:
+    prompts = random_prompts([(5, 3), (2, 9)], (3, 50), seed=0)
+    assert [len(ids) for ids, _ in prompts] == [5, 2]
+    assert all(3 <= token < 50 for ids, _ in prompts for token in ids)
+    requests = build_requests(prompts, [0.0, 0.5], "x")
+    assert [(r.request_id, r.output_len, r.send_offset_s) for r in requests] == [
+        ("x-0", 3, 0.0), ("x-1", 9, 0.5)
+    ]
+    with pytest.raises(ValueError, match="2 prompts but 1 arrival"):
+        build_requests(prompts, [0.0], "x")
