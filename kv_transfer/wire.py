@@ -136,12 +136,19 @@ class WireView:
 
     def scatter(self, index: int, staged: torch.Tensor) -> None:
         """Write a staged payload message into its blocks and heads."""
-        key = self.payload_key(index)
+        self._scatter(self.payload_key(index), staged)
+
+    def _scatter(self, key: tuple[int, int] | None, staged: torch.Tensor) -> None:
+        start = contiguous_start(self.block_ids)
         if key is None:
-            self.cache.data[..., self.heads, :].index_copy_(2, self._index(), staged)
+            target, dim = self.cache.data[..., self.heads, :], 2
         else:
             layer, kv = key
-            self.cache.data[layer, kv][..., self.heads, :].index_copy_(0, self._index(), staged)
+            target, dim = self.cache.data[layer, kv][..., self.heads, :], 0
+        if start is not None:  # a strided copy_ is ~9x faster than index_copy_ into a head slice
+            target.narrow(dim, start, len(self.block_ids)).copy_(staged)
+        else:
+            target.index_copy_(dim, self._index(), staged)
 
     def header(self, transfer_id: int, status: int) -> torch.Tensor:
         num_heads = self.heads.stop - self.heads.start
@@ -207,7 +214,7 @@ class WireView:
         if magic != MAGIC or trailer_tid != transfer_id:
             raise KVTransferError(f"{what}: bad trailer {trailer.tolist()}")
         if status == STATUS_OK:
-            self.cache.data[..., self.heads, :].index_copy_(2, self._index(), payload)
+            self._scatter(None, payload)
         return status, int(first_token_id), int(num_tokens)
 
 
