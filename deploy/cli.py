@@ -1,9 +1,10 @@
-"""The `pdserve` command line: serve, generate, status, demo.
+"""The `pdserve` command line: serve, generate, status, demo, bench.
 
     pdserve serve --config deploy/local.yaml [--port 50051 --prefill-tp 2 ...]
     pdserve generate --address 127.0.0.1:50051 --prompt "Hello" --max-tokens 32
     pdserve status --address 127.0.0.1:50051 --metrics 127.0.0.1:9400
     pdserve demo
+    pdserve bench --compare --out runs/today [--quick]
 
 Flags override the config file; `serve` without --config starts from the defaults (the demo
 model). Errors the user can fix end with exit code 2 and a one-line message.
@@ -84,12 +85,29 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.set_defaults(func=cmd_demo)
 
 
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    # Added by the benchmarks' owner: the options live with the benchmark (benchmarks/goodput/).
+    from benchmarks.goodput.options import add_bench_arguments
+
+    bench = commands.add_parser(
+        "bench", help="goodput under SLOs: disaggregated against colocated (--compare --out DIR)"
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.goodput.compare import report
+
+    return report(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_generate, _add_status, _add_demo):
+    for add in (_add_serve, _add_generate, _add_status, _add_demo, _add_bench):
         add(commands)
     return parser
 

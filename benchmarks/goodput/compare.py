@@ -95,10 +95,13 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
             bar.update(1)
             bar.set_postfix(rate=f"{point.rate_per_device:.2f}/dev", attained=f"{attained:.0%}")
 
+        policy = SweepPolicy(
+            slo["start_rate"], args.growth, args.max_points, rates=args.rates,
+            max_halvings=1 if args.quick else 2, max_point_s=25.0 if args.quick else 60.0,
+        )  # fmt: skip
         sweep = RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
-                          (slo["ttft_s"], slo["tpot_s"]), on_point)  # fmt: skip
-        policy = SweepPolicy(slo["start_rate"], args.growth, args.max_points, rates=args.rates)
-        points = sweep.run(policy)
+                          (slo["ttft_s"], slo["tpot_s"]), policy, on_point)  # fmt: skip
+        points = sweep.run()
     finally:
         if cluster is not None:
             cluster.shutdown()
@@ -186,9 +189,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    summary = run_benchmark(parse_bench_args(argv))
+def report(args: argparse.Namespace) -> int:
+    """Run, then print the headline as one JSON line (`pdserve bench`); the exit code."""
+    summary = run_benchmark(args)
     print(json.dumps({k: summary[k] for k in (
         "main_regime", "goodput_disaggregated", "goodput_colocated", "goodput_ratio", "ratios",
         "duration_s")}))  # fmt: skip
-    return summary
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return report(parse_bench_args(argv))

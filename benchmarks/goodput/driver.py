@@ -77,16 +77,22 @@ class LoadDriver:
         by_id = {r["request_id"]: RequestRecord.from_json(r) for shard in results for r in shard}
         return [by_id[request.request_id] for request in requests]
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def close(self, abandon: bool = False) -> None:
+        """Stop the client processes; `abandon` kills shards still sending (an interrupted run)."""
+        if self._pool is None:
+            return
+        if abandon:
+            # ProcessPoolExecutor cannot cancel a running task: end its processes ourselves.
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                process.terminate()
+        self._pool.shutdown(wait=not abandon, cancel_futures=True)
+        self._pool = None
 
     def __enter__(self) -> LoadDriver:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        self.close(abandon=exc_type is not None)
 
 
 def _ray_num_nodes(ray_address: str) -> int:

@@ -6,6 +6,8 @@ falls below `stop_below`, or `max_points` are run; if even the start rate misses
 halves the rate (at most `max_halvings` times) to find a rate that meets it. An explicit `rates`
 list runs exactly those. Each point replays the same prompts with the arrival gaps scaled to its
 rate (workloads.arrival_offsets), and the next point starts only when every request has ended.
+A point sends the first min(N, max(min_requests, rate * max_point_s)) requests of the workload, so
+low rates do not take minutes; every point still draws from the same request sequence.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class SweepPolicy:
     stop_below: float = 0.5
     max_halvings: int = 2
     rates: tuple[float, ...] = ()  # explicit total rates: run these, nothing adaptive
+    max_point_s: float = 60.0  # a point sends at most this many seconds of arrivals ...
+    min_requests: int = 20  # ... but never fewer requests than this
 
     def __post_init__(self) -> None:
         if self.start_rate <= 0 or self.growth <= 1 or self.max_points < 1:
@@ -56,7 +60,7 @@ class RateSweep:
     def __init__(
         self, driver: LoadDriver, address: str, prompts: list[tuple[list[int], int]],
         unit_gaps: list[float], id_prefix: str, num_devices: int, slo: tuple[float, float],
-        on_point: Callable[[RatePoint, float], None] | None = None,
+        policy: SweepPolicy, on_point: Callable[[RatePoint, float], None] | None = None,
     ) -> None:
         self.driver = driver
         self.address = address
@@ -65,13 +69,17 @@ class RateSweep:
         self.id_prefix = id_prefix
         self.num_devices = num_devices
         self.ttft_slo_s, self.tpot_slo_s = slo
+        self.policy = policy
         self.on_point = on_point
         self.points: list[RatePoint] = []
 
     def run_rate(self, rate: float) -> RatePoint:
         index = len(self.points)
+        policy = self.policy
+        num = min(len(self.prompts), max(policy.min_requests, int(rate * policy.max_point_s)))
+        offsets = arrival_offsets(self.unit_gaps[:num], rate)
         requests: list[BenchRequest] = build_requests(
-            self.prompts, arrival_offsets(self.unit_gaps, rate), f"{self.id_prefix}-r{index}"
+            self.prompts[:num], offsets, f"{self.id_prefix}-r{index}"
         )
         records = self.driver.run(self.address, requests)
         finished = [t for r in records for t in r.token_times[-1:]] or [records[0].send_time]
@@ -85,7 +93,8 @@ class RateSweep:
     def attainment(self, point: RatePoint) -> float:
         return attainment(point.records, self.ttft_slo_s, self.tpot_slo_s)
 
-    def run(self, policy: SweepPolicy) -> list[RatePoint]:
+    def run(self) -> list[RatePoint]:
+        policy = self.policy
         if policy.rates:
             for rate in policy.rates:
                 self.run_rate(rate)

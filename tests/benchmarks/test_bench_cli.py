@@ -1,0 +1,35 @@
+"""`pdserve bench` parses into the benchmark's options and rejects bad ones with the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.goodput.options import parse_target
+from deploy.cli import build_parser, cmd_bench
+
+
+def test_bench_subcommand_carries_the_benchmark_options() -> None:
+    args = build_parser().parse_args(
+        ["bench", "--compare", "--out", "runs/x", "--quick", "--rates", "1,2.5",
+         "--workloads", "code,chatbot", "--arrival", "gamma", "--cv", "2"]
+    )  # fmt: skip
+    assert args.func is cmd_bench
+    assert (args.compare, args.quick, str(args.out)) == (True, True, "runs/x")
+    assert args.rates == (1.0, 2.5)
+    assert args.workloads == ("code", "chatbot")
+    assert (args.arrival, args.cv) == ("gamma", 2.0)
+
+
+def test_unknown_workloads_and_bad_numbers_are_refused(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--out", "x", "--workloads", "poetry"])
+    assert "unknown workload ['poetry']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--out", "x", "--rates", "1,fast"])
+    assert "expected numbers separated by commas" in capsys.readouterr().err
+
+
+def test_targets_name_a_layout_an_address_and_a_device_count() -> None:
+    assert parse_target("colocated=10.0.0.2:50051:8") == ("colocated", "10.0.0.2:50051", 8)
+    with pytest.raises(ValueError, match="LAYOUT=HOST:PORT:DEVICES"):
+        parse_target("10.0.0.2:50051")
