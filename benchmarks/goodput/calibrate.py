@@ -57,3 +57,25 @@ def calibrate(
     finally:
         engine.shutdown()
     return Calibration(prompt_len, statistics.median(prefill_times), statistics.median(step_times))
+
+
+def calibrate_via_router(
+    driver: Any, address: str, prompt_len: int, token_id_range: tuple[int, int], repeats: int = 3
+) -> Calibration:
+    """The same two figures measured through a running router (a remote cluster, `--target`):
+    median TTFT and TPOT of `repeats` requests sent one at a time, after one warm-up."""
+    from benchmarks.goodput.metrics import tpot, ttft
+    from benchmarks.goodput.workloads import build_requests
+
+    rng = random.Random(0)
+    first_tokens, per_tokens = [], []
+    for index in range(repeats + 1):
+        prompt = [rng.randrange(*token_id_range) for _ in range(prompt_len)]
+        requests = build_requests([(prompt, 8)], [0.0], f"calibrate-{index}-{time.time():.0f}")
+        (record,) = driver.run(address, requests)
+        if not record.ok:
+            raise RuntimeError(f"calibration request failed: {record.error}")
+        if index > 0:
+            first_tokens.append(ttft(record))
+            per_tokens.append(tpot(record))
+    return Calibration(prompt_len, statistics.median(first_tokens), statistics.median(per_tokens))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput import layouts
-from benchmarks.goodput.calibrate import calibrate
+from benchmarks.goodput.calibrate import calibrate, calibrate_via_router
 from benchmarks.goodput.driver import LoadDriver
 from benchmarks.goodput.options import QUICK_REGIME, parse_bench_args, parse_target
 from benchmarks.goodput.plots import plot_regime
@@ -47,14 +47,23 @@ def _regime_prompts(args: argparse.Namespace, model_dir: Path, name: str, num: i
     return random_prompts(lengths, layouts.prompt_token_range(model_dir), args.seed)
 
 
-def _slo_and_start(args, model_dir: Path, name: str, prompts: list) -> dict[str, Any]:
-    """The regime's SLOs (given, or shape factors x calibration) and the sweep's start rate."""
+def _slo_and_start(args, model_dir: Path, name: str, prompts: list, driver) -> dict[str, Any]:
+    """The regime's SLOs (given, or shape factors x calibration) and the sweep's start rate.
+
+    Locally the calibration runs the engine in this process (layout-neutral); against running
+    routers (--target) it goes through the first target's router."""
     prompt_len = int(statistics.median(len(ids) for ids, _ in prompts))
     output_len = statistics.median(out for _, out in prompts)
-    config = layouts.engine_config(
-        model_dir, chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens
-    )
-    base = calibrate(config, prompt_len, layouts.prompt_token_range(model_dir))
+    token_range = layouts.prompt_token_range(model_dir)
+    if args.target:
+        address = _targets(args)[0][1]
+        base = calibrate_via_router(driver, address, prompt_len, token_range)
+    else:
+        config = layouts.engine_config(
+            model_dir, chunk_size=args.chunk_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )  # fmt: skip
+        base = calibrate(config, prompt_len, token_range)
     shape = SHAPES.get(name, SHAPES["chatbot"])  # ShareGPT is chatbot traffic
     ttft_slo = args.ttft_slo or shape.ttft_slo_factor * base.prefill_s
     tpot_slo = args.tpot_slo or shape.tpot_slo_factor * base.decode_step_s
@@ -113,7 +122,7 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
     load_before = os.getloadavg()
     prompts = _regime_prompts(args, model_dir, regime, args.num_requests)
     gaps = unit_rate_gaps(args.num_requests, args.arrival, args.cv, args.seed)
-    slo = _slo_and_start(args, model_dir, regime, prompts)
+    slo = _slo_and_start(args, model_dir, regime, prompts, driver)
     runs = {target[0]: _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo,
                                      driver, bar) for target in _targets(args)}  # fmt: skip
     points_by_layout = {layout: run["points"] for layout, run in runs.items()}
