@@ -298,7 +298,7 @@ _SECTIONS: dict[str, type] = {
 def apply_overrides(config: ServeConfig, **overrides: Any) -> ServeConfig:
     """The command line's flags over the file; a None value leaves the file's setting.
 
-    Keys: model, host, port, prefill_instances, prefill_tp, decode_instances, decode_tp,
+    Keys: model, host, port, metrics_port, prefill_instances, prefill_tp, decode_instances, decode_tp,
     colocated_instances, colocated_tp, no_ray (True turns Ray off), mode.
     """
     given = {key: value for key, value in overrides.items() if value is not None}
@@ -306,7 +306,7 @@ def apply_overrides(config: ServeConfig, **overrides: Any) -> ServeConfig:
     router: dict[str, Any] = {}
     top: dict[str, Any] = {}
     for key, value in given.items():
-        if key in ("host", "port"):
+        if key in ("host", "port", "metrics_port"):
             router[key] = value
         elif key.endswith("_instances") and key.split("_")[0] in sections:
             sections[key.split("_")[0]]["instances"] = value
