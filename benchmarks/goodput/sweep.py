@@ -114,9 +114,12 @@ class RateSweep:
 
 
 def warm_up(driver: LoadDriver, address: str, prompts: list[tuple[list[int], int]]) -> float:
-    """A few requests one at a time, so first-call costs (allocation, lazy init) stay out of
+    """Run the workload's first prompts (4 output tokens each) one by one, then all at once,
+    so first-call costs (allocator growth at new batch and prompt sizes, lazy init) stay out of
     the sweep; returns the seconds it took."""
     began = time.monotonic()
-    for index, (ids, _) in enumerate(prompts[:3]):
-        driver.run(address, build_requests([(ids, 4)], [0.0], f"warmup-{index}"))
+    sample = [(ids, 4) for ids, _ in prompts[:8]]
+    for index, prompt in enumerate(sample[:2]):
+        driver.run(address, build_requests([prompt], [0.0], f"warmup-{index}"))
+    driver.run(address, build_requests(sample, [0.0] * len(sample), "warmup-burst"))
     return time.monotonic() - began
