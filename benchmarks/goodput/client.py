@@ -11,6 +11,8 @@ difference of two readings of one monotonic clock.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from typing import Any
 
@@ -66,12 +68,12 @@ async def _one_request(
 
 async def run_shard_async(
     address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
-    request_timeout_s: float = 300.0,
+    request_timeout_s: float = 300.0, clock: WallClock | None = None,
 ) -> list[RequestRecord]:
     """Send each request at start_wall_time + its offset; every record, in request order."""
     from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-    clock = WallClock()
+    clock = clock or WallClock()
     options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = pb_grpc.GenerationStub(channel)
@@ -91,10 +93,17 @@ async def run_shard_async(
 def run_shard(
     address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
     request_timeout_s: float = 300.0,
-) -> list[dict[str, Any]]:
-    """`run_shard_async` in a fresh event loop, records as JSON dicts (picklable anywhere:
-    a spawned process or a Ray task)."""
+) -> dict[str, Any]:
+    """`run_shard_async` in a fresh event loop, as JSON (picklable anywhere: a spawned process
+    or a Ray task): {"records": [...], "clock": this process's host, pid and clock anchors}."""
+    clock = WallClock()
     records = asyncio.run(
-        run_shard_async(address, requests, start_wall_time, shard, request_timeout_s)
+        run_shard_async(address, requests, start_wall_time, shard, request_timeout_s, clock)
     )
-    return [record.to_json() for record in records]
+    return {
+        "records": [record.to_json() for record in records],
+        "clock": {
+            "shard": shard, "host": socket.gethostname(), "pid": os.getpid(),
+            "wall_anchor": clock.wall_anchor, "monotonic_anchor": clock.monotonic_anchor,
+        },
+    }  # fmt: skip

@@ -50,6 +50,7 @@ class LoadDriver:
         self.lead_s = lead_s
         self.request_timeout_s = request_timeout_s
         self._pool: ProcessPoolExecutor | None = None
+        self.last_clocks: list[dict[str, Any]] = []
         if ray_address is None and num_processes > 0:
             self._pool = ProcessPoolExecutor(num_processes, mp_context=mp.get_context("spawn"))
             list(self._pool.map(_warm_up, [None] * num_processes, timeout=120))
@@ -74,7 +75,12 @@ class LoadDriver:
         else:
             futures = [self._pool.submit(run_shard, *arg) for arg in args]
             results = [future.result() for future in futures]
-        by_id = {r["request_id"]: RequestRecord.from_json(r) for shard in results for r in shard}
+        # Each shard's host, pid and clock anchors: how its monotonic times map to wall time.
+        self.last_clocks = [result["clock"] for result in results]
+        by_id = {
+            r["request_id"]: RequestRecord.from_json(r)
+            for result in results for r in result["records"]
+        }  # fmt: skip
         return [by_id[request.request_id] for request in requests]
 
     def close(self, abandon: bool = False) -> None:
@@ -103,7 +109,7 @@ def _ray_num_nodes(ray_address: str) -> int:
     return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
 
 
-def _run_on_ray(ray_address: str, args: list[tuple[Any, ...]]) -> list[list[dict[str, Any]]]:
+def _run_on_ray(ray_address: str, args: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     """One Ray task per shard, spread over the nodes; the router address must be reachable
     from every node (start the router with host 0.0.0.0 or the head's IP)."""
     import ray

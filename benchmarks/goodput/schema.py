@@ -111,8 +111,15 @@ RAW_SCHEMA: dict[str, Any] = {
         "layouts": {"type": "object", "additionalProperties": {
             "type": "object", "required": ["num_devices", "address", "points"],
             "properties": {"points": {"type": "array", "items": {
-                "type": "object", "required": ["rate", "rate_per_device", "wall_s", "records"],
-                "properties": {"records": {"type": "array", "items": RECORD_SCHEMA}},
+                "type": "object",
+                "required": ["rate", "rate_per_device", "wall_s", "clocks", "records"],
+                "properties": {
+                    "records": {"type": "array", "items": RECORD_SCHEMA},
+                    "clocks": {"type": "array", "items": {
+                        "type": "object",
+                        "required": ["shard", "host", "pid", "wall_anchor", "monotonic_anchor"],
+                    }},
+                },
             }}},
         }},
     },

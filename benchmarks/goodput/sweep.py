@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.goodput.driver import LoadDriver
@@ -46,11 +46,12 @@ class RatePoint:
     rate_per_device: float
     records: list[RequestRecord]
     wall_s: float  # first send to last token
+    clocks: list[dict[str, Any]] = field(default_factory=list)  # per client shard
 
     def to_json(self) -> dict[str, Any]:
         return {
             "rate": self.rate, "rate_per_device": self.rate_per_device, "wall_s": self.wall_s,
-            "records": [record.to_json() for record in self.records],
+            "clocks": self.clocks, "records": [record.to_json() for record in self.records],
         }  # fmt: skip
 
 
@@ -84,7 +85,9 @@ class RateSweep:
         records = self.driver.run(self.address, requests)
         finished = [t for r in records for t in r.token_times[-1:]] or [records[0].send_time]
         wall_s = max(finished) - min(r.send_time for r in records)
-        point = RatePoint(rate, rate / self.num_devices, records, wall_s)
+        point = RatePoint(
+            rate, rate / self.num_devices, records, wall_s, list(self.driver.last_clocks)
+        )
         self.points.append(point)
         if self.on_point is not None:
             self.on_point(point, self.attainment(point))

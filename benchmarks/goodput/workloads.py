@@ -73,7 +73,7 @@ SHAPES: dict[str, LengthShape] = {
         ),
         LengthShape(
             "summarization", 448, 0.3, (192, 896), 16, 0.5, (4, 64),
-            ttft_slo_factor=10.0, tpot_slo_factor=1.6,
+            ttft_slo_factor=10.0, tpot_slo_factor=2.0,
             source=(
                 "LongBench (DistServe's summarization workload): long documents in, short "
                 "summaries out; loose TTFT (15 s), tight TPOT (0.15 s), the regime where "

@@ -58,6 +58,8 @@ def test_every_request_ran_to_its_target_length_at_every_rate(run) -> None:
             assert [len(r["token_times"]) for r in records] == targets  # ignore_eos held
             assert {r["finish_reason"] for r in records} == {"length"}
             assert {r["shard"] for r in records} == {0, 1}  # request i went to shard i % 2
+            assert [c["shard"] for c in point["clocks"]] == [0, 1]
+            assert len({c["pid"] for c in point["clocks"]}) == 2  # two client processes
             assert all(r["token_times"] == sorted(r["token_times"]) for r in records)
             assert all(r["send_time"] < r["token_times"][0] for r in records)
 
