@@ -12,7 +12,9 @@ Start-up, in order (each step reported through `progress` and timed in `startup_
 3. Worker actors (deploy/ray_actors.py), all at once: each loads the model, forms its TP group
    (rank actors via deploy/ray_launcher.py) and opens its KV channel endpoints. Ports travel as
    actor-call arguments and results (RankSpec, KVTicket); KV itself never enters Ray.
-4. The router actor, with a RayHandle per worker; then wait until gRPC health is SERVING.
+4. KV channels: one two-token request through every (prefill, decode) pair builds every pair
+   channel before the first user request (and checks the hand-off end to end).
+5. The router actor, with a RayHandle per worker; then wait until gRPC health is SERVING.
 
 Failures: a worker actor whose process dies is restarted by Ray (`max_restarts`) behind the same
 name and handle. Its in-flight requests end with UNAVAILABLE ("worker decode-1 became
@@ -53,7 +55,8 @@ from deploy.ray_placement import (
     remove_placements,
     wait_until_placed,
 )
-from engine.messages import Role
+from engine.messages import Role, WorkerRequest
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -90,6 +93,7 @@ class RayCluster:
             self._step("placement", say, f"reserving {self.config.num_workers} workers",
                        self._place)  # fmt: skip
             self._step("workers", say, "loading the model on every worker", self._start_workers)
+            self._step("channels", say, "forming the KV channels", self._form_kv_channels)
             self._step("router", say, "starting the router", self._start_router)
             self._step("health", say, "waiting for gRPC health SERVING", self._wait_serving)
         except BaseException:
@@ -151,9 +155,36 @@ class RayCluster:
         infos = [actor.info.remote() for actor in self.worker_actors.values()]
         ray.get(infos, timeout=self.config.start_timeout_s)  # the actors are built: ready
 
+    def _form_kv_channels(self) -> None:
+        """A two-token request through every (prefill, decode) pair: each pair's KV channels
+        (one per prefill rank x decode rank) are built now, not in the first user request."""
+        prefill, decode = self._actors_of("prefill-"), self._actors_of("decode-")
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        pending: set[str] = set()
+        for prefill_id, prefill_actor in prefill.items():
+            for decode_id, decode_actor in decode.items():
+                request_id = f"pdserve-warmup-{prefill_id}-{decode_id}"
+                request = WorkerRequest(request_id, [1, 1], params, time.time(), prefill_id)
+                tp_size = self.config.prefill_tp_size
+                ticket = ray.get(decode_actor.reserve.remote(request, prefill_id, tp_size))
+                ray.get(prefill_actor.submit.remote(request, ticket))
+                pending.add(request_id)
+        deadline = time.monotonic() + self.config.kv_transfer_timeout_s + 10
+        while pending:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"KV channels did not form in time: {sorted(pending)}")
+            polls = [a.poll_events.remote(0.05) for a in [*prefill.values(), *decode.values()]]
+            for event in (e for events in ray.get(polls) for e in events):
+                if event.finish_reason == "error":
+                    raise RuntimeError(f"forming KV channels failed: {event.error}")
+                if event.finish_reason is not None:
+                    pending.discard(event.request_id)
+
+    def _actors_of(self, prefix: str) -> dict[str, Any]:
+        return {i: a for i, a in self.worker_actors.items() if i.startswith(prefix)}
+
     def _start_router(self) -> None:
-        prefill = {i: a for i, a in self.worker_actors.items() if i.startswith("prefill-")}
-        decode = {i: a for i, a in self.worker_actors.items() if i.startswith("decode-")}
+        prefill, decode = self._actors_of("prefill-"), self._actors_of("decode-")
         tp_sizes = dict.fromkeys(prefill, self.config.prefill_tp_size)
         start = self.router_actor.start.remote(prefill, decode, tp_sizes, self.namespace)
         self._address = ray.get(start, timeout=self.config.start_timeout_s)

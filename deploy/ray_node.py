@@ -103,11 +103,12 @@ class LocalRay:
     temp_dir: str | None = None
     node_ip_address: str = "127.0.0.1"
     known_pids: set[int] = field(default_factory=set)
+    other_pids: set[int] = field(default_factory=set)  # children this process had before Ray
 
     def remember_processes(self) -> None:
         """Record Ray's processes (call while it runs: workers appear as actors start)."""
         if self.owned:
-            self.known_pids.update(descendant_pids(os.getpid()))
+            self.known_pids.update(set(descendant_pids(os.getpid())) - self.other_pids)
 
     def pids(self) -> list[int]:
         self.remember_processes()
@@ -129,6 +130,7 @@ class LocalRay:
 def start_local_ray(namespace: str, num_cpus: int | None = None) -> LocalRay:
     """A fresh one-node Ray cluster on 127.0.0.1 with its own temp dir (see the module doc)."""
     use_loopback_node_address()
+    other_pids = set(descendant_pids(os.getpid()))
     temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")
     ray.init(
         num_cpus=num_cpus or len(os.sched_getaffinity(0)),
@@ -141,7 +143,7 @@ def start_local_ray(namespace: str, num_cpus: int | None = None) -> LocalRay:
         _node_ip_address="127.0.0.1",
         _temp_dir=temp_dir,
     )
-    node = LocalRay(owned=True, temp_dir=temp_dir)
+    node = LocalRay(owned=True, temp_dir=temp_dir, other_pids=other_pids)
     node.remember_processes()
     return node
 

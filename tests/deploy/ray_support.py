@@ -33,7 +33,10 @@ class StreamResult:
 
 
 def stream(
-    address: str, prompt: list[int], max_tokens: int, timeout_s: float = 60.0,
+    address: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float = 60.0,
     started: list[int] | None = None,
 ) -> StreamResult:
     """One greedy Generate stream over a real gRPC channel; `started` gets 1 appended at the
