@@ -121,7 +121,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.cluster_spec import resolve_model_dir
-    from deploy.launch import open_cluster
+    from deploy.launch import cluster_metrics_port, open_cluster
 
     config = serve_config(args)
     stop = threading.Event()
@@ -132,15 +132,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not serving.is_set():  # still starting: abandon start-up (the `with` cleans up)
             raise KeyboardInterrupt(f"signal {signum}")
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, on_signal)
+    def install_handlers() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, on_signal)
+
+    install_handlers()
     say = _say
     if config.model == "demo":
         say("preparing the demo model (built on first use)")
     model_dir = resolve_model_dir(config.model)
     with open_cluster(config, model_dir, say=say) as cluster:
         address = cluster.start(progress=say)
-        metrics_port = getattr(cluster, "metrics_port", None) or config.router.metrics_port
+        install_handlers()  # again: starting Ray installs its own SIGTERM handler (it aborts)
+        metrics_port = cluster_metrics_port(cluster)
         metrics = (
             f", metrics http://{config.router.host}:{metrics_port}/metrics" if metrics_port else ""
         )

@@ -43,11 +43,15 @@ class RouterClient:
     ) -> None:
         self.address = address
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        # Reconnect quickly: a router that is still starting refuses the first attempts, and
+        # gRPC's default backoff (up to 2 minutes) would hide the moment it starts listening.
+        options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                   ("grpc.max_reconnect_backoff_ms", 250)]  # fmt: skip
         if tls_ca_file is not None:
             credentials = grpc.ssl_channel_credentials(Path(tls_ca_file).read_bytes())
-            self._channel = grpc.secure_channel(address, credentials)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         else:
-            self._channel = grpc.insecure_channel(address)
+            self._channel = grpc.insecure_channel(address, options=options)
         self._generation = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
