@@ -28,7 +28,8 @@ _TOKENIZER_CORPUS = [
     "Goodput counts the requests per second that meet both latency objectives.",
     "Time to first token is what a user waits before the answer starts to stream.",
     "Time per output token is how fast the rest of the answer arrives after that.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)",
     "Summarize the following document in three sentences for a busy reader.",
     "The quick brown fox jumps over the lazy dog; 0123456789 ()[]{} !?.,;:",
 ]

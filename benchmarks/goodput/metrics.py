@@ -22,7 +22,9 @@ from typing import Any
 
 ATTAINMENT_TARGET = 0.9
 PERCENTILES = (50, 90, 99)
-BREAKDOWN_STAGES = ("router_queue", "prefill_queue", "prefill", "transfer", "decode_queue", "decode")
+BREAKDOWN_STAGES = (
+    "router_queue", "prefill_queue", "prefill", "transfer", "decode_queue", "decode",
+)  # fmt: skip
 
 
 @dataclass

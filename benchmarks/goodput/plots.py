@@ -18,6 +18,8 @@ from benchmarks.goodput.sweep import RatePoint
 COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange"}
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill")
 SCALES = [0.25 * k for k in range(1, 17)]
+Layouts = dict[str, list[RatePoint]]
+Slo = tuple[float, float]  # (TTFT SLO, TPOT SLO) in seconds
 
 
 def _pyplot() -> Any:
@@ -52,7 +54,10 @@ def _save(plt: Any, figure: Any, path: Path) -> str:
     return path.name
 
 
-def _attainment_vs_rate(plt, out_dir, regime, points_by_layout, slo, summary) -> str:
+def _attainment_vs_rate(
+    plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts, slo: Slo,
+    summary: dict[str, Any],
+) -> str:
     figure, axis = plt.subplots(figsize=(6, 4))
     for layout, points in points_by_layout.items():
         ordered = sorted(points, key=lambda p: p.rate)
@@ -71,7 +76,9 @@ def _attainment_vs_rate(plt, out_dir, regime, points_by_layout, slo, summary) ->
     return _save(plt, figure, out_dir / f"{regime}_attainment_vs_rate.png")
 
 
-def _attainment_vs_scale(plt, out_dir, regime, points_by_layout, slo, rate) -> str:
+def _attainment_vs_scale(
+    plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts, slo: Slo, rate: float
+) -> str:
     figure, axis = plt.subplots(figsize=(6, 4))
     for layout, points in points_by_layout.items():
         records = point_at(points, rate).records
@@ -92,7 +99,9 @@ def _cdf(axis: Any, values: list[float], color: str | None, label: str) -> None:
                   where="post", color=color, label=label)  # fmt: skip
 
 
-def _latency_cdf(plt, out_dir, regime, points_by_layout, slo, rate) -> str:
+def _latency_cdf(
+    plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts, slo: Slo, rate: float
+) -> str:
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for layout, points in points_by_layout.items():
         done = [r for r in point_at(points, rate).records if r.ok]
@@ -106,7 +115,7 @@ def _latency_cdf(plt, out_dir, regime, points_by_layout, slo, rate) -> str:
     return _save(plt, figure, out_dir / f"{regime}_latency_cdf.png")
 
 
-def _ttft_breakdown(plt, out_dir, regime, points_by_layout) -> str:
+def _ttft_breakdown(plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts) -> str:
     """Mean TTFT per (layout, rate) as stacked stages; "other" is the client-measured TTFT
     the stages do not cover (gRPC, router dispatch, event polling)."""
     labels, stacks = [], []

@@ -87,9 +87,10 @@ def sharegpt_prompts(
     """`num_requests` (prompt token ids, output length) drawn from the usable pairs.
 
     `encode(text, add_special_tokens)` is the model's tokenizer: the prompt is encoded as the
-    router would (with BOS), the answer only counted. A pair is usable when prompt and answer have >= MIN_TOKENS tokens and prompt + answer fit in
-    `max_model_len` (as vLLM filters). Pairs are shuffled with `seed` and reused in that order
-    when the file has fewer usable pairs than requests.
+    router would (with BOS), the answer only counted. A pair is usable when prompt and answer
+    have >= MIN_TOKENS tokens and prompt + answer fit in `max_model_len` (as vLLM filters).
+    Pairs are shuffled with `seed` and reused in that order when the file has fewer usable
+    pairs than requests.
     """
     usable = []
     for prompt, answer in pairs:

@@ -22,7 +22,9 @@ from benchmarks.goodput.metrics import (
 )
 
 
-def record(send: float, token_times: list[float], error: str = "", **timings: float) -> RequestRecord:
+def record(
+    send: float, token_times: list[float], error: str = "", **timings: float
+) -> RequestRecord:
     return RequestRecord(
         "r", prompt_len=8, output_len=len(token_times), send_time=send,
         token_times=token_times, finish_reason="" if error else "length", error=error,
