@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from deploy.cli import build_parser, serve_config
 from deploy.cluster_spec import build_cluster_spec
@@ -172,3 +173,25 @@ def test_colocated_layout_has_replicas_and_no_ray(model_dir: str) -> None:
     assert spec.router.prefill_policy == "round_robin"
     with pytest.raises(ConfigError, match="runs as plain processes only"):
         ray_cluster_config(config, model_dir)
+
+
+def _example_configs() -> dict[str, dict]:
+    kuberay = list(yaml.safe_load_all((REPO_ROOT / "deploy" / "kuberay.yaml").read_text()))
+    config_map = next(doc for doc in kuberay if doc["kind"] == "ConfigMap")
+    return {
+        "multinode.yaml": yaml.safe_load((REPO_ROOT / "deploy" / "multinode.yaml").read_text()),
+        "kuberay.yaml": yaml.safe_load(config_map["data"]["pdserve.yaml"]),
+    }
+
+
+@pytest.mark.parametrize("name", ["multinode.yaml", "kuberay.yaml"])
+def test_example_cluster_configs_use_only_valid_keys(
+    name: str, tmp_path: Path, model_dir: str
+) -> None:
+    data = _example_configs()[name]
+    (tmp_path / "token").write_text("t\n")
+    data["model"] = model_dir  # the examples name a model folder on the cluster's nodes
+    data["router"]["auth_token_file"] = str(tmp_path / "token")
+    config = parse_config(data)
+    assert (config.device, config.ray.address, config.router.host) == ("cuda", "auto", "0.0.0.0")
+    assert (config.prefill.tensor_parallel_size, config.decode.instances) == (2, 4)
