@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, wait
 from typing import Any
 
 from benchmarks.goodput.client import run_shard
@@ -74,7 +74,7 @@ class LoadDriver:
             results = [run_shard(*arg) for arg in args]
         else:
             futures = [self._pool.submit(run_shard, *arg) for arg in args]
-            results = [future.result() for future in futures]
+            results = _results(futures)
         # Each shard's host, pid and clock anchors: how its monotonic times map to wall time.
         self.last_clocks = [result["clock"] for result in results]
         by_id = {
@@ -99,6 +99,15 @@ class LoadDriver:
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
         self.close(abandon=exc_type is not None)
+
+
+def _results(futures: list[Future[Any]]) -> list[Any]:
+    """Wait in short slices: a Ctrl-C may land on another thread, and the main thread only
+    sees it when it wakes up."""
+    while True:
+        _, pending = wait(futures, timeout=0.5)
+        if not pending:
+            return [future.result() for future in futures]
 
 
 def _ray_num_nodes(ray_address: str) -> int:
