@@ -32,6 +32,7 @@ object started is stopped with every one of its processes, checked by process id
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -120,7 +121,7 @@ class RayCluster:
         cpus = self.config.num_cpus_per_worker
         if cpus is None:  # share the CPUs: 2 cores and 4 workers -> 0.5 each
             total = ray.cluster_resources().get("CPU", 1.0)
-            cpus = max(0.01, min(1.0, round(total / self.config.num_workers, 2)))
+            cpus = max(0.01, min(1.0, math.floor(100 * total / self.config.num_workers) / 100))
         plan = PlacementPlan(
             self.config.num_prefill_instances, self.config.prefill_tp_size,
             self.config.num_decode_instances, self.config.decode_tp_size, self.config.device,
