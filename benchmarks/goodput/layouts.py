@@ -20,6 +20,7 @@ from typing import Any
 
 LAYOUTS = ("disaggregated", "colocated")
 NUM_DEVICES = {"disaggregated": 2, "colocated": 2}  # cores (GPUs on a GPU cluster) per layout
+KV_TRANSFER_TIMEOUT_S = 300.0
 
 _TOKENIZER_CORPUS = [
     "Disaggregated serving puts the prefill and the decode phases on different devices.",
@@ -100,6 +101,7 @@ def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **en
     """The deploy ClusterSpec of one layout on this machine (the router on a free port)."""
     from decode_worker.config import DecodeConfig
     from deploy.cluster_spec import ClusterSpec
+    from kv_transfer.config import KVTransferConfig
     from prefill_worker.config import PrefillConfig
     from router.config import RouterConfig
 
@@ -114,9 +116,14 @@ def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **en
         return ClusterSpec(
             router=router, colocated=config, num_colocated_instances=2, pin_cpus=pin_cpus
         )
+    # The hand-off deadline runs from the decode reservation, before the prefill queue: past
+    # the knee of a sweep requests queue for many seconds, and the default 30 s would turn an
+    # overloaded point into failed transfers (and a rebuilt channel) instead of late tokens.
+    kv = KVTransferConfig(transfer_timeout_s=KV_TRANSFER_TIMEOUT_S)
     return ClusterSpec(
-        router=router, prefill=PrefillConfig(engine=config), num_prefill_instances=1,
-        decode=DecodeConfig(engine=config), num_decode_instances=1, pin_cpus=pin_cpus,
+        router=router, prefill=PrefillConfig(engine=config, kv_transfer=kv),
+        num_prefill_instances=1, decode=DecodeConfig(engine=config, kv_transfer=kv),
+        num_decode_instances=1, pin_cpus=pin_cpus,
     )  # fmt: skip
 
 
