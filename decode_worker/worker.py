@@ -126,6 +126,10 @@ class DecodeWorker(WorkerLoop):
 
     def shutdown(self) -> None:
         self.stop()
+        try:  # drop every rank's KV channels first, so that no peer waits on them
+            self.engine.executor.collective_call("close")
+        except RuntimeError:
+            pass  # a rank died: the executor's shutdown below still reaps the rest
         self.engine.shutdown()
 
     # ----------------------------------------------------------- commands

@@ -10,6 +10,8 @@ Built on every rank by the Executor (`rank_extension=PrefillRank`) and driven fr
 
 Each send runs on a thread of its own because dialing a channel blocks until the decode rank
 joins (up to the ticket's deadline when it is gone); the step loop must never wait on a peer.
+Sends to the same decode instance dial and post one at a time: a second dial of a channel that
+is still connecting would use it half-built (ChannelDialer hands it out before it is connected).
 Whole-request mode: the KV is final when the prompt's last chunk has run, so every message is
 posted at once (layerwise tickets just post 2 messages per layer).
 """
@@ -50,6 +52,7 @@ class PrefillRank:
         )
         self._lock = threading.Lock()
         self._ended: list[SendReport] = []
+        self._dial_locks: dict[str, threading.Lock] = {}  # per decode instance
 
     def start_send(self, ticket: KVTicket, block_ids: Sequence[int], first_token_id: int) -> None:
         """Send the KV in `block_ids` (kept referenced by the driver's KVSender until acked)."""
@@ -83,13 +86,19 @@ class PrefillRank:
         name = f"kv-{'cancel' if cancel else 'send'}-{ticket.request_id}"
         threading.Thread(target=target, name=name, daemon=True).start()
 
+    def _dial_lock(self, ticket: KVTicket) -> threading.Lock:
+        with self._lock:
+            return self._dial_locks.setdefault(ticket.decode_instance_id, threading.Lock())
+
     def _send(self, ticket: KVTicket, block_ids: Sequence[int], first_token_id: int) -> None:
-        handle = self.sender.start(ticket, block_ids)
-        handle.finish(first_token_id)
+        with self._dial_lock(ticket):  # dialing and posting only; the waits overlap
+            handle = self.sender.start(ticket, block_ids)
+            handle.finish(first_token_id)
         handle.wait(timeout=None)  # every wait inside is bounded by the ticket's deadline
 
     def _cancel(self, ticket: KVTicket) -> None:
-        handle = self.sender.cancel_unstarted(ticket)
+        with self._dial_lock(ticket):
+            handle = self.sender.cancel_unstarted(ticket)
         try:
             handle.wait(timeout=None)
         except KVTransferCancelled:

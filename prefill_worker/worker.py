@@ -64,6 +64,7 @@ class _Prefill:
     submitted_at: float  # time.perf_counter()
     scheduled_at: float | None = None
     quiet: bool = False  # a failed hand-off is reported by someone else (abort, decode side)
+    send_error: str | None = None  # the first rank's send failure, for the error event
     error: str | None = None  # why it ended before its first token, when not a plain abort
 
 
@@ -117,6 +118,10 @@ class PrefillWorker(WorkerLoop):
 
     def shutdown(self) -> None:
         self.stop()
+        try:  # drop every rank's KV channels first, so that no peer waits on them
+            self.engine.executor.collective_call("close")
+        except RuntimeError:
+            pass  # a rank died: the executor's shutdown below still reaps the rest
         self.engine.shutdown()
 
     # ----------------------------------------------------------- commands
@@ -319,6 +324,9 @@ class PrefillWorker(WorkerLoop):
                 if report.cancel:
                     self._num_cancel_reports_due -= 1
                     continue
+                entry = self._prefills.get(report.request_id)
+                if entry is not None and report.error is not None and entry.send_error is None:
+                    entry.send_error = f"rank {report.rank}: {report.error}"
                 abort = self.kv_sender.on_rank_finished(
                     report.request_id, report.rank, report.error
                 )
@@ -332,7 +340,8 @@ class PrefillWorker(WorkerLoop):
         """KVSender dropped the transfer's reference: the hand-off is over, either way."""
         entry = self._prefills.pop(request_id, None)
         if entry is not None and not success and not entry.quiet:
-            message = f"handing the KV off to {entry.ticket.decode_instance_id} failed"
+            reason = entry.send_error or "no answer from the decode side before the deadline"
+            message = f"handing the KV off to {entry.ticket.decode_instance_id} failed: {reason}"
             self._emit([TokenEvent(request_id, [], "error", message, self.instance_id)])
 
     def _cancel_ticket(self, ticket: KVTicket) -> None:

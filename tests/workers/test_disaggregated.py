@@ -65,6 +65,7 @@ def cluster(tiny_model):
         ("decode-0", DecodeConfig(engine_config(model_dir), decode_kv)),
         ("decode-1", DecodeConfig(engine_config(model_dir), decode_kv)),
         ("decode-small", DecodeConfig(engine_config(model_dir, num_kv_blocks=16), decode_kv)),
+        ("decode-tp2", DecodeConfig(engine_config(model_dir, tensor_parallel_size=2), decode_kv)),
         (
             "decode-doomed",
             DecodeConfig(
@@ -132,6 +133,17 @@ def test_greedy_outputs_equal_llm_and_transformers(cluster) -> None:
     used = {source for r in results.values() for source in r.decode_sources}
     assert used == {"decode-0", "decode-1"}
     assert_pools_back(cluster, ["prefill", "decode-0", "decode-1"])
+
+
+def test_decode_instance_at_tp2_equals_llm(cluster) -> None:
+    """Prefill TP=2 -> decode TP=2: each decode rank receives its KV heads from its peer rank."""
+    prompts = PROMPTS[:4]
+    expected = reference(cluster.model_dir, prompts, GREEDY)
+    relay = Relay(cluster, "prefill", ["decode-tp2"], PREFILL_TP)
+    results = relay.run(make_requests(prompts, GREEDY, "tp2"))
+    assert [r.token_ids for r in results.values()] == expected
+    assert {s for r in results.values() for s in r.decode_sources} == {"decode-tp2"}
+    assert_pools_back(cluster, ["prefill", "decode-tp2"])
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64, 256])
