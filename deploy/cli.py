@@ -120,7 +120,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deploy.cluster_spec import resolve_model_dir
+    from deploy.demo import resolve_demo_model
     from deploy.launch import cluster_metrics_port, open_cluster
 
     config = serve_config(args)
@@ -138,9 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     install_handlers()
     say = _say
-    if config.model == "demo":
-        say("preparing the demo model (built on first use)")
-    model_dir = resolve_model_dir(config.model)
+    model_dir = resolve_demo_model(None, sys.stdout) if config.model == "demo" else config.model
     with open_cluster(config, model_dir, say=say) as cluster:
         address = cluster.start(progress=say)
         install_handlers()  # again: starting Ray installs its own SIGTERM handler (it aborts)

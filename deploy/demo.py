@@ -83,6 +83,8 @@ def run_demo(
                 results.append(_stream_one(client, cluster, index, prompt, max_tokens, out))
         _say(out, "shutting down")
     out.write("\n" + format_results(results) + "\n")
+    if any(result.workers == "-" for result in results):
+        out.write("(workers: this runtime does not report which instances served a request)\n")
     out.flush()
     return results
 
