@@ -231,7 +231,18 @@ class ChannelDialer:
             ) from exc
         with self._lock:
             channel = self._channels.get(channel_key)
+            reuse = channel is not None and channel.epoch == epoch and not channel.broken
+        if reuse:
+            # Another send may have made this channel a moment ago and still be connecting it:
+            # hand it out only once it is connected (or report why it is not).
+            assert channel is not None
+            channel.wait_connected(deadline)
+            return channel
+        with self._lock:
+            channel = self._channels.get(channel_key)
             if channel is not None and channel.epoch == epoch and not channel.broken:
+                # made by a concurrent dial between the two locked sections
+                channel.wait_connected(deadline)
                 return channel
             if channel is not None and channel.epoch >= epoch:
                 self._report_broken(store, channel)
