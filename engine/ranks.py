@@ -9,7 +9,9 @@ so that every rank claims its own GPU and sits where the placement logic put it.
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,7 +110,20 @@ class RankLauncher(Protocol):
 
 
 def _spawned_rank_main(spec: RankSpec, status: Any) -> None:
-    run_rank(spec, lambda state, rank, detail: status.put((state, rank, detail)))
+    code = 0
+    try:
+        run_rank(spec, lambda state, rank, detail: status.put((state, rank, detail)))
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        # Leave without the interpreter's teardown: with torch and transformers loaded it costs
+        # seconds of CPU per rank, and the driver waits for it. Flush the reports first.
+        status.close()
+        status.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class SpawnLauncher:
