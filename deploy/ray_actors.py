@@ -14,19 +14,17 @@ name and handle. The RouterActor is an asyncio actor: the gRPC server runs on th
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from decode_worker.config import DecodeConfig
-from decode_worker.worker import DecodeWorker
 from deploy.ray_handles import ActorControl, RayHandle
-from deploy.ray_launcher import RayRankLauncher
 from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
-from prefill_worker.config import PrefillConfig
-from prefill_worker.worker import PrefillWorker
+
+if TYPE_CHECKING:  # imported in the actor only: the driver needs neither torch nor the model code
+    from decode_worker.config import DecodeConfig
+    from prefill_worker.config import PrefillConfig
 
 
 class WorkerActor:
@@ -39,9 +37,17 @@ class WorkerActor:
         num_workers: int,
         pin_cores: bool,
         namespace: str,
+        rank_actor_names: list[str] | None = None,
     ) -> None:
+        started_at = time.time()
         import ray
+        import torch
 
+        from decode_worker.worker import DecodeWorker
+        from deploy.ray_launcher import RayRankLauncher
+        from prefill_worker.worker import PrefillWorker
+
+        imported_at = time.time()
         if pin_cores:
             pin_to_core_set(core_set(placement.worker_indices[0], num_workers))
         torch.set_num_threads(config.engine.num_threads or 1)
@@ -50,17 +56,24 @@ class WorkerActor:
         if self.node_ip != config.kv_transfer.host and config.kv_transfer.host == "127.0.0.1":
             # decode ranks listen where prefill ranks on other nodes can reach them
             config = replace(config, kv_transfer=replace(config.kv_transfer, host=self.node_ip))
-        launcher = (
-            RayRankLauncher(placement, num_workers, pin_cores) if placement.tp_size > 1 else None
-        )
+        # By name, not handle: handles in the arguments of a restartable actor pin objects.
+        rank_actors = [ray.get_actor(name) for name in rank_actor_names or []]
+        if rank_actors and ray.get_runtime_context().was_current_actor_reconstructed:
+            for stale in rank_actors:  # they belonged to the TP group of the process that died
+                ray.kill(stale, no_restart=True)
+            rank_actors = []
+        launcher = None
+        if placement.tp_size > 1:
+            launcher = RayRankLauncher(placement, num_workers, pin_cores, rank_actors)
         control = ActorControl(namespace)
         self.instance_id = placement.instance_id
         if placement.role == Role.PREFILL:
-            assert isinstance(config, PrefillConfig)
             self.worker: Any = PrefillWorker(config, self.instance_id, control, launcher=launcher)
         else:
-            assert isinstance(config, DecodeConfig)
             self.worker = DecodeWorker(config, self.instance_id, control, launcher=launcher)
+        # where start-up time goes: process start (driver side), imports, model + TP group + KV
+        self.startup = {"started_at": started_at, "import_s": imported_at - started_at,
+                        "build_s": time.time() - imported_at}  # fmt: skip
 
     # The worker's API, one actor method each (see router/worker_api.py).
     def submit(self, request: WorkerRequest, ticket: Any) -> None:
@@ -85,7 +98,10 @@ class WorkerActor:
 
     def info(self) -> dict[str, Any]:
         """Where this instance runs: node address and id, process ids (rank 0 first)."""
-        return {"node_ip": self.node_ip, "node_id": self.node_id, "pids": self.worker.process_ids()}
+        return {
+            "node_ip": self.node_ip, "node_id": self.node_id, "pids": self.worker.process_ids(),
+            "startup": self.startup,
+        }  # fmt: skip
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -48,6 +48,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deploy.ray_actors import RouterActor, WorkerActor
 from deploy.ray_config import ClusterStatus, RayClusterConfig, WorkerStatus
 from deploy.ray_handles import actor_name
+from deploy.ray_launcher import rank_actor_name, start_rank_actors
 from deploy.ray_node import LocalRay, connect_ray, start_local_ray
 from deploy.ray_placement import (
     InstancePlacement,
@@ -69,9 +70,11 @@ class RayCluster:
         self.config = config
         self.namespace = f"pdserve-{uuid.uuid4().hex[:8]}"
         self.startup_timings: dict[str, float] = {}  # step -> seconds
+        self.worker_startup: dict[str, dict[str, float]] = {}  # id -> process start/import/build
         self.placements: list[InstancePlacement] = []
         self.worker_actors: dict[str, Any] = {}
         self.router_actor: Any = None
+        self.rank_actors: list[Any] = []  # TP ranks 1..k-1 (a restarted driver makes its own)
         self._node: LocalRay | None = None
         self._address = ""
         self._closed = False
@@ -140,6 +143,10 @@ class RayCluster:
         remote = ray.remote(WorkerActor)
         pin = self.config.pin_cpus and self.config.device == "cpu"
         for placement in self.placements:
+            self.rank_actors.extend(
+                start_rank_actors(placement, self.config.num_workers, pin, named=True)
+            )
+            ranks = [rank_actor_name(placement.instance_id, r) for r in range(1, placement.tp_size)]
             config = (
                 self.config.prefill_config() if placement.role == Role.PREFILL
                 else self.config.decode_config()
@@ -152,9 +159,14 @@ class RayCluster:
                 num_cpus=placement.num_cpus,
                 num_gpus=placement.num_gpus,
                 scheduling_strategy=placement.strategy(0),
-            ).remote(config, placement, self.config.num_workers, pin, self.namespace)
+            ).remote(config, placement, self.config.num_workers, pin, self.namespace, ranks)
+        created_at = time.time()
         infos = [actor.info.remote() for actor in self.worker_actors.values()]
-        ray.get(infos, timeout=self.config.start_timeout_s)  # the actors are built: ready
+        answers = ray.get(infos, timeout=self.config.start_timeout_s)  # built: ready
+        for instance_id, info in zip(self.worker_actors, answers, strict=True):
+            startup = dict(info["startup"])
+            startup["process_start_s"] = startup.pop("started_at") - created_at
+            self.worker_startup[instance_id] = startup
 
     def _form_kv_channels(self) -> None:
         """A two-token request through every (prefill, decode) pair: each pair's KV channels
@@ -288,7 +300,7 @@ class RayCluster:
         stops = [actor.shutdown.remote() for actor in self.worker_actors.values()]
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=15)
-        for actor in [*self.worker_actors.values(), self.router_actor]:
+        for actor in [*self.worker_actors.values(), *self.rank_actors, self.router_actor]:
             if actor is not None:
                 _best_effort(lambda a=actor: ray.kill(a, no_restart=True))
 

@@ -9,20 +9,24 @@ driver) travels as an actor-call argument: that is the process-group bootstrap o
                           <--wait_ready()--------- "ready" | the traceback
     ... batches travel over the gloo/NCCL TP group, never through Ray ...
 
-The rank actors are owned by the driver actor, so Ray kills them when it dies (fate sharing);
-`stop` waits for their `run` to return after SHUTDOWN, then kills whatever is left.
+The RayCluster creates the rank actors together with the driver actor (`start_rank_actors`), so
+their processes start in parallel. A restarted driver actor kills those and starts its own,
+which Ray kills with it if it dies again (fate sharing). `stop` waits for each `run` to return
+after SHUTDOWN, then kills the rank actors.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
-from engine.ranks import RankSpec, run_rank
+
+if TYPE_CHECKING:  # the driver creates RankActors without importing torch or the model code
+    from engine.ranks import RankSpec
 
 
 class RankActor:
@@ -32,6 +36,8 @@ class RankActor:
     def __init__(self, worker_index: int, num_workers: int, pin_cores: bool) -> None:
         if pin_cores:
             pin_to_core_set(core_set(worker_index, num_workers))
+        import engine.model_runner  # noqa: F401 - import now, while the driver rank still loads
+
         self._reported = threading.Event()
         self._state = ("", "")
 
@@ -39,6 +45,8 @@ class RankActor:
         return os.getpid()
 
     def run(self, spec: RankSpec) -> None:
+        from engine.ranks import run_rank
+
         def report(state: str, rank: int, detail: str) -> None:
             self._state = (state, detail)
             self._reported.set()
@@ -52,29 +60,46 @@ class RankActor:
         return self._state
 
 
-class RayRankLauncher:
-    """Starts ranks 1..k-1 of `placement` as RankActors; see the module docstring."""
+def rank_actor_name(instance_id: str, rank: int) -> str:
+    return f"pdserve-{instance_id}-rank{rank}"
 
-    def __init__(self, placement: InstancePlacement, num_workers: int, pin_cores: bool) -> None:
+
+def start_rank_actors(
+    placement: InstancePlacement, num_workers: int, pin_cores: bool, named: bool = False
+) -> list[Any]:
+    """RankActors for ranks 1..k-1 in their bundles, idle until `run`. The cluster creates them
+    with the driver actor, so the ranks' processes start and import in parallel with it."""
+    remote_cls = ray.remote(RankActor)
+    return [
+        remote_cls.options(
+            name=rank_actor_name(placement.instance_id, rank) if named else None,
+            max_concurrency=2, max_restarts=0, num_cpus=placement.num_cpus,
+            num_gpus=placement.num_gpus, scheduling_strategy=placement.strategy(rank),
+        ).remote(placement.worker_indices[rank], num_workers, pin_cores)
+        for rank in range(1, placement.tp_size)
+    ]  # fmt: skip
+
+
+class RayRankLauncher:
+    """Runs ranks 1..k-1 of `placement` on RankActors (given, or started here); see the module
+    docstring."""
+
+    def __init__(
+        self, placement: InstancePlacement, num_workers: int, pin_cores: bool,
+        actors: list[Any] | None = None,
+    ) -> None:  # fmt: skip
         self.placement = placement
         self.num_workers = num_workers
         self.pin_cores = pin_cores
-        self.actors: list[Any] = []
+        self.actors: list[Any] = list(actors or [])
         self._runs: list[Any] = []  # ObjectRef of each rank's `run`: done = the rank ended
         self._pids: list[int] = []
 
     def start(self, specs: list[RankSpec]) -> None:
-        remote_cls = ray.remote(RankActor)
-        for spec in specs:
-            actor = remote_cls.options(
-                name=None, max_concurrency=2, max_restarts=0,
-                num_cpus=self.placement.num_cpus, num_gpus=self.placement.num_gpus,
-                scheduling_strategy=self.placement.strategy(spec.tp_rank),
-            ).remote(
-                self.placement.worker_indices[spec.tp_rank], self.num_workers, self.pin_cores
-            )  # fmt: skip
-            self.actors.append(actor)
-            self._runs.append(actor.run.remote(spec))
+        if not self.actors:
+            self.actors = start_rank_actors(self.placement, self.num_workers, self.pin_cores)
+        by_rank = dict(enumerate(self.actors, start=1))
+        self._runs = [by_rank[spec.tp_rank].run.remote(spec) for spec in specs]
 
     def wait_ready(self, timeout_s: float) -> None:
         answers = ray.get(

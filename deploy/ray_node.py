@@ -131,13 +131,15 @@ def start_local_ray(namespace: str, num_cpus: int | None = None) -> LocalRay:
     """A fresh one-node Ray cluster on 127.0.0.1 with its own temp dir (see the module doc)."""
     use_loopback_node_address()
     other_pids = set(descendant_pids(os.getpid()))
+    # Through the environment Ray's processes inherit, not a runtime_env: workers with a
+    # runtime_env cannot come from Ray's prestarted pool (measured: 2.5 s vs 0.4 s per actor).
+    os.environ.update(worker_env_vars())
     temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")
     ray.init(
         num_cpus=num_cpus or len(os.sched_getaffinity(0)),
         namespace=namespace,
         include_dashboard=False,
         object_store_memory=_OBJECT_STORE_BYTES,
-        runtime_env={"env_vars": worker_env_vars()},
         log_to_driver=False,
         configure_logging=False,
         _node_ip_address="127.0.0.1",
