@@ -80,17 +80,15 @@ def run_demo(
         with RouterClient(address) as client:
             client.wait_until_serving(timeout_s=60)
             for index, prompt in enumerate(DEMO_PROMPTS):
-                results.append(_stream_one(client, cluster, index, prompt, max_tokens, out))
+                results.append(_stream_one(client, index, prompt, max_tokens, out))
         _say(out, "shutting down")
     out.write("\n" + format_results(results) + "\n")
-    if any(result.workers == "-" for result in results):
-        out.write("(workers: this runtime does not report which instances served a request)\n")
     out.flush()
     return results
 
 
 def _stream_one(
-    client: RouterClient, cluster: object, index: int, prompt: str, max_tokens: int, out: TextIO
+    client: RouterClient, index: int, prompt: str, max_tokens: int, out: TextIO
 ) -> DemoResult:
     request_id = f"demo-{index}"
     request = pb.GenerateRequest(
@@ -106,8 +104,7 @@ def _stream_one(
         out.flush()
         last = response
     out.write("\n")
-    # Only LocalCluster records placements; the API's responses do not name the instances.
-    placement = getattr(cluster, "request_placements", {}).get(request_id)
+    placement = [name for name in (last.prefill_instance, last.decode_instance) if name]
     return DemoResult(
         request_id=request_id,
         prompt=prompt,

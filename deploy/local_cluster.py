@@ -34,7 +34,7 @@ from decode_worker.worker import DecodeWorker
 from deploy.cluster_spec import ClusterSpec
 from deploy.handles import ProcessHandle
 from deploy.process_host import ProcessWorker
-from engine.messages import InstanceLoad, Role, WorkerRequest, WorkerUnavailable
+from engine.messages import InstanceLoad, Role, WorkerUnavailable
 from prefill_worker.worker import PrefillWorker
 from router.server import Router
 
@@ -66,19 +66,6 @@ class PinnedFactory:
         return self.factory(*args, **kwargs)
 
 
-class _RecordingHandle(ProcessHandle):
-    """A ProcessHandle that remembers where the router placed each request (for the demo's
-    "which workers" column: the API's responses do not name the instances)."""
-
-    def __init__(self, *args: Any, placements: dict[str, tuple[str, str]], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._placements = placements
-
-    async def submit(self, request: WorkerRequest, ticket: object | None) -> None:
-        self._placements[request.request_id] = (request.prefill_instance, request.decode_instance)
-        await super().submit(request, ticket)
-
-
 def cpu_sets(num_ranks_per_worker: list[int], cpu_ids: list[int]) -> list[list[int]]:
     """One core per rank, handed out in order and wrapping around when ranks outnumber cores."""
     sets: list[list[int]] = []
@@ -96,7 +83,6 @@ class LocalCluster:
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.workers: dict[str, ProcessWorker] = {}
-        self.request_placements: dict[str, tuple[str, str]] = {}  # request_id -> (prefill, decode)
         self.router: Router | None = None
         self._handles: list[ProcessHandle] = []
         self._control_queue = mp.get_context("spawn").Queue()
@@ -180,8 +166,7 @@ class LocalCluster:
                                           prefill_tp_sizes=prefill_tp))  # fmt: skip
             else:
                 role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
-                front.append(_RecordingHandle(instance_id, role, worker,
-                                              placements=self.request_placements))  # fmt: skip
+                front.append(ProcessHandle(instance_id, role, worker))
         self._handles = [*front, *back]
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(

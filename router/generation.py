@@ -52,6 +52,8 @@ class GenerationChunk:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     timings: RouterTimings | None = None  # on the last chunk
+    prefill_instance: str = ""  # on the last chunk: where the request ran
+    decode_instance: str = ""
 
 
 @dataclass
@@ -62,6 +64,8 @@ class _Progress:
     stop_matcher: StopStringMatcher
     accepted_at: float  # perf_counter
     dispatched_at: float = 0.0
+    prefill_instance: str = ""
+    decode_instance: str = ""
     first_token_at: float | None = None
     last_token_at: float = 0.0
     num_output_tokens: int = 0
@@ -111,6 +115,8 @@ class GenerationRunner:
             self._metrics.request_queue_time.observe(progress.dispatched_at - progress.accepted_at)
             self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
             dispatch = await self._dispatcher.dispatch(request, channel, time.time())
+            progress.prefill_instance = dispatch.prefill_id
+            progress.decode_instance = dispatch.decode_id or ""
             async for chunk in self._stream(request, channel, progress, dispatch.prefill_id):
                 yield chunk
         finally:
@@ -242,6 +248,8 @@ class GenerationRunner:
             num_completion_tokens=progress.num_output_tokens,
             num_cached_tokens=worker.num_cached_tokens,
             timings=timings,
+            prefill_instance=progress.prefill_instance,
+            decode_instance=progress.decode_instance,
         )
 
     def _observe_finish(self, timings: RouterTimings, finish_reason: str, num_after: int) -> None:

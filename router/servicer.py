@@ -124,6 +124,8 @@ def chunk_to_response(chunk: GenerationChunk) -> pb.GenerateResponse:
     response.usage.cached_prompt_tokens = chunk.num_cached_tokens
     if chunk.timings is not None:
         _copy_timings(chunk.timings, response.timings)
+        response.prefill_instance = chunk.prefill_instance
+        response.decode_instance = chunk.decode_instance
     return response
 
 

@@ -45,6 +45,7 @@ def test_colocated_replicas_are_pinned_serve_round_robin_and_leave_nothing(
         pids = {i: worker.pid for i, worker in cluster.workers.items()}
         for index, instance_id in enumerate(["colocated-0", "colocated-1"]):
             assert os.sched_getaffinity(pids[instance_id]) == {cores[index % len(cores)]}
+        placed = []
         with RouterClient(address) as client:
             for n in range(4):
                 request = pb.GenerateRequest(
@@ -52,7 +53,8 @@ def test_colocated_replicas_are_pinned_serve_round_robin_and_leave_nothing(
                 )
                 responses = list(client.generate(request, timeout_s=60))
                 assert sum(len(r.token_ids) for r in responses) == 5
-        placed = [cluster.request_placements[f"r{n}"][0] for n in range(4)]
+                placed.append(responses[-1].prefill_instance)
+                assert responses[-1].decode_instance == ""
         assert sorted(placed) == ["colocated-0", "colocated-0", "colocated-1", "colocated-1"]
         assert [load.healthy for load in cluster.status()] == [True, True]
     assert progress[0].startswith("starting colocated-0 (TP=1): loading ")

@@ -73,6 +73,10 @@ def test_streamed_text_equals_unary_text_and_decoding_the_ids(
     )
     assert 0 < last.timings.first_token_s <= last.timings.e2e_s
     assert last.timings.per_token_s > 0
+    # the last message names where the request ran (one prefill and two decode instances here)
+    assert last.prefill_instance.startswith("prefill-")
+    assert last.decode_instance.startswith("decode-")
+    assert all(not r.prefill_instance for r in responses[:-1])
     unary = stub.GenerateUnary(pb.GenerateRequest(prompt="Le café 我们", max_tokens=40), timeout=10)
     assert list(unary.token_ids) == token_ids  # synthetic tokens depend on the prompt only
     assert unary.text == streamed_text == tokenizer.decode(token_ids)
