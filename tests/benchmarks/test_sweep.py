@@ -37,7 +37,7 @@ def sweep(policy: SweepPolicy, num_requests: int = 30) -> tuple[CapacityDriver, 
     driver = CapacityDriver()
     prompts = [([5, 6, 7], 2)] * num_requests
     gaps = [1.0] * num_requests
-    runner = RateSweep(driver, "unused", prompts, gaps, "t", 2, SLO, policy)  # type: ignore[arg-type]
+    runner = RateSweep(driver, "", prompts, gaps, "t", 2, SLO, policy)  # type: ignore[arg-type]
     runner.run()
     return driver, runner
 
