@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from deploy.cluster_spec import ClusterSpec
+from deploy.control_relay import ControlRelay
 from deploy.handles import ProcessHandle
 from deploy.process_host import ProcessWorker
 from engine.messages import InstanceLoad, Role, WorkerUnavailable
@@ -40,17 +38,6 @@ from router.server import Router
 
 Progress = Callable[[str], None]
 _LOOP_TIMEOUT_S = 60.0
-
-
-class QueueControl:
-    """A worker's `send_control`: (instance_id, message) onto the cluster's control queue.
-    Picklable, so it travels to the worker process with the factory's arguments."""
-
-    def __init__(self, control_queue: Any) -> None:
-        self.queue = control_queue
-
-    def __call__(self, instance_id: str, message: Any) -> None:
-        self.queue.put((instance_id, message))
 
 
 class PinnedFactory:
@@ -85,9 +72,7 @@ class LocalCluster:
         self.workers: dict[str, ProcessWorker] = {}
         self.router: Router | None = None
         self._handles: list[ProcessHandle] = []
-        self._control_queue = mp.get_context("spawn").Queue()
-        self._stop = threading.Event()
-        self._relay: threading.Thread | None = None
+        self._relay: ControlRelay | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
 
@@ -96,8 +81,7 @@ class LocalCluster:
         """Start every worker (concurrently), the relay and the router; returns host:port."""
         say = progress or (lambda _line: None)
         started_at = time.monotonic()
-        self._relay = threading.Thread(target=self._forward, name="control-relay", daemon=True)
-        self._relay.start()
+        self._relay = ControlRelay(self.workers)
         try:
             self._start_workers(say)
             say("starting the router")
@@ -138,7 +122,8 @@ class LocalCluster:
     def _worker_plan(self) -> list[tuple[str, Callable[..., Any], tuple, int]]:
         """(instance_id, factory, factory args, TP size) for each worker, prefill first."""
         spec = self.spec
-        control = QueueControl(self._control_queue)
+        assert self._relay is not None
+        control = self._relay.sender()
         if spec.is_colocated:
             assert spec.colocated is not None
             tp = spec.colocated.tensor_parallel_size
@@ -191,11 +176,9 @@ class LocalCluster:
         with ThreadPoolExecutor(max(1, len(self.workers))) as pool:
             list(pool.map(lambda worker: worker.shutdown(), list(self.workers.values())))
         self.workers.clear()
-        self._stop.set()
         if self._relay is not None:
-            self._relay.join(5)
-        self._control_queue.close()
-        self._control_queue.join_thread()
+            self._relay.stop()
+            self._relay = None
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -239,17 +222,3 @@ class LocalCluster:
         assert self._loop is not None
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         return future.result(_LOOP_TIMEOUT_S)
-
-    def _forward(self) -> None:
-        while not self._stop.is_set():
-            try:
-                instance_id, message = self._control_queue.get(timeout=0.05)
-            except (queue.Empty, OSError, EOFError):
-                continue
-            worker = self.workers.get(instance_id)
-            if worker is None:
-                continue
-            try:
-                worker.call("deliver", message, timeout_s=10.0)
-            except WorkerUnavailable:
-                pass  # a dead or stopped instance: its peer's transfer deadline covers it

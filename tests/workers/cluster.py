@@ -13,18 +13,14 @@ The relay does what the router will; the forwarder does what deploy/ will (Ray c
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch.multiprocessing as mp
 
 from decode_worker.config import DecodeConfig
 from decode_worker.worker import DecodeWorker
+from deploy.control_relay import ControlRelay
 from deploy.process_host import ProcessWorker
 from engine.messages import Overloaded, TokenEvent, WorkerRequest, WorkerUnavailable
 from engine.sampling_params import SamplingParams
@@ -34,28 +30,13 @@ from prefill_worker.worker import PrefillWorker
 CALL_TIMEOUT_S = 30.0
 
 
-class QueueControl:
-    """A worker's `send_control`: puts (instance_id, message) on the cluster's control queue.
-    Picklable, so it travels to the worker process with the factory's arguments."""
-
-    def __init__(self, control_queue: Any) -> None:
-        self.queue = control_queue
-
-    def __call__(self, instance_id: str, message: Any) -> None:
-        self.queue.put((instance_id, message))
-
-
 class Cluster:
     """Worker processes by instance id, and the thread that carries their control messages."""
 
     def __init__(self) -> None:
-        self.control_queue = mp.get_context("spawn").Queue()
         self.workers: dict[str, ProcessWorker] = {}
         self.process_ids: list[int] = []
-        self.num_forwarded = 0
-        self._stop = threading.Event()
-        self._forwarder = threading.Thread(target=self._forward, name="control", daemon=True)
-        self._forwarder.start()
+        self.relay = ControlRelay(self.workers, call_timeout_s=10.0)
 
     def start(self, specs: Iterable[tuple[str, PrefillConfig | DecodeConfig]]) -> None:
         """Start workers concurrently (process start-up dominates the tests' time)."""
@@ -68,7 +49,7 @@ class Cluster:
 
     def _start_one(self, instance_id: str, config: PrefillConfig | DecodeConfig) -> ProcessWorker:
         factory = PrefillWorker if isinstance(config, PrefillConfig) else DecodeWorker
-        control = QueueControl(self.control_queue)
+        control = self.relay.sender()
         return ProcessWorker(factory, config, instance_id, control, name=instance_id)
 
     def stop_worker(self, instance_id: str) -> None:
@@ -81,23 +62,7 @@ class Cluster:
         if instance_ids:  # concurrently: each waits for its loop, its ranks and its process
             with ThreadPoolExecutor(len(instance_ids)) as pool:
                 list(pool.map(self.stop_worker, instance_ids))
-        self._stop.set()
-        self._forwarder.join(5)
-
-    def _forward(self) -> None:
-        while not self._stop.is_set():
-            try:
-                instance_id, message = self.control_queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            worker = self.workers.get(instance_id)
-            if worker is None:
-                continue
-            try:
-                worker.call("deliver", message, timeout_s=10.0)
-                self.num_forwarded += 1
-            except WorkerUnavailable:
-                pass  # a dead or stopped instance: its peer's deadline covers it
+        self.relay.stop()
 
 
 def process_is_running(pid: int) -> bool:
