@@ -189,22 +189,8 @@ class ColocatedWorker(WorkerLoop):
         return replace(tracked.timings, decode_s=now - tracked.first_token_at)
 
     def _load(self) -> InstanceLoad:
-        stats = self.engine.stats
-        return InstanceLoad(
-            self.instance_id,
-            Role.COLOCATED,
-            num_waiting_requests=stats.num_waiting,
-            num_waiting_tokens=stats.num_queued_prompt_tokens,
-            num_running=stats.num_running,
-            num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks,
-            prefix_cache_hit_rate=stats.prefix_hit_rate,
-            num_preemptions=stats.num_preemptions,
-            healthy=self.error is None,
-            extra={
-                "num_prefix_hit_tokens": float(stats.num_prefix_hit_tokens),
-                "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
-            },
+        return InstanceLoad.from_stats(
+            self.instance_id, Role.COLOCATED, self.engine.stats, self.error is None
         )
 
     def fail_all(self, message: str) -> None:

@@ -209,20 +209,10 @@ class DecodeWorker(WorkerLoop):
             self.kv_receiver.on_abort(message)  # blocks freed once every rank has ended
 
     def _load(self) -> InstanceLoad:
-        stats = self.engine.stats
         num_receiving = sum(1 for entry in self._tracked.values() if entry.landed_at is None)
-        return InstanceLoad(
-            instance_id=self.instance_id,
-            role=Role.DECODE,
-            num_waiting_requests=stats.num_waiting + num_receiving,
-            num_waiting_tokens=stats.num_queued_prompt_tokens,
-            num_running=stats.num_running,
-            num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks,
-            prefix_cache_hit_rate=stats.prefix_hit_rate,
-            num_preemptions=stats.num_preemptions,
-            healthy=self.healthy,
-            extra={"num_receiving": float(num_receiving)},
+        return InstanceLoad.from_stats(
+            self.instance_id, Role.DECODE, self.engine.stats, self.healthy,
+            num_other_waiting=num_receiving, num_receiving=num_receiving,
         )
 
     # --------------------------------------------------------------- the step

@@ -209,23 +209,9 @@ class PrefillWorker(WorkerLoop):
         self._cancel_ticket(entry.ticket)
 
     def _load(self) -> InstanceLoad:
-        stats = self.engine.stats
-        return InstanceLoad(
-            instance_id=self.instance_id,
-            role=Role.PREFILL,
-            num_waiting_requests=stats.num_waiting,
-            num_waiting_tokens=stats.num_queued_prompt_tokens,
-            num_running=stats.num_running,
-            num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks,
-            prefix_cache_hit_rate=stats.prefix_hit_rate,
-            num_preemptions=stats.num_preemptions,
-            healthy=self.healthy,
-            extra={
-                "num_prefix_hit_tokens": float(stats.num_prefix_hit_tokens),
-                "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
-                "num_transfers_in_flight": float(self.kv_sender.num_in_flight),
-            },
+        return InstanceLoad.from_stats(
+            self.instance_id, Role.PREFILL, self.engine.stats, self.healthy,
+            num_transfers_in_flight=self.kv_sender.num_in_flight,
         )
 
     # --------------------------------------------------------------- the step
