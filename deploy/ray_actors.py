@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from deploy.ray_channels import form_channels
 from deploy.ray_handles import ActorControl, RayHandle
 from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
@@ -38,6 +39,7 @@ class WorkerActor:
         pin_cores: bool,
         namespace: str,
         rank_actor_names: list[str] | None = None,
+        peers: dict[str, int] | None = None,
     ) -> None:
         started_at = time.time()
         import ray
@@ -71,6 +73,13 @@ class WorkerActor:
             self.worker: Any = PrefillWorker(config, self.instance_id, control, launcher=launcher)
         else:
             self.worker = DecodeWorker(config, self.instance_id, control, launcher=launcher)
+        if ray.get_runtime_context().was_current_actor_reconstructed and peers:
+            failing = form_channels(
+                self.worker, placement.role, self.instance_id, placement.tp_size, peers,
+                namespace, config.kv_transfer.transfer_timeout_s + 5,
+            )  # fmt: skip
+            if failing:
+                print(f"{self.instance_id}: KV channels to {failing} did not form", flush=True)
         # where start-up time goes: process start (driver side), imports, model + TP group + KV
         self.startup = {"started_at": started_at, "import_s": imported_at - started_at,
                         "build_s": time.time() - imported_at}  # fmt: skip

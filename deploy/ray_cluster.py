@@ -159,7 +159,10 @@ class RayCluster:
                 num_cpus=placement.num_cpus,
                 num_gpus=placement.num_gpus,
                 scheduling_strategy=placement.strategy(0),
-            ).remote(config, placement, self.config.num_workers, pin, self.namespace, ranks)
+            ).remote(
+                config, placement, self.config.num_workers, pin, self.namespace, ranks,
+                self._peers_of(placement.role),
+            )  # fmt: skip
         created_at = time.time()
         infos = [actor.info.remote() for actor in self.worker_actors.values()]
         answers = ray.get(infos, timeout=self.config.start_timeout_s)  # built: ready
@@ -192,6 +195,14 @@ class RayCluster:
                     raise RuntimeError(f"forming KV channels failed: {event.error}")
                 if event.finish_reason is not None:
                     pending.discard(event.request_id)
+
+    def _peers_of(self, role: Role) -> dict[str, int]:
+        """The instances a worker of `role` hands KV to or from, with their TP sizes."""
+        if role == Role.DECODE:
+            names = [f"prefill-{i}" for i in range(self.config.num_prefill_instances)]
+            return dict.fromkeys(names, self.config.prefill_tp_size)
+        names = [f"decode-{j}" for j in range(self.config.num_decode_instances)]
+        return dict.fromkeys(names, self.config.decode_tp_size)
 
     def _actors_of(self, prefix: str) -> dict[str, Any]:
         return {i: a for i, a in self.worker_actors.items() if i.startswith(prefix)}

@@ -147,3 +147,27 @@ def test_killed_decode_actor_fails_its_streams_and_is_restarted(
     assert [r.token_ids for r in results] == reference["short"][:16]
     assert not process_is_running(victim.pids[0])
 
+
+def test_killed_prefill_driver_is_restarted_with_a_fresh_tp_group(
+    cluster: RayCluster, reference
+) -> None:
+    before = next(w for w in cluster.status().workers if w.instance_id == "prefill-0")
+    os.kill(before.pids[0], signal.SIGKILL)  # rank 0; Ray restarts it, it replaces rank 1
+    deadline = time.monotonic() + 90
+    while True:
+        after = next(w for w in cluster.status().workers if w.instance_id == "prefill-0")
+        if after.healthy and len(after.pids) == 2 and not set(after.pids) & set(before.pids):
+            break
+        assert time.monotonic() < deadline, f"prefill-0 not back: {after}"
+        time.sleep(0.2)
+    while not cluster.serving():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
+    results = stream_all(cluster.address, PROMPTS[:16], MAX_TOKENS)
+    assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * 16
+    assert [r.token_ids for r in results] == reference["short"][:16]
+    deadline = time.monotonic() + 10
+    while any(process_is_running(pid) for pid in before.pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in before.pids if process_is_running(pid)] == []

@@ -1,0 +1,102 @@
+"""Forming a restarted worker's KV pair channels before it takes requests.
+
+A worker actor that Ray restarted has fresh channel state, while its peers still hold channels
+to the process that died; the first transfer over each such pair fails and makes the peers
+rebuild. So the restarted actor sends a two-token request through every pair, from its
+constructor (the router cannot reach it yet, so no user request can hit a stale channel), and
+retries the pairs that failed:
+
+    restarted decode D:   reserve here -> P.submit (actor call) -> the KV lands here, D decodes
+                          one token: success is D's own final event for the request
+    restarted prefill P:  D.reserve (actor call) -> submit here -> P sends the KV: success is
+                          the hand-off settling (no transfer in flight) without an error event
+
+The peers' events for these requests reach the router, which drops them (unknown request ids).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+import ray
+
+from deploy.ray_handles import actor_name
+from engine.messages import Role, WorkerRequest
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_ATTEMPTS = 3
+_PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
+
+
+def warmup_request(prefill_id: str, decode_id: str) -> WorkerRequest:
+    request_id = f"pdserve-warmup-{prefill_id}-{decode_id}-{uuid.uuid4().hex[:6]}"
+    return WorkerRequest(request_id, [1, 1], _PARAMS, time.time(), prefill_id)
+
+
+def form_channels(
+    worker: Any,
+    role: Role,
+    instance_id: str,
+    tp_size: int,
+    peers: dict[str, int],
+    namespace: str,
+    timeout_s: float,
+) -> list[str]:
+    """Send a request through every (this, peer) pair until it succeeds (at most 3 tries);
+    returns the peers whose pair still failed."""
+    failing = list(peers)
+    for _ in range(_ATTEMPTS):
+        if not failing:
+            break
+        try:
+            failing = _one_round(worker, role, instance_id, tp_size, peers, failing,
+                                 namespace, timeout_s)  # fmt: skip
+        except Exception as exc:  # a peer that is down: the router's health covers it
+            logger.warning("forming KV channels of %s failed: %r", instance_id, exc)
+    return failing
+
+
+def _one_round(
+    worker: Any, role: Role, instance_id: str, tp_size: int, peers: dict[str, int],
+    peer_ids: list[str], namespace: str, timeout_s: float,
+) -> list[str]:  # fmt: skip
+    pending: dict[str, str] = {}  # request id -> peer id
+    for peer_id in peer_ids:
+        peer = ray.get_actor(actor_name(peer_id), namespace)
+        if role == Role.DECODE:
+            request = warmup_request(peer_id, instance_id)
+            ticket = worker.reserve(request, peer_id, peers[peer_id])
+            ray.get(peer.submit.remote(request, ticket), timeout=timeout_s)
+        else:
+            request = warmup_request(instance_id, peer_id)
+            ticket = ray.get(peer.reserve.remote(request, instance_id, tp_size), timeout=timeout_s)
+            worker.submit(request, ticket)
+        pending[request.request_id] = peer_id
+    failed = _wait(worker, role, pending, timeout_s)
+    return sorted({pending[request_id] for request_id in failed})
+
+
+def _wait(worker: Any, role: Role, pending: dict[str, str], timeout_s: float) -> set[str]:
+    """The request ids that failed; the rest succeeded (see the module docstring)."""
+    waiting, failed, started = set(pending), set(), set()
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for event in worker.poll_events(0.05):
+            if event.request_id not in waiting:
+                continue
+            if event.token_ids:
+                started.add(event.request_id)
+            if event.finish_reason is not None:
+                waiting.discard(event.request_id)
+                if event.finish_reason == "error":
+                    failed.add(event.request_id)
+        settled = not worker.load().extra.get("num_transfers_in_flight")
+        if role == Role.PREFILL and waiting <= started and settled:
+            # a failed hand-off emits its error event before it leaves the in-flight count
+            failed |= {e.request_id for e in worker.poll_events(0) if e.finish_reason == "error"}
+            waiting.clear()
+    return failed | waiting
