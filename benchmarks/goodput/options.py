@@ -48,8 +48,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="explicit total rates (req/s, comma separated) instead of the adaptive sweep")
     add("--start-rate", type=float, default=None,
         help="first total rate of the adaptive sweep (default: from the calibration)")
-    add("--growth", type=float, default=1.4, help="rate multiplier between sweep points")
-    add("--max-points", type=int, default=None, help="most rates per layout (default 6; quick 5)")
+    add("--growth", type=float, default=None,
+        help="rate multiplier between sweep points (default 1.4; quick 1.6)")
+    add("--max-points", type=int, default=None,
+        help="most rates per layout before the refining one (default 6; quick 4)")
     add("--slo-scales", type=_floats, default=DEFAULT_SLO_SCALES)
     add("--ttft-slo", type=float, default=None, help="seconds; default: shape factor x calibration")
     add("--tpot-slo", type=float, default=None, help="seconds; default: shape factor x calibration")

@@ -3,8 +3,9 @@
 Rates form one geometric grid, start * growth**k (total requests/s), shared by both layouts so
 their points line up. From the start rate the sweep goes up until attainment (at SLO scale 1)
 falls below `stop_below`, or `max_points` are run; if even the start rate misses 90%, it first
-halves the rate (at most `max_halvings` times) to find a rate that meets it. An explicit `rates`
-list runs exactly those. Each point replays the same prompts with the arrival gaps scaled to its
+halves the rate (at most `max_halvings` times) to find a rate that meets it; then it runs one more
+rate, the geometric middle of the two around the 90% crossing. An explicit `rates` list runs
+exactly those. Each point replays the same prompts with the arrival gaps scaled to its
 rate (workloads.arrival_offsets), and the next point starts only when every request has ended.
 A point sends the first min(N, max(min_requests, rate * max_point_s)) requests of the workload, so
 low rates do not take minutes; every point still draws from the same request sequence.
@@ -32,6 +33,7 @@ class SweepPolicy:
     rates: tuple[float, ...] = ()  # explicit total rates: run these, nothing adaptive
     max_point_s: float = 60.0  # a point sends at most this many seconds of arrivals ...
     min_requests: int = 20  # ... but never fewer requests than this
+    refine: bool = True  # one more point between the last rate meeting 90% and the next
 
     def __post_init__(self) -> None:
         if self.start_rate <= 0 or self.growth <= 1 or self.max_points < 1:
@@ -113,7 +115,18 @@ class RateSweep:
             rate *= policy.growth
             if self.attainment(self.run_rate(rate)) < policy.stop_below:
                 break
+        if policy.refine:
+            self._refine()
         return self.points
+
+    def _refine(self) -> None:
+        """Run the geometric middle of the first crossing of 90% (going up in rate), so the
+        interpolated goodput rests on two close points."""
+        ordered = sorted(self.points, key=lambda p: p.rate)
+        for low, high in zip(ordered, ordered[1:], strict=False):
+            if self.attainment(low) >= ATTAINMENT_TARGET > self.attainment(high):
+                self.run_rate((low.rate * high.rate) ** 0.5)
+                return
 
 
 def warm_up(driver: LoadDriver, address: str, prompts: list[tuple[list[int], int]]) -> float:

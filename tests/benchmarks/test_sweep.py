@@ -6,6 +6,8 @@ when the offered rate is at most CAPACITY); the sweep itself is the real one.
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.goodput.metrics import RequestRecord
 from benchmarks.goodput.sweep import RateSweep, SweepPolicy
 from benchmarks.goodput.workloads import BenchRequest
@@ -42,22 +44,25 @@ def sweep(policy: SweepPolicy, num_requests: int = 30) -> tuple[CapacityDriver, 
     return driver, runner
 
 
-def test_climbs_from_the_start_rate_until_attainment_collapses() -> None:
+def test_climbs_until_attainment_collapses_then_refines_the_crossing() -> None:
     driver, runner = sweep(SweepPolicy(start_rate=2.0, growth=1.5, max_points=6))
+    assert [rate for rate, _ in driver.runs] == [2.0, 3.0, 4.5, pytest.approx(13.5**0.5)]
+    assert [p.rate_per_device for p in runner.points[:3]] == [1.0, 1.5, 2.25]
+    driver, _ = sweep(SweepPolicy(start_rate=2.0, growth=1.5, max_points=6, refine=False))
     assert [rate for rate, _ in driver.runs] == [2.0, 3.0, 4.5]
-    assert [p.rate_per_device for p in runner.points] == [1.0, 1.5, 2.25]
 
 
 def test_halves_first_when_the_start_rate_already_misses() -> None:
     driver, _ = sweep(SweepPolicy(start_rate=8.0, growth=1.5, max_points=6, max_halvings=2))
-    assert [rate for rate, _ in driver.runs] == [8.0, 4.0, 2.0, 3.0, 4.5]
+    # the crossing it refines is 3 (met) -> 4 (missed), the closest pair
+    assert [rate for rate, _ in driver.runs] == [8.0, 4.0, 2.0, 3.0, 4.5, pytest.approx(12**0.5)]
     driver, _ = sweep(SweepPolicy(start_rate=8.0, growth=1.5, max_points=6, max_halvings=1))
     assert [rate for rate, _ in driver.runs] == [8.0, 4.0]  # gives up: goodput below 2/device
 
 
 def test_stops_at_max_points_and_runs_explicit_rates_as_given() -> None:
     driver, _ = sweep(SweepPolicy(start_rate=0.5, growth=1.5, max_points=3))
-    assert [rate for rate, _ in driver.runs] == [0.5, 0.75, 1.125]
+    assert [rate for rate, _ in driver.runs] == [0.5, 0.75, 1.125]  # no crossing: no refining
     driver, _ = sweep(SweepPolicy(start_rate=1.0, rates=(5.0, 1.0)))
     assert [rate for rate, _ in driver.runs] == [5.0, 1.0]
 
