@@ -1,4 +1,7 @@
-"""Forming a restarted worker's KV pair channels before it takes requests.
+"""Forming KV pair channels before workers take requests: at start, and after a restart.
+
+At start the cluster sends one two-token request through every (prefill, decode) pair
+(`form_all_channels`).
 
 A worker actor that Ray restarted has fresh channel state, while its peers still hold channels
 to the process that died; the first transfer over each such pair fails and makes the peers
@@ -100,3 +103,30 @@ def _wait(worker: Any, role: Role, pending: dict[str, str], timeout_s: float) ->
             failed |= {e.request_id for e in worker.poll_events(0) if e.finish_reason == "error"}
             waiting.clear()
     return failed | waiting
+
+
+def form_all_channels(
+    prefill: dict[str, Any], decode: dict[str, Any], prefill_tp_size: int, timeout_s: float
+) -> None:
+    """At cluster start (before the router polls anyone): a two-token request through every
+    (prefill, decode) pair builds each pair's channels (one per prefill rank x decode rank)
+    now, not in the first user request. One request per pair, so no channel is dialed twice
+    at once."""
+    pending: set[str] = set()
+    for prefill_id, prefill_actor in prefill.items():
+        for decode_id, decode_actor in decode.items():
+            request = warmup_request(prefill_id, decode_id)
+            reserve = decode_actor.reserve.remote(request, prefill_id, prefill_tp_size)
+            ticket = ray.get(reserve, timeout=timeout_s)
+            ray.get(prefill_actor.submit.remote(request, ticket), timeout=timeout_s)
+            pending.add(request.request_id)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"KV channels did not form within {timeout_s:.0f}s: {pending}")
+        polls = [a.poll_events.remote(0.05) for a in [*prefill.values(), *decode.values()]]
+        for event in (e for events in ray.get(polls, timeout=timeout_s) for e in events):
+            if event.finish_reason == "error":
+                raise RuntimeError(f"forming KV channels failed: {event.error}")
+            if event.finish_reason is not None:
+                pending.discard(event.request_id)

@@ -20,7 +20,9 @@ Failures: a worker actor whose process dies is restarted by Ray (`max_restarts`)
 name and handle. Its in-flight requests end with UNAVAILABLE ("worker decode-1 became
 unavailable (...); retry the request"): pdserve does not re-run them, because tokens already
 streamed cannot be taken back and sampling may not be reproducible. New requests avoid the
-instance (the router's pool marks it unhealthy) until its load reports healthy again.
+instance (the router's pool marks it unhealthy) until its load reports healthy again, which is
+after its constructor rebuilt the worker and its KV pair channels (deploy/ray_channels.py). A
+restarted prefill driver replaces its TP rank actors (deploy/ray_launcher.py).
 
 Shutdown (`shutdown()`, also on SIGINT/SIGTERM via `serve_forever` or
 `install_signal_handlers`): the router stops admitting and gives in-flight requests
@@ -46,6 +48,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.ray_actors import RouterActor, WorkerActor
+from deploy.ray_channels import form_all_channels
 from deploy.ray_config import ClusterStatus, RayClusterConfig, WorkerStatus
 from deploy.ray_handles import actor_name
 from deploy.ray_launcher import rank_actor_name, start_rank_actors
@@ -57,8 +60,7 @@ from deploy.ray_placement import (
     remove_placements,
     wait_until_placed,
 )
-from engine.messages import Role, WorkerRequest
-from engine.sampling_params import SamplingParams
+from engine.messages import Role
 
 logger = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -172,29 +174,10 @@ class RayCluster:
             self.worker_startup[instance_id] = startup
 
     def _form_kv_channels(self) -> None:
-        """A two-token request through every (prefill, decode) pair: each pair's KV channels
-        (one per prefill rank x decode rank) are built now, not in the first user request."""
-        prefill, decode = self._actors_of("prefill-"), self._actors_of("decode-")
-        params = SamplingParams(max_tokens=2, ignore_eos=True)
-        pending: set[str] = set()
-        for prefill_id, prefill_actor in prefill.items():
-            for decode_id, decode_actor in decode.items():
-                request_id = f"pdserve-warmup-{prefill_id}-{decode_id}"
-                request = WorkerRequest(request_id, [1, 1], params, time.time(), prefill_id)
-                tp_size = self.config.prefill_tp_size
-                ticket = ray.get(decode_actor.reserve.remote(request, prefill_id, tp_size))
-                ray.get(prefill_actor.submit.remote(request, ticket))
-                pending.add(request_id)
-        deadline = time.monotonic() + self.config.kv_transfer_timeout_s + 10
-        while pending:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"KV channels did not form in time: {sorted(pending)}")
-            polls = [a.poll_events.remote(0.05) for a in [*prefill.values(), *decode.values()]]
-            for event in (e for events in ray.get(polls) for e in events):
-                if event.finish_reason == "error":
-                    raise RuntimeError(f"forming KV channels failed: {event.error}")
-                if event.finish_reason is not None:
-                    pending.discard(event.request_id)
+        form_all_channels(
+            self._actors_of("prefill-"), self._actors_of("decode-"), self.config.prefill_tp_size,
+            self.config.kv_transfer_timeout_s + 10,
+        )  # fmt: skip
 
     def _peers_of(self, role: Role) -> dict[str, int]:
         """The instances a worker of `role` hands KV to or from, with their TP sizes."""
