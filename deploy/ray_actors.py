@@ -14,11 +14,12 @@ name and handle. The RouterActor is an asyncio actor: the gRPC server runs on th
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from deploy.ray_channels import form_channels
+from deploy.ray_channels import form_channels, settle_prefill_channels
 from deploy.ray_handles import ActorControl, RayHandle
 from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
@@ -73,16 +74,28 @@ class WorkerActor:
             self.worker: Any = PrefillWorker(config, self.instance_id, control, launcher=launcher)
         else:
             self.worker = DecodeWorker(config, self.instance_id, control, launcher=launcher)
-        if ray.get_runtime_context().was_current_actor_reconstructed and peers:
+        built_at = time.time()
+        self._ready = threading.Event()
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed and bool(peers)
+        timeout_s = config.kv_transfer.transfer_timeout_s + 5
+        if restarted and placement.role == Role.DECODE:
             failing = form_channels(
-                self.worker, placement.role, self.instance_id, placement.tp_size, peers,
-                namespace, config.kv_transfer.transfer_timeout_s + 5,
-            )  # fmt: skip
+                self.worker, Role.DECODE, self.instance_id, 1, peers or {}, namespace, timeout_s
+            )
             if failing:
                 print(f"{self.instance_id}: KV channels to {failing} did not form", flush=True)
+        if restarted and placement.role == Role.PREFILL:
+            # Acks (KVTransferDone) reach this actor only once its constructor returned: settle
+            # the channels on a thread, reporting unhealthy (so the router avoids it) until then.
+            threading.Thread(
+                target=self._settle, args=(placement.tp_size, peers or {}, namespace, timeout_s),
+                daemon=True,
+            ).start()  # fmt: skip
+        else:
+            self._ready.set()
         # where start-up time goes: process start (driver side), imports, model + TP group + KV
         self.startup = {"started_at": started_at, "import_s": imported_at - started_at,
-                        "build_s": time.time() - imported_at}  # fmt: skip
+                        "build_s": built_at - imported_at, "channels_s": time.time() - built_at}  # fmt: skip
 
     # The worker's API, one actor method each (see router/worker_api.py).
     def submit(self, request: WorkerRequest, ticket: Any) -> None:
@@ -99,7 +112,16 @@ class WorkerActor:
 
     def load(self) -> InstanceLoad:
         load: InstanceLoad = self.worker.load()
+        load.healthy = load.healthy and self._ready.is_set()
         return load
+
+    def _settle(self, tp_size: int, peers: dict[str, int], namespace: str, timeout: float) -> None:
+        try:
+            settle_prefill_channels(
+                self.worker, self.instance_id, tp_size, peers, namespace, timeout
+            )
+        finally:
+            self._ready.set()
 
     def poll_events(self, timeout_s: float) -> list[TokenEvent]:
         events: list[TokenEvent] = self.worker.poll_events(timeout_s)

@@ -5,16 +5,18 @@ At start the cluster sends one two-token request through every (prefill, decode)
 
 A worker actor that Ray restarted has fresh channel state, while its peers still hold channels
 to the process that died; the first transfer over each such pair fails and makes the peers
-rebuild. So the restarted actor sends a two-token request through every pair, from its
-constructor (the router cannot reach it yet, so no user request can hit a stale channel), and
-retries the pairs that failed:
+rebuild. So the restarted actor sends two-token requests through its pairs before the router
+may use it:
 
-    restarted decode D:   reserve here -> P.submit (actor call) -> the KV lands here, D decodes
-                          one token: success is D's own final event for the request
-    restarted prefill P:  D.reserve (actor call) -> submit here -> P sends the KV: success is
-                          the hand-off settling (no transfer in flight) without an error event
+    restarted decode D:   from its constructor (the router cannot reach it yet): reserve here
+                          -> P.submit (actor call) -> the KV lands here and D decodes one token;
+                          success is D's own final event; failed pairs are retried (3 tries)
+    restarted prefill P:  on a thread after its constructor (the decode side's acks arrive as
+                          calls to P), reporting unhealthy until done: two rounds of D.reserve
+                          -> submit here, each until no hand-off is in flight; the first round
+                          makes the peers drop their stale channels, the second builds new ones
 
-The peers' events for these requests reach the router, which drops them (unknown request ids).
+The other side's events for these requests reach the router, which drops them (unknown ids).
 """
 
 from __future__ import annotations
@@ -130,3 +132,35 @@ def form_all_channels(
                 raise RuntimeError(f"forming KV channels failed: {event.error}")
             if event.finish_reason is not None:
                 pending.discard(event.request_id)
+
+
+def settle_prefill_channels(
+    worker: Any,
+    instance_id: str,
+    tp_size: int,
+    peers: dict[str, int],
+    namespace: str,
+    timeout_s: float,
+) -> None:
+    """A restarted prefill instance: two rounds of a request to every decode peer, each round
+    until no hand-off is in flight. The first round meets the peers' stale channels and makes
+    them rebuild; the second builds the new ones. Its events go to the router, which drops them."""
+    for _ in range(2):
+        for peer_id in peers:
+            try:
+                peer = ray.get_actor(actor_name(peer_id), namespace)
+                request = warmup_request(instance_id, peer_id)
+                reserve = peer.reserve.remote(request, instance_id, tp_size)
+                worker.submit(request, ray.get(reserve, timeout=timeout_s))
+            except Exception as exc:  # a peer that is down: the router's health covers it
+                logger.warning("forming KV channels %s -> %s: %r", instance_id, peer_id, exc)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            load = worker.load()
+            if (
+                not load.num_waiting_requests
+                and not load.num_running
+                and not load.extra.get("num_transfers_in_flight")
+            ):
+                break
+            time.sleep(0.02)
