@@ -6,8 +6,9 @@
   address) unless `ENABLE_RAY_CLUSTER` is off, so it is switched off here, in this process's
   copy of the constant and (through the environment) in every process Ray starts. With the node
   address 127.0.0.1, the GCS, raylet, core-worker gRPC servers, the dashboard agent (HTTP, gRPC,
-  metrics export), the runtime-env agent and the autoscaler monitor all bind 127.0.0.1
-  (checked by tests/deploy/test_ray_cluster.py over every process of the cluster).
+  metrics export), the runtime-env agent, the API server and the autoscaler monitor all bind
+  127.0.0.1 (the C++ gRPC servers as IPv6 sockets bound to ::ffff:127.0.0.1, the IPv4-mapped
+  loopback address); tests/deploy/test_ray_cluster.py checks every process of the cluster.
 - No dashboard UI, a small object store (KV never travels through it), its own temp dir under
   /tmp, `num_cpus` from the machine.
 
