@@ -1,6 +1,6 @@
-"""SIGTERM to `python -m deploy.cli serve` (a local Ray cluster): the stream in flight ends, the
-process exits 0, and every process it started (GCS, raylet, agents, every actor, the TP rank
-actor) is gone."""
+"""SIGTERM or SIGINT to `python -m deploy.cli serve` (a local Ray cluster): the stream in flight
+ends, the process exits 0, and every process it started (GCS, raylet, agents, every actor, the
+TP rank actor) is gone."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def _wait_for_address(lines: queue.Queue[str], seen: list[str], timeout_s: float
     pytest.fail("serve did not report its address:\n" + "".join(seen[-40:]))
 
 
-def test_sigterm_to_serve_drains_and_leaves_no_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_serve_drains_and_leaves_no_process(tmp_path: Path, signum: int) -> None:
     model_dir = tiny_model_with_tokenizer(tmp_path)
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG.format(model_dir=model_dir))
@@ -81,7 +82,7 @@ def test_sigterm_to_serve_drains_and_leaves_no_process(tmp_path: Path) -> None:
             time.sleep(0.01)
         pids = descendant_pids(serve.pid)
         assert len(pids) >= 8, pids  # gcs, raylet, agents, monitor, router, workers, rank
-        serve.send_signal(signal.SIGTERM)
+        serve.send_signal(signum)
         assert serve.wait(60) == 0, "".join(seen[-40:])
         streamer.join(30)
         # the stream either finished in the drain or was ended by the shutdown
