@@ -94,8 +94,12 @@ class WorkerActor:
         else:
             self._ready.set()
         # where start-up time goes: process start (driver side), imports, model + TP group + KV
-        self.startup = {"started_at": started_at, "import_s": imported_at - started_at,
-                        "build_s": built_at - imported_at, "channels_s": time.time() - built_at}  # fmt: skip
+        self.startup = {
+            "started_at": started_at,
+            "import_s": imported_at - started_at,
+            "build_s": built_at - imported_at,
+            "channels_s": time.time() - built_at,
+        }
 
     # The worker's API, one actor method each (see router/worker_api.py).
     def submit(self, request: WorkerRequest, ticket: Any) -> None:

@@ -1,4 +1,4 @@
-"""TP ranks 1..k-1 as Ray actors: the RankLauncher (engine/ranks.py) that deploy/ hands the Executor.
+"""TP ranks 1..k-1 as Ray actors: the RankLauncher (engine/ranks.py) deploy/ hands the Executor.
 
 The instance's driver actor (rank 0, bundle 0) starts one `RankActor` per other rank in bundles
 1..k-1 of its STRICT_PACK placement group; each runs the same `run_rank(spec, report)` body as a
