@@ -53,4 +53,5 @@ def listening_addresses(pids: list[int]) -> list[str]:
 
 def is_loopback(address: str) -> bool:
     host = address.rsplit(":", 1)[0].strip("[]")
+    host = host.removeprefix("::ffff:")  # an IPv4 address mapped into IPv6
     return host.startswith("127.") or host == "::1"

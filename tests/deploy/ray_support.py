@@ -12,7 +12,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from tests.engine.test_llm import hf_greedy, make_prompts
-from tests.listening import listening_addresses
+from tests.listening import is_loopback, listening_addresses
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
 
@@ -59,13 +59,6 @@ def stream_all(address: str, prompts: list[list[int]], max_tokens: int) -> list[
     """Every prompt as its own concurrent stream."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda prompt: stream(address, prompt, max_tokens), prompts))
-
-
-def is_loopback(address: str) -> bool:
-    """127.0.0.0/8 or ::1, including IPv4-mapped IPv6 ([::ffff:127.0.0.1]:port, gRPC's form)."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    host = host.removeprefix("::ffff:")
-    return host.startswith("127.") or host == "::1"
 
 
 def non_loopback_listeners(pids: list[int]) -> list[str]:
