@@ -53,8 +53,10 @@ def train_tokenizer(corpus: list[str], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=1,
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus * 3, trainer=trainer)
@@ -68,8 +70,11 @@ def save_tokenizer(tokenizer: Tokenizer, model_dir: Path, model_max_length: int)
     tokenizer.save(str(model_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
@@ -94,10 +99,18 @@ def ensure_demo_model(model_dir: str | Path | None = None) -> str:
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(_CORPUS, DEMO_VOCAB_SIZE)
     config = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=256, intermediate_size=704,
-        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        rope_theta=10000.0, tie_word_embeddings=False,
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

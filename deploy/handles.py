@@ -19,7 +19,10 @@ class _Handle:
     """PrefillHandle / DecodeHandle / colocated handle; subclasses say how a call is made."""
 
     def __init__(
-        self, instance_id: str, role: Role, call_timeout_s: float = 10.0,
+        self,
+        instance_id: str,
+        role: Role,
+        call_timeout_s: float = 10.0,
         prefill_tp_sizes: dict[str, int] | None = None,
     ) -> None:
         self.instance_id = instance_id

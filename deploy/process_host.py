@@ -70,7 +70,9 @@ def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwar
             finally:
                 reply(call_id, "ok", None)
             break
-        threading.Thread(target=serve, args=(call_id, method, call_args, call_kwargs), daemon=True).start()
+        threading.Thread(
+            target=serve, args=(call_id, method, call_args, call_kwargs), daemon=True
+        ).start()
 
     # Leave without interpreter teardown: with torch and transformers loaded it costs about 2 s
     # of CPU per process (a cluster shutting down on few cores waits many times that), and gloo
@@ -85,8 +87,12 @@ class ProcessWorker:
     """A worker object living in a spawned child process."""
 
     def __init__(
-        self, factory: Callable[..., Any], *args: Any, name: str = "pdserve-worker",
-        start_timeout_s: float = 180.0, **kwargs: Any,
+        self,
+        factory: Callable[..., Any],
+        *args: Any,
+        name: str = "pdserve-worker",
+        start_timeout_s: float = 180.0,
+        **kwargs: Any,
     ) -> None:
         self.name = name
         ctx = mp.get_context("spawn")
