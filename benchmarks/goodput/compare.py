@@ -157,7 +157,13 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in values.items()}
+    """The options as JSON: paths as text; what is not data (the CLI's handler) left out."""
+    plain = (str, int, float, bool, list, tuple, type(None))
+    return {
+        key: str(value) if isinstance(value, Path) else value
+        for key, value in values.items()
+        if isinstance(value, (Path, *plain))
+    }
 
 
 def _fill_defaults(args: argparse.Namespace) -> list[str]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from benchmarks.goodput.compare import _jsonable
 from benchmarks.goodput.options import parse_target
 from deploy.cli import build_parser, cmd_bench
 
@@ -18,6 +21,9 @@ def test_bench_subcommand_carries_the_benchmark_options() -> None:
     assert args.rates == (1.0, 2.5)
     assert args.workloads == ("code", "chatbot")
     assert (args.arrival, args.cv) == ("gamma", 2.0)
+    config = json.loads(json.dumps(_jsonable(vars(args))))  # as summary.json records it
+    assert config["out"] == "runs/x" and config["rates"] == [1.0, 2.5]
+    assert "func" not in config
 
 
 def test_unknown_workloads_and_bad_numbers_are_refused(capsys: pytest.CaptureFixture) -> None:
