@@ -91,10 +91,13 @@ def make_encoder(model_dir: str | Path) -> Any:
 
 
 def engine_config(model_dir: str | Path, **overrides: Any) -> Any:
-    """The EngineConfig both layouts use (engine defaults unless overridden)."""
+    """The EngineConfig both layouts use: engine defaults, without the prefix cache (a sweep
+    replays the same prompts at every rate; cached prefixes would make later rates' prefills
+    nearly free), unless overridden."""
     from engine.config import EngineConfig
 
-    return dataclasses.replace(EngineConfig(model_dir=str(model_dir)), **overrides)
+    config = EngineConfig(model_dir=str(model_dir), enable_prefix_caching=False)
+    return dataclasses.replace(config, **overrides)
 
 
 def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **engine: Any) -> Any:

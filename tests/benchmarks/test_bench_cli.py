@@ -39,3 +39,15 @@ def test_targets_name_a_layout_an_address_and_a_device_count() -> None:
     assert parse_target("colocated=10.0.0.2:50051:8") == ("colocated", "10.0.0.2:50051", 8)
     with pytest.raises(ValueError, match="LAYOUT=HOST:PORT:DEVICES"):
         parse_target("10.0.0.2:50051")
+
+
+def test_both_layouts_get_one_engine_config_without_prefix_cache(tmp_path) -> None:
+    from benchmarks.goodput.layouts import cluster_spec
+
+    colocated = cluster_spec("colocated", tmp_path, chunk_size=256)
+    split = cluster_spec("disaggregated", tmp_path, chunk_size=256)
+    assert colocated.num_colocated_instances == 2 and colocated.pin_cpus
+    assert (split.num_prefill_instances, split.num_decode_instances) == (1, 1)
+    assert colocated.colocated == split.prefill.engine == split.decode.engine
+    assert colocated.colocated.enable_prefix_caching is False  # replayed prompts would hit
+    assert colocated.colocated.chunk_size == 256
