@@ -2,7 +2,8 @@
 
 Rates form one geometric grid, start * growth**k (total requests/s), shared by both layouts so
 their points line up. From the start rate the sweep goes up until attainment (at SLO scale 1)
-falls below `stop_below`, or `max_points` are run; if even the start rate misses 90%, it first
+falls below `stop_below`, or `max_points` are run (up to twice as many while every rate still
+meets 90%); if even the start rate misses 90%, it first
 halves the rate (at most `max_halvings` times) to find a rate that meets it; then it runs one more
 rate, the geometric middle of the two around the 90% crossing. An explicit `rates` list runs
 exactly those. Each point replays the same prompts with the arrival gaps scaled to its
@@ -111,13 +112,22 @@ class RateSweep:
             rate /= 2.0
         else:
             return self.points  # even the lowest rate missed 90%: goodput is below it
-        while len(self.points) < policy.max_points:
+        while self._keep_climbing():
             rate *= policy.growth
             if self.attainment(self.run_rate(rate)) < policy.stop_below:
                 break
         if policy.refine:
             self._refine()
         return self.points
+
+    def _keep_climbing(self) -> bool:
+        """Up to max_points; past them (to twice as many) only while no rate has missed 90%
+        yet, so a start rate set too low still ends with a crossing."""
+        num_points = len(self.points)
+        if num_points < self.policy.max_points:
+            return True
+        crossed = any(self.attainment(p) < ATTAINMENT_TARGET for p in self.points)
+        return not crossed and num_points < 2 * self.policy.max_points
 
     def _refine(self) -> None:
         """Run the geometric middle of the first crossing of 90% (going up in rate), so the

@@ -60,9 +60,11 @@ def test_halves_first_when_the_start_rate_already_misses() -> None:
     assert [rate for rate, _ in driver.runs] == [8.0, 4.0]  # gives up: goodput below 2/device
 
 
-def test_stops_at_max_points_and_runs_explicit_rates_as_given() -> None:
-    driver, _ = sweep(SweepPolicy(start_rate=0.5, growth=1.5, max_points=3))
-    assert [rate for rate, _ in driver.runs] == [0.5, 0.75, 1.125]  # no crossing: no refining
+def test_climbs_past_max_points_until_a_rate_misses_and_runs_explicit_rates_as_given() -> None:
+    driver, _ = sweep(SweepPolicy(start_rate=0.5, growth=2.0, max_points=2))
+    assert [rate for rate, _ in driver.runs] == [0.5, 1.0, 2.0, 4.0, pytest.approx(8**0.5)]
+    driver, _ = sweep(SweepPolicy(start_rate=0.25, growth=1.5, max_points=2))
+    assert [rate for rate, _ in driver.runs] == [0.25, 0.375, 0.5625, 0.84375]  # 2x cap
     driver, _ = sweep(SweepPolicy(start_rate=1.0, rates=(5.0, 1.0)))
     assert [rate for rate, _ in driver.runs] == [5.0, 1.0]
 
