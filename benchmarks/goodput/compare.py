@@ -108,7 +108,7 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
         policy = SweepPolicy(
             slo["start_rate"], args.growth or (1.6 if args.quick else 1.4), args.max_points,
             rates=args.rates,
-            max_halvings=1 if args.quick else 2, max_point_s=25.0 if args.quick else 60.0,
+            max_halvings=1 if args.quick else 2, max_point_s=15.0 if args.quick else 60.0,
         )  # fmt: skip
         sweep = RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
                           (slo["ttft_s"], slo["tpot_s"]), policy, on_point)  # fmt: skip
@@ -168,7 +168,7 @@ def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
 
 def _fill_defaults(args: argparse.Namespace) -> list[str]:
     """The regimes to run, and defaults that depend on --quick."""
-    args.num_requests = args.num_requests or (40 if args.quick else 50)
+    args.num_requests = args.num_requests or (30 if args.quick else 50)
     args.max_points = args.max_points or (4 if args.quick else 6)
     if args.sharegpt is not None:
         return ["sharegpt"]

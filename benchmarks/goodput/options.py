@@ -40,7 +40,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"synthetic shapes to run, comma separated (default: all of {','.join(SHAPES)})")
     add("--sharegpt", type=Path, default=None,
         help="a ShareGPT-format JSON file: run it as the regime 'sharegpt' instead of shapes")
-    add("--num-requests", type=int, default=None, help="requests per rate (default 50; quick 40)")
+    add("--num-requests", type=int, default=None, help="requests per rate (default 50; quick 30)")
     add("--arrival", choices=ARRIVALS, default="poisson")
     add("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
     add("--seed", type=int, default=0)
