@@ -15,7 +15,7 @@ from deploy.process_host import ProcessWorker
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
 
 
-class _Handle:
+class HandleBase:
     """PrefillHandle / DecodeHandle / colocated handle; subclasses say how a call is made."""
 
     def __init__(
@@ -64,7 +64,7 @@ class _Handle:
         return await self._call("reserve", request, request.prefill_instance, tp_size)
 
 
-class LocalHandle(_Handle):
+class LocalHandle(HandleBase):
     """A worker object in this process."""
 
     def __init__(self, instance_id: str, role: Role, worker: Any, **kwargs: Any) -> None:
@@ -81,7 +81,7 @@ class LocalHandle(_Handle):
         await asyncio.to_thread(self.worker.shutdown)
 
 
-class ProcessHandle(_Handle):
+class ProcessHandle(HandleBase):
     """A worker object in a child process (ProcessWorker)."""
 
     def __init__(self, instance_id: str, role: Role, worker: ProcessWorker, **kwargs: Any) -> None:

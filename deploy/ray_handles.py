@@ -26,15 +26,17 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest, WorkerUnavailable
+from deploy.handles import HandleBase
+from engine.messages import Role, WorkerUnavailable
 
 
 def actor_name(instance_id: str) -> str:
     return f"pdserve-{instance_id}"
 
 
-class RayHandle:
-    """A router handle over the worker actor named `actor_name(instance_id)` in `namespace`."""
+class RayHandle(HandleBase):
+    """A router handle over the worker actor named `actor_name(instance_id)` in `namespace`.
+    The handle methods are deploy/handles.py's; only how a call is made differs."""
 
     def __init__(
         self,
@@ -45,11 +47,8 @@ class RayHandle:
         call_timeout_s: float = 10.0,
         prefill_tp_sizes: dict[str, int] | None = None,
     ) -> None:
-        self.instance_id = instance_id
-        self.role = role
+        super().__init__(instance_id, role, call_timeout_s, prefill_tp_sizes)
         self.namespace = namespace
-        self.call_timeout_s = call_timeout_s
-        self.prefill_tp_sizes = prefill_tp_sizes or {}  # decode handles: the ticket's plan
         self._actor: Any | None = actor
 
     def _resolve(self) -> Any:
@@ -78,26 +77,6 @@ class RayHandle:
             if cause is not None:
                 raise cause from None
             raise
-
-    async def load(self) -> InstanceLoad:
-        load: InstanceLoad = await self._call("load")
-        return load
-
-    async def abort(self, request_id: str) -> None:
-        await self._call("abort", request_id)
-
-    async def poll_events(self, timeout_s: float) -> list[TokenEvent]:
-        events: list[TokenEvent] = await self._call(
-            "poll_events", timeout_s, timeout_s=timeout_s + self.call_timeout_s
-        )
-        return events
-
-    async def submit(self, request: WorkerRequest, ticket: object | None) -> None:
-        await self._call("submit", request, ticket)
-
-    async def reserve(self, request: WorkerRequest) -> object:
-        tp_size = self.prefill_tp_sizes.get(request.prefill_instance, 1)
-        return await self._call("reserve", request, request.prefill_instance, tp_size)
 
 
 class ActorControl:
