@@ -1,15 +1,29 @@
-"""How fast the router streams, and how much latency it adds per token.
+"""How fast the router streams, and how much latency it adds per token, against bare gRPC.
 
-    python benchmarks/router.py [--clients 64] [--tokens 256] [--out PATH]
+    python benchmarks/router.py [--clients 64] [--tokens 256] [--rounds 3] [--out PATH]
 
-The router runs in this process with synthetic colocated workers (router/synthetic.py: real
-handle interface, tokens on a fixed clock, no model), so what is measured is the router itself:
-polling, demultiplexing, detokenizing, stop-string checks, protobuf and gRPC. The clients are
-asyncio gRPC streams in a separate process (spawned), as real clients would be.
+Two servers stream the same synthetic tokens to the same clients, one after the other in this
+run:
+
+  router    the real Router (validation, admission, dispatch policies, the worker pool's
+            demultiplexer, incremental detokenizing, stop strings, metrics, protobuf, gRPC);
+  baseline  a bare gRPC servicer that hands each request to a worker and writes every event
+            as a GenerateResponse with its token ids: gRPC's own floor on this machine.
+
+The workers are synthetic colocated instances (router/synthetic.py: the real handle interface,
+tokens on a fixed clock, no model) in the server's process, so what is measured is the server.
+Each instance emits one token for each of its streams per step, all at once, like a decode step;
+the instances' clocks differ by 2% each, so over a round their bursts drift through every
+alignment instead of keeping whatever phase the start gave them.
+
+The clients are asyncio gRPC streams in a separate (spawned) process. With two or more cores the
+server is pinned to the first and the clients to the second (--no-pin to turn it off), as a
+client on another machine would be.
 
 Per token, added latency = the time the client received it - the time the worker produced it
-(both time.time() on this machine). `tokens_per_s` = tokens received by all clients / wall
-time of the measured round. Prints one JSON object as the last line (and writes it to --out).
+(both time.time() on this machine). `tokens_per_s` = tokens received by all clients / wall time
+of a measured round (their mean). Percentiles pool every token of every measured round. Prints
+one JSON object as the last line (and writes it to --out).
 """
 
 from __future__ import annotations
@@ -18,25 +32,42 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "proto")]  # run from a bare checkout too
 
+import grpc  # noqa: E402
+from pdserve_proto.v1 import generation_pb2 as pb  # noqa: E402
+
+from engine.gc_tuning import freeze_startup_heap, unfreeze_heap  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.server import Router  # noqa: E402
-from router.synthetic import synthetic_cluster  # noqa: E402
+from router.servicer import SERVICE_NAME  # noqa: E402
+from router.synthetic import SyntheticWorker  # noqa: E402
+from router.worker_api import Role, TokenEvent, WorkerRequest  # noqa: E402
+
+_CLOCK_SPREAD = 0.02  # instance i steps every step_interval_s * (1 + 0.02 i)
 
 
 def _client_process(
-    address: str, num_clients: int, num_tokens: int, rounds: list[str], out: mp.Queue
+    address: str,
+    num_clients: int,
+    num_tokens: int,
+    rounds: list[str],
+    core: int | None,
+    out: mp.Queue,
 ) -> None:
     """Run each round of `num_clients` concurrent streams; send back every token's receive time."""
-    import grpc
-    from pdserve_proto.v1 import generation_pb2 as pb
+    if core is not None:
+        os.sched_setaffinity(0, {core})
     from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
     async def stream(stub: pb_grpc.GenerationStub, request_id: str) -> tuple[str, list[float]]:
@@ -65,58 +96,159 @@ def _client_process(
         out.put((name, asyncio.run(run_round(name))))
 
 
+class _BareStreamer:
+    """The baseline: Generate hands the request to a worker (round robin) and writes each of
+    its events as it comes; no validation, tokenizer, policies, detokenizing or metrics."""
+
+    def __init__(self, workers: Sequence[SyntheticWorker]) -> None:
+        self._workers = list(workers)
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._num_started = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._poll(w)) for w in self._workers]
+        server = grpc.aio.server()
+        handler = grpc.unary_stream_rpc_method_handler(
+            self._generate,
+            request_deserializer=pb.GenerateRequest.FromString,
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        self._server, self.address = server, f"127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(1.0)
+
+    async def _poll(self, worker: SyntheticWorker) -> None:
+        while True:
+            for event in await worker.poll_events(1.0):
+                queue = self._queues.get(event.request_id)
+                if queue is not None:
+                    queue.put_nowait(event)
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        queue = self._queues[request.request_id] = asyncio.Queue()
+        worker = self._workers[self._num_started % len(self._workers)]
+        self._num_started += 1
+        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+        try:
+            await worker.submit(WorkerRequest(request.request_id, [1], params, time.time()), None)
+            while True:
+                event = await queue.get()
+                yield pb.GenerateResponse(request_id=event.request_id, token_ids=event.token_ids)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            del self._queues[request.request_id]
+
+
+def _workers(args: argparse.Namespace) -> list[SyntheticWorker]:
+    return [
+        SyntheticWorker(
+            f"colocated-{i}",
+            Role.COLOCATED,
+            num_blocks=4096,
+            step_interval_s=args.step_interval_s * (1 + _CLOCK_SPREAD * i),
+            prefill_delay_s=0.001,
+            record_emit_times=True,
+        )
+        for i in range(args.instances)
+    ]
+
+
+async def _measure(kind: str, args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+    workers = _workers(args)
+    server: Any
+    if kind == "router":
+        server = Router(RouterConfig(model_dir=model_dir, max_running_requests=1024), workers)
+    else:
+        server = _BareStreamer(workers)
+    await server.start()
+    freeze_startup_heap()  # as every pdserve server process does once it has started
+    rounds = ["warmup", *(f"round{i}" for i in range(args.rounds))]
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    client = context.Process(
+        target=_client_process,
+        args=(server.address, args.clients, args.tokens, rounds, args.client_core, results),
+    )
+    client.start()
+    measured: list[dict] = []
+    try:
+        for _ in rounds:
+            name, outcome = await asyncio.to_thread(results.get, True, 300)
+            if name != "warmup":
+                measured.append(outcome)
+    finally:
+        await asyncio.to_thread(client.join, 30)
+        if client.is_alive():
+            client.kill()
+        await (server.stop(grace_s=1.0) if kind == "router" else server.stop())
+        for worker in workers:
+            await worker.close()
+        unfreeze_heap()
+    emit_times: dict[str, list[float]] = {}
+    for worker in workers:
+        emit_times.update(worker.emit_times)
+    added_ms: list[float] = []
+    rates: list[float] = []
+    for outcome in measured:
+        for request_id, received in outcome["received"].items():
+            produced = emit_times[request_id]
+            assert len(produced) == len(received) == args.tokens, request_id
+            added_ms += [(r - p) * 1000.0 for r, p in zip(received, produced, strict=True)]
+        num_tokens = sum(len(r) for r in outcome["received"].values())
+        rates.append(num_tokens / (outcome["ended"] - outcome["started"]))
+    return {
+        "tokens_per_s": round(sum(rates) / len(rates), 1),
+        "p50_ms": round(_percentile(added_ms, 0.50), 3),
+        "p90_ms": round(_percentile(added_ms, 0.90), 3),
+        "p99_ms": round(_percentile(added_ms, 0.99), 3),
+        "max_ms": round(max(added_ms), 3),
+    }
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _bench(args: argparse.Namespace, model_dir: str) -> dict:
-    workers, _ = synthetic_cluster(
-        args.instances, 0, step_interval_s=args.step_interval_s, prefill_delay_s=0.001,
-        num_blocks=4096, record_emit_times=True,
-    )  # fmt: skip
-    config = RouterConfig(model_dir=model_dir, max_running_requests=1024)
-    router = Router(config, workers)
-    await router.start()
-    context = mp.get_context("spawn")
-    results: mp.Queue = context.Queue()
-    rounds = ["warmup", "measured"]
-    client = context.Process(
-        target=_client_process, args=(router.address, args.clients, args.tokens, rounds, results)
-    )
-    client.start()
-    try:
-        measured = None
-        for _ in rounds:
-            name, outcome = await asyncio.to_thread(results.get, True, 300)
-            measured = outcome if name == "measured" else measured
-    finally:
-        await asyncio.to_thread(client.join, 30)
-        if client.is_alive():
-            client.kill()
-        await router.stop(grace_s=1.0)
-    assert measured is not None
-    emit_times: dict[str, list[float]] = {}
-    for worker in workers:
-        emit_times.update(worker.emit_times)
-    added_ms = []
-    for request_id, received in measured["received"].items():
-        produced = emit_times[request_id]
-        assert len(produced) == len(received) == args.tokens, request_id
-        added_ms += [(r - p) * 1000.0 for r, p in zip(received, produced, strict=True)]
-    num_tokens = sum(len(r) for r in measured["received"].values())
-    wall_s = measured["ended"] - measured["started"]
-    offered = args.clients / args.step_interval_s
+    baseline = await _measure("baseline", args, model_dir)
+    router = await _measure("router", args, model_dir)
+    mean_interval_s = args.step_interval_s * (1 + _CLOCK_SPREAD * (args.instances - 1) / 2)
     return {
         "benchmark": "router",
         "clients": args.clients,
         "tokens_per_client": args.tokens,
+        "measured_rounds": args.rounds,
         "worker_instances": args.instances,
-        "offered_tokens_per_s": round(offered, 1),
-        "tokens_per_s": round(num_tokens / wall_s, 1),
-        "p50_added_ms": round(_percentile(added_ms, 0.50), 3),
-        "p99_added_ms": round(_percentile(added_ms, 0.99), 3),
-        "max_added_ms": round(max(added_ms), 3),
+        "pinned": {"server_core": args.server_core, "client_core": args.client_core},
+        "offered_tokens_per_s": round(args.clients / mean_interval_s, 1),
+        "tokens_per_s": router["tokens_per_s"],
+        "p50_added_ms": router["p50_ms"],
+        "p99_added_ms": router["p99_ms"],
+        "max_added_ms": router["max_ms"],
+        "router": router,
+        "baseline_bare_grpc": baseline,
+        "p99_over_baseline_ms": round(router["p99_ms"] - baseline["p99_ms"], 3),
+        "p99_ratio_to_baseline": round(router["p99_ms"] / baseline["p99_ms"], 3),
+        "tokens_per_s_ratio_to_baseline": round(
+            router["tokens_per_s"] / baseline["tokens_per_s"], 3
+        ),
         "targets": {"tokens_per_s": ">= 5000", "p99_added_ms": "<= 5"},
     }
 
@@ -136,11 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per client stream")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per server")
     parser.add_argument("--instances", type=int, default=4, help="synthetic worker instances")
     parser.add_argument("--step-interval-s", type=float, default=0.008, help="per-stream token gap")
     parser.add_argument("--model-dir", help="folder with the tokenizer (default: the tiny one)")
+    parser.add_argument("--no-pin", action="store_true", help="leave processes unpinned")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    cores = sorted(os.sched_getaffinity(0))
+    args.server_core = args.client_core = None
+    if not args.no_pin and len(cores) >= 2:
+        args.server_core, args.client_core = cores[0], cores[1]
+        os.sched_setaffinity(0, {args.server_core})
     result = asyncio.run(_bench(args, args.model_dir or _default_model_dir()))
     line = json.dumps(result)
     if args.out is not None:

@@ -31,6 +31,7 @@ from decode_worker.worker import DecodeWorker
 from deploy.cluster_spec import ClusterSpec
 from deploy.control_relay import ControlRelay
 from deploy.handles import ProcessHandle
+from engine.gc_tuning import freeze_startup_heap, unfreeze_heap
 from deploy.process_host import ProcessWorker
 from engine.messages import InstanceLoad, Role, WorkerUnavailable
 from prefill_worker.worker import PrefillWorker
@@ -160,6 +161,7 @@ class LocalCluster:
         self._loop_thread.start()
         self.router = Router(spec.router, front, back)
         self._run(self.router.start())
+        freeze_startup_heap()
 
     def shutdown(self) -> None:
         """Stop admitting, drain the router, stop every worker and its ranks; idempotent."""
@@ -179,6 +181,7 @@ class LocalCluster:
         if self._relay is not None:
             self._relay.stop()
             self._relay = None
+        unfreeze_heap()  # this process outlives the cluster (a test, a benchmark's sweep)
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -24,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine.gc_tuning import freeze_startup_heap
 from engine.messages import WorkerUnavailable
 
 
@@ -45,6 +46,7 @@ def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwar
     except BaseException as exc:
         reply(0, "error", RuntimeError(f"worker failed to start: {exc}\n{traceback.format_exc()}"))
         return
+    freeze_startup_heap()
     reply(0, "ok", os.getpid())
 
     def serve(call_id: int, method: str, call_args: tuple, call_kwargs: dict) -> None:

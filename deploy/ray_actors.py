@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from deploy.ray_channels import form_channels, settle_prefill_channels
 from deploy.ray_handles import ActorControl, RayHandle
 from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
+from engine.gc_tuning import freeze_startup_heap
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
 
 if TYPE_CHECKING:  # imported in the actor only: the driver needs neither torch nor the model code
@@ -100,6 +101,7 @@ class WorkerActor:
             "build_s": built_at - imported_at,
             "channels_s": time.time() - built_at,
         }
+        freeze_startup_heap()
 
     # The worker's API, one actor method each (see router/worker_api.py).
     def submit(self, request: WorkerRequest, ticket: Any) -> None:
@@ -171,6 +173,7 @@ class RouterActor:
         ]
         self.router = Router(self.config, prefill, decode)
         await self.router.start()
+        freeze_startup_heap()
         return str(self.router.address)
 
     async def serving(self) -> bool:

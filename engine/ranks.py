@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from engine import parallel
 from engine.config import EngineConfig
+from engine.gc_tuning import freeze_startup_heap
 from engine.model_runner import ModelRunner
 
 SHUTDOWN = None  # broadcast to the ranks to make them leave their loop
@@ -82,6 +83,7 @@ def run_rank(spec: RankSpec, report: Callable[[str, int, str], None]) -> None:
     except BaseException:
         report("error", spec.tp_rank, traceback.format_exc())
         raise
+    freeze_startup_heap()
     report("ready", spec.tp_rank, "")
     try:
         run_worker_loop(runner, extension)

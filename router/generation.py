@@ -143,9 +143,7 @@ class GenerationRunner:
         """Chunks in token order. Events that queued up while the client was being served go
         out as one chunk: under load that means fewer, larger messages, not a growing backlog."""
         while True:
-            items = [await channel.queue.get()]
-            while not channel.queue.empty():
-                items.append(channel.queue.get_nowait())
+            items = await channel.take_all()
             merged: GenerationChunk | None = None
             for item in items:
                 for event in self._in_order(item, progress, prefill_id):
