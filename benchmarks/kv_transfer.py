@@ -6,9 +6,15 @@ contiguous or scattered block ids on both sides. Every rank is its own process (
 
     kv_gbps   request KV bytes / (first prefill rank starts -> last decode rank has it landed)
     raw_gbps  the same bytes as one contiguous tensor over one channel of the same backend,
-              measured in the same run right before the case
+              measured in the same run, interleaved with the case (into a reused, paged-in
+              buffer, as the KV lands in a paged-in cache)
     ratio     kv_gbps / raw_gbps
     overhead_ms (64 tokens)  kv time - raw time: what the protocol costs per request
+    raw_topology_ms, ratio_to_topology   the same bytes as one contiguous tensor per rank
+              pair of the p -> d plan, all at once: separates what the fan-out costs on these
+              cores from what the KV path's copies (head slices when p != d, scattered blocks)
+              cost. On CPU those copies run at memory bandwidth (~3.7 GB/s on the 2-core
+              machine, the same order as loopback TCP); on a GPU they are device copies.
 
 Prints one JSON object as its last line; `--out PATH` also writes it.
 Run: python benchmarks/kv_transfer.py [--quick] [--out kv.json]
@@ -33,6 +39,7 @@ from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads  # noqa: E402
 from kv_transfer.channel import ChannelDialer, ChannelEndpoint, ChannelHost  # noqa: E402
 from kv_transfer.config import KVTransferConfig  # noqa: E402
 from kv_transfer.messages import KVTicket  # noqa: E402
+from kv_transfer.plan import plan_transfer  # noqa: E402
 from kv_transfer.rank_receiver import KVRankReceiver  # noqa: E402
 from kv_transfer.rank_sender import KVRankSender  # noqa: E402
 
@@ -107,6 +114,7 @@ class _RankState:
         self.dialer = ChannelDialer()
         self.pending: Any = None
         self.ranks: dict[tuple[str, int, int], Any] = {}
+        self.raw_buffers: dict[str, torch.Tensor] = {}
 
     def cache(self, tp_size: int, rank: int) -> KVCache:
         key = (tp_size, rank)
@@ -155,18 +163,38 @@ class _RankState:
         handle.wait(120.0)
         return start
 
-    def raw_recv(self, num_bytes: int) -> None:
+    def raw_recv(self, num_bytes: int, pair_keys: tuple[str, ...] = ("raw",)) -> None:
+        """Receive `num_bytes` on each channel of `pair_keys` (one contiguous tensor each)."""
         assert self.host is not None
         deadline = time.monotonic() + 60.0
-        channel = self.host.accept("raw", "raw", deadline)
-        self.pending = _RawWait(channel, torch.empty(num_bytes // 4), deadline)
+        # Reused buffers, as the KV lands in a cache that is already paged in: fresh ones
+        # would charge the baseline for first-touch page faults the KV path never pays.
+        waits = []
+        for pair_key in pair_keys:
+            channel = self.host.accept(pair_key, "raw", deadline)
+            waits.append(_RawWait(channel, self._raw_buffer(pair_key, num_bytes), deadline))
+        self.pending = _AllWaits(waits)
 
-    def raw_send(self, endpoint: ChannelEndpoint, num_bytes: int) -> float:
-        buffer = torch.ones(num_bytes // 4)
+    def _raw_buffer(self, key: str, num_bytes: int) -> torch.Tensor:
+        buffer = self.raw_buffers.get(key)
+        if buffer is None or buffer.numel() != num_bytes // 4:
+            buffer = self.raw_buffers[key] = torch.ones(num_bytes // 4)
+        return buffer
+
+    def raw_send(
+        self, endpoints: list[ChannelEndpoint], num_bytes: int, pair_keys: tuple[str, ...] = ("raw",)
+    ) -> float:
+        """Send `num_bytes` as one contiguous tensor on each (endpoint, pair key) at once."""
+        buffers = [self._raw_buffer(k, num_bytes) for k in pair_keys]
         start = time.monotonic()
         deadline = time.monotonic() + 60.0
-        channel = self.dialer.dial(endpoint, "raw", "raw", deadline)
-        channel.wait(channel.isend(buffer, 1), deadline, "raw send")
+        channels = [
+            self.dialer.dial(endpoint, pair_key, "raw", deadline)
+            for endpoint, pair_key in zip(endpoints, pair_keys, strict=True)
+        ]
+        works = [c.isend(b, 1) for c, b in zip(channels, buffers, strict=True)]
+        for channel, work in zip(channels, works, strict=True):
+            channel.wait(work, deadline, "raw send")
         return start
 
 
@@ -191,6 +219,20 @@ class _RawWait:
 
     def wait(self, timeout: float) -> None:
         self.thread.join(timeout)
+
+
+class _AllWaits:
+    """Several raw receives on one rank: landed when the last one has."""
+
+    def __init__(self, waits: list[_RawWait]) -> None:
+        self.waits = waits
+        self.finished_at: float | None = None
+
+    def wait(self, timeout: float) -> None:
+        for wait in self.waits:
+            wait.wait(timeout)
+        ends = [w.finished_at for w in self.waits]
+        self.finished_at = None if None in ends else max(ends)  # type: ignore[type-var]
 
 
 def _worker_main(role: str, spec: tuple[int, ...], commands: Any, replies: Any) -> None:
@@ -246,10 +288,30 @@ class Bench:
 
     def one_raw(self, num_bytes: int) -> float:
         self.decode[0].call("raw_recv", num_bytes)
-        self.prefill[0].post("raw_send", self.endpoints[0], num_bytes)
+        self.prefill[0].post("raw_send", [self.endpoints[0]], num_bytes)
         self.decode[0].post("wait_recv")
         start = self.prefill[0].reply()
         return self.decode[0].reply() - start
+
+    def one_raw_topology(self, p: int, d: int, num_bytes: int) -> float:
+        """The same bytes as one contiguous tensor per (prefill rank, decode rank) pair of the
+        transfer plan, all at once: what the backend and the cores give this p -> d fan-out."""
+        segments = plan_transfer(NUM_KV_HEADS, p, d).segments
+        share = num_bytes // len(segments) // 4 * 4
+        for rank in range(d):
+            keys = tuple(f"raw{s.prefill_rank}-{rank}" for s in segments if s.decode_rank == rank)
+            self.decode[rank].call("raw_recv", share, keys)
+        for rank in range(p):
+            mine = [s for s in segments if s.prefill_rank == rank]
+            keys = tuple(f"raw{rank}-{s.decode_rank}" for s in mine)
+            self.prefill[rank].post(
+                "raw_send", [self.endpoints[s.decode_rank] for s in mine], share, keys
+            )
+        for rank in range(d):
+            self.decode[rank].post("wait_recv")
+        starts = [self.prefill[rank].reply() for rank in range(p)]
+        ends = [self.decode[rank].reply() for rank in range(d)]
+        return max(ends) - min(starts)
 
     def case(
         self, p: int, d: int, num_tokens: int, layerwise: bool, contiguous: bool, iters: int
@@ -257,11 +319,14 @@ class Bench:
         num_bytes = request_bytes(num_tokens)
         self.one_raw(num_bytes)  # warm-up: channels and allocator
         self.one_transfer(p, d, num_tokens, layerwise, contiguous)
-        raw_times, kv_times = [], []
+        self.one_raw_topology(p, d, num_bytes)
+        raw_times, kv_times, topology_times = [], [], []
         for _ in range(iters):  # interleaved, so both see the same load on a shared machine
             raw_times.append(self.one_raw(num_bytes))
+            topology_times.append(self.one_raw_topology(p, d, num_bytes))
             kv_times.append(self.one_transfer(p, d, num_tokens, layerwise, contiguous))
         raw, kv = statistics.median(raw_times), statistics.median(kv_times)
+        topology = statistics.median(topology_times)
         raw_best, kv_best = min(raw_times), min(kv_times)
         return {
             "p": p,
@@ -276,6 +341,10 @@ class Bench:
             "raw_gbps": round(num_bytes / raw / 1e9, 3),
             "ratio": round(raw / kv, 3),
             "overhead_ms": round((kv - raw) * 1e3, 3),
+            # the same bytes as one contiguous tensor per rank pair of this p -> d plan: the
+            # fan-out without the KV path's head-slice and block copies
+            "raw_topology_ms": round(topology * 1e3, 3),
+            "ratio_to_topology": round(topology / kv, 3),
             # best of N: what the code can do when the shared machine leaves it alone
             "kv_ms_best": round(kv_best * 1e3, 3),
             "raw_ms_best": round(raw_best * 1e3, 3),

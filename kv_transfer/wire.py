@@ -116,13 +116,21 @@ class WireView:
             return direct, False
         spec = self.cache.spec
         out = staging.take(self._message_shape(key), spec.dtype, self.cache.device)
+        self._gather(key, out)
+        return out, True
+
+    def _gather(self, key: tuple[int, int] | None, out: torch.Tensor) -> None:
+        """Copy this view's blocks and heads into `out` (the inverse of `_scatter`)."""
         if key is None:  # [L, 2, n, block_size, heads, head_dim]
             source, dim = self.cache.data[..., self.heads, :], 2
         else:  # [n, block_size, heads, head_dim]
             layer, kv = key
             source, dim = self.cache.data[layer, kv][..., self.heads, :], 0
-        torch.index_select(source, dim, self._index(), out=out)
-        return out, True
+        start = contiguous_start(self.block_ids)
+        if start is not None:  # a head slice of a run: a strided copy_ is ~3x index_select's speed
+            out.copy_(source.narrow(dim, start, len(self.block_ids)))
+        else:
+            torch.index_select(source, dim, self._index(), out=out)
 
     def incoming(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
         """A buffer to receive payload message `index` into, and whether it is a staging buffer
@@ -199,8 +207,7 @@ class WireView:
         header, payload, trailer = self._packed_parts(message)
         header.copy_(self.header(transfer_id, status))
         if status == STATUS_OK:
-            source = self.cache.data[..., self.heads, :]
-            torch.index_select(source, 2, self._index(), out=payload)
+            self._gather(None, payload)
         values = (transfer_id, status, first_token_id, num_tokens, 0)
         trailer.copy_(control_message(values, self.cache.device))
         return message
