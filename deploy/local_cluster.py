@@ -31,8 +31,8 @@ from decode_worker.worker import DecodeWorker
 from deploy.cluster_spec import ClusterSpec
 from deploy.control_relay import ControlRelay
 from deploy.handles import ProcessHandle
-from engine.gc_tuning import freeze_startup_heap, unfreeze_heap
 from deploy.process_host import ProcessWorker
+from engine.gc_tuning import freeze_startup_heap, unfreeze_heap
 from engine.messages import InstanceLoad, Role, WorkerUnavailable
 from prefill_worker.worker import PrefillWorker
 from router.server import Router

@@ -101,6 +101,12 @@ class WireView:
         layer, kv = key
         return self.cache.data[layer, kv, start : start + len(self.block_ids)]
 
+    @property
+    def payload_bytes(self) -> int:
+        """The KV bytes this view moves (all payload messages together)."""
+        element = torch.empty((), dtype=self.cache.spec.dtype).element_size()
+        return element * _numel(self._message_shape(None))
+
     def _message_shape(self, key: tuple[int, int] | None) -> tuple[int, ...]:
         spec = self.cache.spec
         num_heads = self.heads.stop - self.heads.start

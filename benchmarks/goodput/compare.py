@@ -3,9 +3,12 @@ baseline on the same devices, a rate sweep each, goodput at every SLO scale, plo
 
     python -m benchmarks.goodput --compare --out runs/today [--quick]   (= pdserve bench ...)
 
-For each regime (a synthetic shape, or a ShareGPT file): make the requests, calibrate the SLOs
-(calibrate.py, unless given), then for each layout start a local cluster (or use a running router,
---target), warm it up, sweep the rate (sweep.py), shut it down. Output in --out:
+For each regime (a synthetic shape, or a ShareGPT file): make the requests, then for each layout
+(the colocated baseline first) start a local cluster (or use a running router, --target), warm it
+up, sweep the rate (sweep.py), shut it down. The SLOs (unless given) are the shape's factors times
+the unloaded TTFT and TPOT measured through the first layout's router once it is warm
+(calibrate.py), so they include what the serving path costs (gRPC, router, worker process);
+`--calibrate engine` measures one engine alone in this process instead. Output in --out:
     raw/{regime}.json   config, workload, SLOs, every request's timings at every rate
     summary.json        goodputs, ratio and SLOs of the main regime, the ratio of every regime
     {regime}_*.png      plots.py
@@ -47,17 +50,26 @@ def _regime_prompts(args: argparse.Namespace, model_dir: Path, name: str, num: i
     return random_prompts(lengths, layouts.prompt_token_range(model_dir), args.seed)
 
 
-def _slo_and_start(args, model_dir: Path, name: str, prompts: list, driver) -> dict[str, Any]:
+def _calibrates_through_baseline(args: argparse.Namespace) -> bool:
+    """Locally, by default, the SLOs are multiples of what the colocated baseline's whole path
+    (gRPC, router, worker process, engine) takes unloaded, measured once it has started."""
+    return not args.target and args.calibrate == "path"
+
+
+def _slo_and_start(
+    args, model_dir: Path, name: str, prompts: list, driver, address: str | None = None
+) -> dict[str, Any]:
     """The regime's SLOs (given, or shape factors x calibration) and the sweep's start rate.
 
-    Locally the calibration runs the engine in this process (layout-neutral); against running
-    routers (--target) it goes through the first target's router."""
+    The calibration goes through a router: `address` (the local baseline, see
+    `_calibrates_through_baseline`) or the first --target's; with `--calibrate engine` it runs
+    one engine in this process instead, without the serving path around it."""
     prompt_len = int(statistics.median(len(ids) for ids, _ in prompts))
     output_len = statistics.median(out for _, out in prompts)
     token_range = layouts.prompt_token_range(model_dir)
     if args.target:
         address = _targets(args)[0][1]
-        assert address is not None  # --target always names one
+    if address is not None:
         base = calibrate_via_router(driver, address, prompt_len, token_range)
     else:
         config = layouts.engine_config(
@@ -73,6 +85,7 @@ def _slo_and_start(args, model_dir: Path, name: str, prompts: list, driver) -> d
     work_s = base.prefill_s + output_len * base.decode_step_s / 4
     return {
         "ttft_s": ttft_slo, "tpot_s": tpot_slo, "calibration": base.to_json(),
+        "calibrated_through": "engine" if address is None else "router",
         "ttft_factor": None if args.ttft_slo else shape.ttft_slo_factor,
         "tpot_factor": None if args.tpot_slo else shape.tpot_slo_factor,
         "start_rate": args.start_rate or 0.6 / work_s,
@@ -83,10 +96,13 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, str | None, int]]:
     """(layout, router address or None to start one here, devices) to run, in order."""
     if args.target:
         return [parse_target(text) for text in args.target]
-    return [(layout, None, layouts.NUM_DEVICES[layout]) for layout in layouts.LAYOUTS]
+    order = sorted(layouts.LAYOUTS, key=lambda name: name != "colocated")  # the baseline first
+    return [(layout, None, layouts.NUM_DEVICES[layout]) for layout in order]
 
 
 def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, bar) -> dict:
+    """Start the layout (unless it runs already), sweep it, stop it. `slo` None: calibrate
+    through this layout's router first (the local baseline, which runs first)."""
     layout, address, num_devices = target
     cluster = None
     if address is None:
@@ -99,6 +115,9 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
         address = cluster.address
     try:
         warm_up(driver, address, prompts)
+        if slo is None:
+            bar.set_description(f"{regime}: calibrating through {layout}")
+            slo = _slo_and_start(args, model_dir, regime, prompts, driver, address)
         bar.set_description(f"{regime}: {layout}")
 
         def on_point(point: RatePoint, attained: float) -> None:
@@ -116,7 +135,7 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
     finally:
         if cluster is not None:
             cluster.shutdown()
-    return {"num_devices": num_devices, "address": address, "points": points}
+    return {"num_devices": num_devices, "address": address, "points": points, "slo": slo}
 
 
 def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any) -> dict:
@@ -124,9 +143,16 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
     load_before = os.getloadavg()
     prompts = _regime_prompts(args, model_dir, regime, args.num_requests)
     gaps = unit_rate_gaps(args.num_requests, args.arrival, args.cv, args.seed)
-    slo = _slo_and_start(args, model_dir, regime, prompts, driver)
-    runs = {target[0]: _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo,
-                                     driver, bar) for target in _targets(args)}  # fmt: skip
+    slo = None
+    if not _calibrates_through_baseline(args):
+        slo = _slo_and_start(args, model_dir, regime, prompts, driver)
+    runs = {}
+    for target in _targets(args):
+        runs[target[0]] = _sweep_layout(
+            args, model_dir, regime, target, prompts, gaps, slo, driver, bar
+        )
+        slo = runs[target[0]]["slo"]
+    assert slo is not None
     points_by_layout = {layout: run["points"] for layout, run in runs.items()}
     summary = regime_summary(points_by_layout, (slo["ttft_s"], slo["tpot_s"]), args.slo_scales)
     workload = {
@@ -187,9 +213,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     num_layouts = len(_targets(args))
     points_each = len(args.rates) or args.max_points
     results: dict[str, Any] = {}
-    with LoadDriver(args.client_processes, args.ray_address) as driver, tqdm(
-        total=len(regimes) * num_layouts * points_each, unit="rate", dynamic_ncols=True
-    ) as bar:
+    with (
+        LoadDriver(args.client_processes, args.ray_address) as driver,
+        tqdm(
+            total=len(regimes) * num_layouts * points_each, unit="rate", dynamic_ncols=True
+        ) as bar,
+    ):
         for regime in regimes:
             results[regime] = run_regime(args, model_dir, regime, driver, bar)
     main = results[regimes[0]]

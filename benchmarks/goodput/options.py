@@ -53,6 +53,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-points", type=int, default=None,
         help="most rates per layout before the refining one (default 6; quick 4)")
     add("--slo-scales", type=_floats, default=DEFAULT_SLO_SCALES)
+    add("--calibrate", choices=("path", "engine"), default="path",
+        help="what the SLO factors multiply: the colocated baseline's unloaded TTFT and TPOT "
+        "through router and worker (path, default), or one engine alone in this process")
     add("--ttft-slo", type=float, default=None, help="seconds; default: shape factor x calibration")
     add("--tpot-slo", type=float, default=None, help="seconds; default: shape factor x calibration")
     add("--model-dir", type=Path, default=None,

@@ -48,6 +48,12 @@ def assert_failed_and_freed(prefill: Worker, decode: Worker, request_id: str) ->
     every block they held for the request (the prefill side reports one failed release)."""
     sent = prefill.call("prefill_wait", request_id)
     received = decode.call("decode_wait", request_id)
+    assert_failed_and_freed_after(prefill, decode, request_id, sent, received)
+
+
+def assert_failed_and_freed_after(
+    prefill: Worker, decode: Worker, request_id: str, sent: dict, received: dict
+) -> None:
     assert sent["error"] is not None and received["error"] is not None, (sent, received)
     assert sent["elapsed_s"] < TIMEOUT_S + 1.0 and received["elapsed_s"] < TIMEOUT_S + 1.0
     if isinstance(received["ack"], KVTransferDone):
@@ -99,6 +105,23 @@ def test_killed_prefill_process_fails_the_decode_side_within_the_deadline(
     assert received["elapsed_s"] < TIMEOUT_S + 0.5
     assert received["ack"] == KVTransferDone("a", ticket.transfer_id, False, received["ack"].error)
     assert received["num_free_blocks"] == NUM_BLOCKS
+
+
+def test_a_transfer_its_owner_never_finishes_fails_both_sides_at_the_deadline(
+    pair: tuple[Worker, Worker],
+) -> None:
+    """The prefill side sends one layer and then neither finishes nor cancels (its step loop
+    died, say): the send's poster thread still ends at the deadline, so both sides free."""
+    prefill, decode = pair
+    ticket = reserve(decode, "orphan")
+    prefill.call("prefill_start", ticket, 1)
+    sent = prefill.call("prefill_wait", "orphan")
+    assert sent["error"] == "KVTransferTimeout"
+    assert TIMEOUT_S - 0.5 < sent["elapsed_s"] < TIMEOUT_S + 1.0
+    received = decode.call("decode_wait", "orphan")
+    assert received["error"] in ("KVTransferError", "KVTransferTimeout")
+    assert_failed_and_freed_after(prefill, decode, "orphan", sent, received)
+    assert_transfer_works(prefill, decode, "after-orphan")
 
 
 @pytest.mark.parametrize("pair", [True, False], ids=["layerwise", "whole"], indirect=True)

@@ -1,0 +1,48 @@
+"""The router and KV-transfer benchmark scripts run end to end at a small size and print the JSON
+their READMEs promise (the figures themselves are measured by running them, not here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def run_script(*args: str, timeout_s: float = 240.0) -> dict:
+    done = subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_router_benchmark_measures_the_router_and_bare_grpc(tmp_path: Path) -> None:
+    out = tmp_path / "router.json"
+    result = run_script(
+        "benchmarks/router.py", "--clients", "4", "--tokens", "16", "--rounds", "1",
+        "--out", str(out),
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    for side in ("router", "baseline_bare_grpc"):
+        figures = result[side]
+        assert figures["tokens_per_s"] > 0
+        assert 0 < figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
+    assert result["p99_added_ms"] == result["router"]["p99_ms"]
+
+
+def test_kv_transfer_benchmark_reports_every_case(tmp_path: Path) -> None:
+    out = tmp_path / "kv.json"
+    result = run_script("benchmarks/kv_transfer.py", "--quick", "--tokens", "64", "--out", str(out))
+    cases = result["cases"]
+    # p, d in {1, 2}, two wire modes, contiguous and scattered blocks
+    assert len(cases) == 4 * 2 * 2
+    for case in cases:
+        assert case["tokens"] == 64 and case["kv_gbps"] > 0 and case["raw_gbps"] > 0
+        assert case["ratio"] == pytest.approx(case["raw_ms"] / case["kv_ms"], rel=0.02)
+    assert result["summary"]["default/contiguous"]["max_overhead_ms_at_64"] is not None
