@@ -73,6 +73,7 @@ class Channel:
         self._group: dist.ProcessGroup | None = None
         self._connected = threading.Event()
         self._connect_error: BaseException | None = None
+        self._closed = threading.Event()
         self.broken = False
 
     def __repr__(self) -> str:
@@ -101,6 +102,8 @@ class Channel:
             dialing_key = f"{self.pair_key}/dialing/{self.epoch}"
             # check() is brief; a blocking store.wait would hold the store's lock for everyone.
             while not raw_store.check([dialing_key]):
+                if self._closed.is_set():
+                    return  # close() ended the wait: no thread outlives its host
                 if _remaining(deadline) <= 0:
                     self._connect_error = TimeoutError("the prefill side never dialed")
                     self.broken = True
@@ -113,6 +116,11 @@ class Channel:
                 pass  # recorded in _connect_error; wait_connected reports it
 
         threading.Thread(target=run, name=f"connect-{self.pair_key}", daemon=True).start()
+
+    @property
+    def ready(self) -> bool:
+        """Connected, and not broken: receives posted now are matched at once."""
+        return self._connected.is_set() and self._connect_error is None and not self.broken
 
     def wait_connected(self, deadline: float) -> None:
         if not self._connected.wait(max(_remaining(deadline), 0.0)):
@@ -156,7 +164,14 @@ class Channel:
             self.close()
 
     def close(self) -> None:
-        """Drop the group. Posted ops that never complete are left to their own deadlines."""
+        """Drop the group: posted ops end with an error. A connect still waiting for the peer
+        ends too, and so do the waits on it (a thread left in the store or the backend when the
+        process exits aborts the interpreter's teardown)."""
+        self._closed.set()
+        if not self._connected.is_set():
+            self._connect_error = self._connect_error or RuntimeError("the channel was closed")
+            self.broken = True
+            self._connected.set()
         group, self._group = self._group, None
         if group is not None:
             try:

@@ -12,9 +12,15 @@ MAX_MESSAGES_PER_TRANSFER = 1024
 class KVTransferConfig:
     """How KV travels between a prefill and a decode instance.
 
-    `transfer_timeout_s` bounds one request's whole hand-off, from the ticket to the last byte;
-    a peer that dies or stalls turns into `KVTransferTimeout`/`KVTransferError` within it.
-    Building a channel (both sides must join) is bounded by the same deadline.
+    Two deadlines bound a hand-off. `start_timeout_s`: how long a decode reservation waits for
+    the prefill side to start sending, which covers the request's prefill queue and compute (a
+    busy prefill instance is not a failure; a dead one is noticed by the router, which aborts the
+    request and so frees the reservation much sooner). `transfer_timeout_s`: from the start of the
+    send to the last byte; a peer that dies or stalls mid-transfer turns into
+    `KVTransferTimeout`/`KVTransferError` within it. Building a channel is part of the start.
+    The decode side cannot tell the start of a whole-mode transfer from its end (one message), so
+    there the two add up; a prefill side that stalls mid-send still fails at its own deadline
+    and aborts.
     `layerwise` picks the wire mode: True sends one message per (layer, key/value), so the
     prefill side can send layer i while layer i+1 computes and contiguous block runs travel with
     no copy; False packs the whole request into one message per channel (fewest round trips).
@@ -24,6 +30,7 @@ class KVTransferConfig:
     """
 
     transfer_timeout_s: float = 30.0
+    start_timeout_s: float = 300.0
     layerwise: bool | None = None
     layerwise_min_tokens: int = 2048
     host: str = "127.0.0.1"
@@ -31,6 +38,8 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if not self.start_timeout_s >= 0:
+            raise ValueError(f"start_timeout_s must be >= 0, got {self.start_timeout_s}")
         if self.layerwise_min_tokens < 1:
             raise ValueError(f"layerwise_min_tokens must be >= 1, got {self.layerwise_min_tokens}")
         if not self.host:

@@ -40,7 +40,9 @@ class KVTicket:
 
     `decode_endpoints[r]` is decode rank r's channel endpoint. `transfer_id` is unique per decode
     instance; it keys the channel handshake and the wire tags, so a message of one transfer can
-    never land in another's blocks. Each side counts `timeout_s` from when it sees the ticket.
+    never land in another's blocks. The prefill side counts `timeout_s` from when it starts
+    sending; the decode side waits up to `start_timeout_s` + `timeout_s` from the reservation
+    for the first message, then `timeout_s` from it for the rest (see KVTransferConfig).
     """
 
     request_id: str
@@ -54,6 +56,12 @@ class KVTicket:
     decode_endpoints: tuple[ChannelEndpoint, ...]
     layerwise: bool
     timeout_s: float
+    start_timeout_s: float = 0.0
+
+    @property
+    def wait_to_start_s(self) -> float:
+        """The decode side's bound from the reservation to the first message."""
+        return self.start_timeout_s + self.timeout_s
 
     def pair_key(self, prefill_rank: int, decode_rank: int) -> str:
         return f"{self.prefill_instance_id}.{prefill_rank}>{self.decode_instance_id}.{decode_rank}"

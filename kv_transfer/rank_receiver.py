@@ -13,12 +13,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from engine.kv_cache import KVCache, local_kv_heads
 from kv_transfer.channel import Channel, ChannelEndpoint, ChannelHost
 from kv_transfer.errors import KVTransferCancelled, KVTransferError
 from kv_transfer.messages import KVTicket
-from kv_transfer.plan import PlanSegment, plan_transfer
+from kv_transfer.plan import plan_transfer
 from kv_transfer.staging import StagingPool
 from kv_transfer.wire import MAGIC, STATUS_CANCELLED, WireView, empty_control
 
@@ -95,7 +98,7 @@ class KVRankReceiver:
 
     def receive(self, ticket: KVTicket) -> RecvHandle:
         """Start receiving `ticket`'s KV into `ticket.block_ids` of this rank's cache."""
-        deadline = time.monotonic() + ticket.timeout_s
+        deadline = time.monotonic() + ticket.wait_to_start_s  # to the first message; see _Lane
         plan = plan_transfer(self.num_kv_heads, ticket.prefill_tp_size, ticket.decode_tp_size)
         local = local_kv_heads(self.num_kv_heads, ticket.decode_tp_size, self.decode_rank)
         if len(local) != self.cache.spec.num_kv_heads:
@@ -109,52 +112,99 @@ class KVRankReceiver:
             pair_key = ticket.pair_key(segment.prefill_rank, self.decode_rank)
             channel = self.host.accept(pair_key, str(ticket.transfer_id), deadline)
             view = WireView(self.cache, ticket.block_ids, segment.dst_heads, ticket.layerwise)
+            # On a channel that is up, post the receives here: the sender's first message then
+            # finds them (gloo sends only once the receive is announced), instead of waiting for
+            # this lane's thread to start.
+            lane = _Lane(ticket, channel, view, deadline)
+            if channel.ready:
+                lane.post_early(self.staging)
             threading.Thread(
                 target=self._run_lane,
-                args=(handle, channel, view, segment, deadline),
+                args=(handle, lane),
                 name=f"kv-recv-{ticket.request_id}-{segment.prefill_rank}",
                 daemon=True,
             ).start()
         return handle
 
-    def _run_lane(
-        self,
-        handle: RecvHandle,
-        channel: Channel,
-        view: WireView,
-        segment: PlanSegment,
-        deadline: float,
-    ) -> None:
-        ticket = handle.ticket
+    def _run_lane(self, handle: RecvHandle, lane: _Lane) -> None:
         try:
-            trailer = self._receive_lane(ticket, channel, view, deadline)
+            trailer = lane.finish(self.staging)
             handle._lane_finished(trailer, None)
         except KVTransferError as exc:
             handle._lane_finished(None, exc)
         except Exception as exc:  # a bug or a shape mismatch: still end the handle, never hang
-            channel.mark_broken()
-            handle._lane_finished(None, KVTransferError(f"{channel}: {exc!r}"))
+            lane.channel.mark_broken()
+            handle._lane_finished(None, KVTransferError(f"{lane.channel}: {exc!r}"))
         finally:
-            self.host.forget_transfer(channel.pair_key, str(ticket.transfer_id))
+            self.host.forget_transfer(lane.channel.pair_key, str(handle.ticket.transfer_id))
 
-    def _receive_lane(
-        self, ticket: KVTicket, channel: Channel, view: WireView, deadline: float
-    ) -> tuple[int, int]:
-        what = f"request {ticket.request_id} (transfer {ticket.transfer_id})"
-        tid = ticket.transfer_id
-        channel.wait_connected(deadline)
+    def close(self) -> None:
+        self.host.close()
+
+
+class _Lane:
+    """One channel's part of a receive: `post` the receives (once the channel is up), then
+    `finish` on the lane's thread: wait for each message, scatter it, check the trailer."""
+
+    def __init__(self, ticket: KVTicket, channel: Channel, view: WireView, deadline: float) -> None:
+        self.ticket = ticket
+        self.channel = channel
+        self.view = view
+        self.deadline = deadline
+        self.what = f"request {ticket.request_id} (transfer {ticket.transfer_id})"
+        self._posted: list[tuple[Any, torch.Tensor, bool]] | None = None
+        self._header: tuple[Any, torch.Tensor] | None = None
+        self._trailer: tuple[Any, torch.Tensor] | None = None
+        self._early_error: Exception | None = None
+
+    def post_early(self, staging: StagingPool) -> None:
+        """`post` on the caller's thread; a failure is kept for `finish` to raise on the lane's
+        thread, so `receive` itself never raises for a channel that broke."""
+        try:
+            self.post(staging)
+        except Exception as exc:  # the channel broke between the check and the post
+            self._early_error = exc
+
+    def post(self, staging: StagingPool) -> None:
+        """Post every receive of this lane at once (one message in whole mode)."""
+        tid, view, channel = self.ticket.transfer_id, self.view, self.channel
         if not view.layerwise:
-            return self._receive_packed(ticket, channel, view, deadline)
-        # Post everything at once: one round trip fewer than waiting for the header first.
-        header = empty_control(self.cache.device)
-        header_work = channel.irecv(header, view.tag(tid, 0))
+            message = view.packed_buffer(staging)
+            self._posted = [(channel.irecv(message, view.tag(tid, 0)), message, True)]
+            return
+        header = empty_control(view.cache.device)
+        self._header = (channel.irecv(header, view.tag(tid, 0)), header)
         posted = []
         for index in range(view.num_payload_messages):
-            buffer, staged = view.incoming(index, self.staging)
+            buffer, staged = view.incoming(index, staging)
             posted.append((channel.irecv(buffer, view.tag(tid, 1 + index)), buffer, staged))
-        trailer = empty_control(self.cache.device)
-        trailer_work = channel.irecv(trailer, view.tag(tid, 1 + view.num_payload_messages))
-        channel.wait(header_work, deadline, f"{what} header")
+        self._posted = posted
+        trailer = empty_control(view.cache.device)
+        last = 1 + view.num_payload_messages
+        self._trailer = (channel.irecv(trailer, view.tag(tid, last)), trailer)
+
+    def finish(self, staging: StagingPool) -> tuple[int, int]:
+        """Wait for the data (bounded by the deadline); returns (first_token_id, num_tokens)."""
+        if self._early_error is not None:
+            self.channel.mark_broken()
+            raise KVTransferError(
+                f"{self.channel}: posting the receives failed: {self._early_error}"
+            )
+        if self._posted is None:
+            self.channel.wait_connected(self.deadline)
+            self.post(staging)
+        assert self._posted is not None
+        if not self.view.layerwise:
+            return self._finish_packed(staging)
+        return self._finish_layerwise(staging)
+
+    def _finish_layerwise(self, staging: StagingPool) -> tuple[int, int]:
+        assert self._header is not None and self._trailer is not None and self._posted
+        channel, view, what, tid = self.channel, self.view, self.what, self.ticket.transfer_id
+        header_work, header = self._header
+        channel.wait(header_work, self.deadline, f"{what} header")
+        # The send has started: the rest must follow within the transfer timeout.
+        self.deadline = min(self.deadline, time.monotonic() + self.ticket.timeout_s)
         try:
             status = view.check_header(header, tid, what)
         except KVTransferError:
@@ -166,12 +216,13 @@ class KVRankReceiver:
             channel.mark_broken()
             raise KVTransferCancelled(f"{what}: the prefill side cancelled before sending")
         # Scatter message i while later messages are still arriving.
-        for index, (work, buffer, staged) in enumerate(posted):
-            channel.wait(work, deadline, f"{what} payload {index}")
+        for index, (work, buffer, staged) in enumerate(self._posted):
+            channel.wait(work, self.deadline, f"{what} payload {index}")
             if staged:
                 view.scatter(index, buffer)
-                self.staging.give(buffer)
-        channel.wait(trailer_work, deadline, f"{what} trailer")
+                staging.give(buffer)
+        trailer_work, trailer = self._trailer
+        channel.wait(trailer_work, self.deadline, f"{what} trailer")
         magic, trailer_tid, status, first_token_id, num_tokens, _ = trailer.tolist()
         if magic != MAGIC or trailer_tid != tid:
             channel.mark_broken()
@@ -180,22 +231,19 @@ class KVRankReceiver:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
         return int(first_token_id), int(num_tokens)
 
-    def _receive_packed(
-        self, ticket: KVTicket, channel: Channel, view: WireView, deadline: float
-    ) -> tuple[int, int]:
+    def _finish_packed(self, staging: StagingPool) -> tuple[int, int]:
         """Whole mode: one message holds header, KV and trailer."""
-        what = f"request {ticket.request_id} (transfer {ticket.transfer_id})"
-        message = view.packed_buffer(self.staging)
-        channel.wait(channel.irecv(message, view.tag(ticket.transfer_id, 0)), deadline, what)
+        assert self._posted is not None
+        ((work, message, _),) = self._posted
+        self.channel.wait(work, self.deadline, self.what)
         try:
-            status, first_token_id, num_tokens = view.unpack(message, ticket.transfer_id, what)
+            status, first_token_id, num_tokens = self.view.unpack(
+                message, self.ticket.transfer_id, self.what
+            )
         except KVTransferError:
-            channel.mark_broken()  # the two sides disagree: trust nothing on this channel
+            self.channel.mark_broken()  # the two sides disagree: trust nothing on this channel
             raise
-        self.staging.give(message)
+        staging.give(message)
         if status == STATUS_CANCELLED:
-            raise KVTransferCancelled(f"{what}: the prefill side cancelled")
+            raise KVTransferCancelled(f"{self.what}: the prefill side cancelled")
         return first_token_id, num_tokens
-
-    def close(self) -> None:
-        self.host.close()

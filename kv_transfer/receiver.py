@@ -87,8 +87,9 @@ class KVReceiver:
             decode_endpoints=self.endpoints,
             layerwise=self.config.use_layerwise(request.num_tokens),
             timeout_s=self.config.transfer_timeout_s,
+            start_timeout_s=self.config.start_timeout_s,
         )
-        deadline = self._clock() + ticket.timeout_s
+        deadline = self._clock() + ticket.wait_to_start_s  # the ranks' waits end by then
         self._incoming[rid] = _Incoming(ticket, deadline, set(range(len(self.endpoints))))
         return ticket
 

@@ -20,7 +20,7 @@ from typing import Any
 
 LAYOUTS = ("disaggregated", "colocated")
 NUM_DEVICES = {"disaggregated": 2, "colocated": 2}  # cores (GPUs on a GPU cluster) per layout
-KV_TRANSFER_TIMEOUT_S = 300.0
+KV_START_TIMEOUT_S = 600.0
 
 _TOKENIZER_CORPUS = [
     "Disaggregated serving puts the prefill and the decode phases on different devices.",
@@ -119,10 +119,9 @@ def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **en
         return ClusterSpec(
             router=router, colocated=config, num_colocated_instances=2, pin_cpus=pin_cpus
         )
-    # The hand-off deadline runs from the decode reservation, before the prefill queue: past
-    # the knee of a sweep requests queue for many seconds, and the default 30 s would turn an
-    # overloaded point into failed transfers (and a rebuilt channel) instead of late tokens.
-    kv = KVTransferConfig(transfer_timeout_s=KV_TRANSFER_TIMEOUT_S)
+    # A decode reservation waits for its prefill to start (start_timeout_s): past the knee of a
+    # sweep requests queue for minutes, and they should count as late, not as failed transfers.
+    kv = KVTransferConfig(start_timeout_s=KV_START_TIMEOUT_S)
     return ClusterSpec(
         router=router, prefill=PrefillConfig(engine=config, kv_transfer=kv),
         num_prefill_instances=1, decode=DecodeConfig(engine=config, kv_transfer=kv),

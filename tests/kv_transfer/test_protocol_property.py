@@ -28,6 +28,7 @@ NUM_BLOCKS = 12
 BLOCK_SIZE = 4
 TP = 2
 TIMEOUT_S = 10.0
+START_TIMEOUT_S = 100.0
 
 
 @dataclass
@@ -49,7 +50,7 @@ class HandOff(RuleBasedStateMachine):
         self.decode_pool = BlockPool(NUM_BLOCKS)
         self.prefill_pool = BlockPool(NUM_BLOCKS)
         endpoints = [ChannelEndpoint("127.0.0.1", 1000 + r) for r in range(TP)]
-        config = KVTransferConfig(transfer_timeout_s=TIMEOUT_S)
+        config = KVTransferConfig(transfer_timeout_s=TIMEOUT_S, start_timeout_s=START_TIMEOUT_S)
         self.receiver = KVReceiver(
             self.decode_pool, BLOCK_SIZE, "D", endpoints, config, clock=lambda: self.now
         )
@@ -193,7 +194,7 @@ class HandOff(RuleBasedStateMachine):
     @rule(ranks_die=st.booleans())
     def deadline_passes(self, ranks_die: bool) -> None:
         """Every rank's own wait has hit the deadline: it reports a timeout, or it died."""
-        self.now += TIMEOUT_S + RANK_REPORT_GRACE_S + 1
+        self.now += START_TIMEOUT_S + TIMEOUT_S + RANK_REPORT_GRACE_S + 1
         for transfer in list(self.transfers.values()):
             rid = transfer.ticket.request_id
             for rank in sorted(transfer.sending_ranks):

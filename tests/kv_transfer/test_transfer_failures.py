@@ -107,6 +107,23 @@ def test_killed_prefill_process_fails_the_decode_side_within_the_deadline(
     assert received["num_free_blocks"] == NUM_BLOCKS
 
 
+@pytest.mark.parametrize("pair", [True, False], ids=["layerwise", "whole"], indirect=True)
+def test_a_reservation_outlives_a_prefill_slower_than_the_transfer_timeout(
+    pair: tuple[Worker, Worker],
+) -> None:
+    """The decode side waits start_timeout_s for the send to begin (the prefill queue and
+    compute), and transfer_timeout_s only for the data: a slow prefill is late, not failed."""
+    prefill, decode = pair
+    ticket = reserve(decode, "slow-prefill")
+    time.sleep(TIMEOUT_S + 0.5)  # the prefill queue and compute, longer than the transfer timeout
+    prefill.call("prefill_start", ticket, None)
+    assert prefill.call("prefill_wait", "slow-prefill")["error"] is None
+    received = decode.call("decode_wait", "slow-prefill")
+    assert received["error"] is None and received["ack"].success
+    done = prefill.call("prefill_on_done", received["ack"])
+    assert done["num_free_blocks"] == NUM_BLOCKS and done["released"][-1] == ("slow-prefill", True)
+
+
 def test_a_transfer_its_owner_never_finishes_fails_both_sides_at_the_deadline(
     pair: tuple[Worker, Worker],
 ) -> None:

@@ -85,9 +85,10 @@ def make_decode(
     watermark_blocks: int = 0,
     **overrides: Any,
 ) -> DecodeWorker:
+    """`timeout_s` bounds both the wait for the send to start and the transfer itself."""
     config = DecodeConfig(
         engine_config(model_dir, **overrides),
-        KVTransferConfig(transfer_timeout_s=timeout_s),
+        KVTransferConfig(transfer_timeout_s=timeout_s, start_timeout_s=timeout_s),
         watermark_blocks=watermark_blocks,
     )
     worker = DecodeWorker(config, "d", board.send)
@@ -169,7 +170,7 @@ def test_abort_of_a_reservation_emits_abort_and_frees_after_the_receive_ends(
     assert (event.finish_reason, event.token_ids) == ("abort", [])
     # The posted receive may still write into the blocks until it ends (at its deadline here,
     # since no prefill instance holds the request to cancel it).
-    wait_for(lambda: decode.load().num_free_blocks == NUM_BLOCKS, 3.0, "the blocks freed")
+    wait_for(lambda: decode.load().num_free_blocks == NUM_BLOCKS, 4.0, "the blocks freed")
 
 
 def test_submit_checks_the_ticket(board, tiny_model) -> None:
