@@ -146,13 +146,14 @@ class LocalCluster:
             i: spec.prefill.engine.tensor_parallel_size for i in spec.instance_ids()
         }  # fmt: skip
         front, back = [], []
+        timeout_s = spec.router.worker_timeout_s  # as the Ray handles get it
         for instance_id, worker in self.workers.items():
             if instance_id.startswith("decode"):
-                back.append(ProcessHandle(instance_id, Role.DECODE, worker,
+                back.append(ProcessHandle(instance_id, Role.DECODE, worker, call_timeout_s=timeout_s,
                                           prefill_tp_sizes=prefill_tp))  # fmt: skip
             else:
                 role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
-                front.append(ProcessHandle(instance_id, role, worker))
+                front.append(ProcessHandle(instance_id, role, worker, call_timeout_s=timeout_s))
         self._handles = [*front, *back]
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
