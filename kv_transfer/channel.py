@@ -164,9 +164,10 @@ class Channel:
             self.close()
 
     def close(self) -> None:
-        """Drop the group: posted ops end with an error. A connect still waiting for the peer
-        ends too, and so do the waits on it (a thread left in the store or the backend when the
-        process exits aborts the interpreter's teardown)."""
+        """Drop the group: the connection closes, so nothing more lands in a posted receive (its
+        wait still runs to its own deadline). A connect still waiting for the peer to dial ends
+        too, and so do the waits on it (a thread left polling the store when the process exits
+        aborts the interpreter's teardown)."""
         self._closed.set()
         if not self._connected.is_set():
             self._connect_error = self._connect_error or RuntimeError("the channel was closed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Each (transfer, channel) uses a window of gloo/NCCL tags: header, 2 per layer, trailer.
@@ -12,12 +13,15 @@ MAX_MESSAGES_PER_TRANSFER = 1024
 class KVTransferConfig:
     """How KV travels between a prefill and a decode instance.
 
-    Two deadlines bound a hand-off. `start_timeout_s`: how long a decode reservation waits for
-    the prefill side to start sending, which covers the request's prefill queue and compute (a
-    busy prefill instance is not a failure; a dead one is noticed by the router, which aborts the
-    request and so frees the reservation much sooner). `transfer_timeout_s`: from the start of the
-    send to the last byte; a peer that dies or stalls mid-transfer turns into
-    `KVTransferTimeout`/`KVTransferError` within it. Building a channel is part of the start.
+    Two deadlines bound a hand-off. `start_timeout_s`: how long a decode reservation waits, on
+    top of `transfer_timeout_s`, for the prefill side to start sending; it covers the request's
+    prefill queue and compute, so a busy prefill instance is late rather than failed. A live
+    prefill instance ends a reservation it will not serve at once (a CANCELLED message); one that
+    died leaves it to this deadline, because a posted gloo receive cannot be withdrawn: so the
+    default stays modest, and a deployment whose prefill queues run longer raises it.
+    `transfer_timeout_s`: from the start of the send to the last byte; a peer that dies or stalls
+    mid-transfer turns into `KVTransferTimeout`/`KVTransferError` within it. Building a channel is
+    part of the start.
     The decode side cannot tell the start of a whole-mode transfer from its end (one message), so
     there the two add up; a prefill side that stalls mid-send still fails at its own deadline
     and aborts.
@@ -30,16 +34,20 @@ class KVTransferConfig:
     """
 
     transfer_timeout_s: float = 30.0
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = 60.0
     layerwise: bool | None = None
     layerwise_min_tokens: int = 2048
     host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        if not self.transfer_timeout_s > 0:
-            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
-        if not self.start_timeout_s >= 0:
-            raise ValueError(f"start_timeout_s must be >= 0, got {self.start_timeout_s}")
+        if not (self.transfer_timeout_s > 0 and math.isfinite(self.transfer_timeout_s)):
+            raise ValueError(
+                f"transfer_timeout_s must be a finite number > 0, got {self.transfer_timeout_s}"
+            )
+        if not (self.start_timeout_s >= 0 and math.isfinite(self.start_timeout_s)):
+            raise ValueError(
+                f"start_timeout_s must be a finite number >= 0, got {self.start_timeout_s}"
+            )
         if self.layerwise_min_tokens < 1:
             raise ValueError(f"layerwise_min_tokens must be >= 1, got {self.layerwise_min_tokens}")
         if not self.host:

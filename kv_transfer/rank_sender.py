@@ -89,10 +89,10 @@ class SendHandle:
         return f"request {self.ticket.request_id} (transfer {self.ticket.transfer_id}) to {lane.channel}"
 
     def _fail(self, lane: _Lane, exc: KVTransferError) -> None:
-        if lane.channel is not None:
-            lane.channel.mark_broken()
-            self._dialer.report_broken(lane.endpoint, lane.channel)
-        lane.channel = None  # nothing more goes on this lane
+        channel, lane.channel = lane.channel, None  # nothing more goes on this lane
+        if channel is not None:
+            channel.mark_broken()
+            self._dialer.report_broken(lane.endpoint, channel)
         if self.error is None:
             self.error = exc
 
@@ -107,14 +107,15 @@ class SendHandle:
     def _post_now(
         self, lane: _Lane, tensor: torch.Tensor, index: int, what: str, staged: bool
     ) -> None:
-        if lane.channel is None:
+        channel = lane.channel  # read once: the other thread may fail the lane meanwhile
+        if channel is None:
             return
         try:
             tag = lane.view.tag(self.ticket.transfer_id, index)
-            lane.posted.append((lane.channel.isend(tensor, tag), tensor, what, staged))
+            lane.posted.append((channel.isend(tensor, tag), tensor, what, staged))
         except KVTransferError as exc:
             self._fail(lane, exc)
-        except RuntimeError as exc:  # the backend refused: the peer is gone
+        except Exception as exc:  # the backend refused (the peer is gone), or the group went
             self._fail(lane, KVTransferError(f"{self._what(lane)}: {what}: {exc}"))
 
     def _post_payload_until(self, lane: _Lane, stop: int) -> None:
@@ -181,20 +182,28 @@ class SendHandle:
         """Post queued messages in order (none when posting inline); then wait for all of them.
         A handle that is never finished (its owner died) still ends here at the deadline,
         failing its lanes."""
-        while True:
-            try:
-                item = self._outbox.get(timeout=max(0.0, self.deadline - time.monotonic()))
-            except queue.Empty:
-                for lane in self._lanes:
-                    if lane.channel is not None:
-                        message = f"{self._what(lane)}: not finished within the deadline"
-                        self._fail(lane, KVTransferTimeout(message))
-                self._finished.set()
-                return
-            if item is _WAIT_ALL:
-                self._wait_all()
-                return
-            self._post_now(*item)
+        try:
+            while True:
+                try:
+                    item = self._outbox.get(timeout=max(0.0, self.deadline - time.monotonic()))
+                except queue.Empty:
+                    self._fail_all(KVTransferTimeout("not finished within the deadline"))
+                    return
+                if item is _WAIT_ALL:
+                    self._wait_all()
+                    return
+                self._post_now(*item)
+        except Exception as exc:  # a bug must still end the handle, never leave it hanging
+            self._fail_all(KVTransferError(f"the send thread failed: {exc!r}"))
+        finally:
+            self._finished.set()
+
+    def _fail_all(self, exc: KVTransferError) -> None:
+        """End the transfer as failed: every lane (even one still dialing) and the handle."""
+        for lane in self._lanes:
+            self._fail(lane, type(exc)(f"{self._what(lane)}: {exc}"))
+        if self.error is None:
+            self.error = exc
 
     def _post_packed(self, lane: _Lane, status: int, first_token_id: int | None) -> None:
         if lane.channel is None:
@@ -302,6 +311,9 @@ class KVRankSender:
                 )
             except KVTransferError as exc:
                 handle._fail(lane, exc)
+                continue
+            if handle.done():  # the deadline passed while dialing: the handle has ended
+                handle._fail(lane, KVTransferTimeout(f"{handle._what(lane)}: dialed too late"))
                 continue
             if lane.view.layerwise:
                 handle._post(lane, lane.view.header(ticket.transfer_id, status), 0, "header")
