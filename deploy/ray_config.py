@@ -57,6 +57,7 @@ class RayClusterConfig:
     shutdown_grace_s: float = 5.0
     worker_timeout_s: float = 10.0
     kv_transfer_timeout_s: float = 30.0
+    kv_start_timeout_s: float = 60.0  # a decode reservation's wait for its prefill to start sending
     address: str | None = None
     num_cpus: int | None = None
     num_cpus_per_worker: float | None = None
@@ -105,7 +106,9 @@ class RayClusterConfig:
         )  # fmt: skip
 
     def kv_transfer_config(self) -> KVTransferConfig:
-        return KVTransferConfig(transfer_timeout_s=self.kv_transfer_timeout_s)
+        return KVTransferConfig(
+            transfer_timeout_s=self.kv_transfer_timeout_s, start_timeout_s=self.kv_start_timeout_s
+        )
 
     def prefill_config(self) -> PrefillConfig:
         return PrefillConfig(self.engine_config(self.prefill_tp_size), self.kv_transfer_config())
