@@ -46,6 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "proto")]  # run from a bare checkout too
 import grpc  # noqa: E402
 from pdserve_proto.v1 import generation_pb2 as pb  # noqa: E402
 
+from benchmarks.goodput.metrics import percentile  # noqa: E402
 from engine.gc_tuning import freeze_startup_heap, unfreeze_heap  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
@@ -214,16 +215,11 @@ async def _measure(kind: str, args: argparse.Namespace, model_dir: str) -> dict[
         rates.append(num_tokens / (outcome["ended"] - outcome["started"]))
     return {
         "tokens_per_s": round(sum(rates) / len(rates), 1),
-        "p50_ms": round(_percentile(added_ms, 0.50), 3),
-        "p90_ms": round(_percentile(added_ms, 0.90), 3),
-        "p99_ms": round(_percentile(added_ms, 0.99), 3),
+        "p50_ms": round(percentile(added_ms, 50), 3),
+        "p90_ms": round(percentile(added_ms, 90), 3),
+        "p99_ms": round(percentile(added_ms, 99), 3),
         "max_ms": round(max(added_ms), 3),
     }
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _bench(args: argparse.Namespace, model_dir: str) -> dict:

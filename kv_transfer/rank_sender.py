@@ -263,46 +263,38 @@ class KVRankSender:
                 f"request {ticket.request_id}: {len(block_ids)} source blocks for "
                 f"{len(ticket.block_ids)} reserved on the decode side"
             )
-        plan = plan_transfer(self.num_kv_heads, ticket.prefill_tp_size, ticket.decode_tp_size)
-        lanes = [
-            _Lane(
-                ticket.decode_endpoints[segment.decode_rank],
-                WireView(self.cache, tuple(block_ids), segment.src_heads, ticket.layerwise),
-            )
-            for segment in plan.for_prefill_rank(self.prefill_rank)
-        ]
-        return self._open(ticket, lanes, STATUS_OK)
+        return self._open(ticket, tuple(block_ids), STATUS_OK)
 
     def cancel_unstarted(self, ticket: KVTicket) -> SendHandle:
         """End a transfer that will never send (the request was aborted or finished at its first
         token): dial and send only a CANCELLED header, so the decode ranks' receives end and the
         reservation is freed at once instead of at the deadline. Reads no KV. The handle is
         already finished; `wait()` raises KVTransferError (cancelled, or the failure)."""
-        plan = plan_transfer(self.num_kv_heads, ticket.prefill_tp_size, ticket.decode_tp_size)
-        lanes = [
-            _Lane(
-                ticket.decode_endpoints[segment.decode_rank],
-                WireView(self.cache, ticket.block_ids, segment.src_heads, ticket.layerwise),
-            )
-            for segment in plan.for_prefill_rank(self.prefill_rank)
-        ]
-        handle = self._open(ticket, lanes, STATUS_CANCELLED)
+        handle = self._open(ticket, ticket.block_ids, STATUS_CANCELLED)
         handle._finishing = True  # nothing follows the header: no payload, no trailer
         if handle.error is None:
             handle.error = KVTransferCancelled(f"request {ticket.request_id}: cancelled")
         handle._start_waiting()
         return handle
 
-    def _open(self, ticket: KVTicket, lanes: list[_Lane], status: int) -> SendHandle:
-        """Dial every lane's channel and post its header."""
+    def _open(self, ticket: KVTicket, block_ids: tuple[int, ...], status: int) -> SendHandle:
+        """One lane per decode rank this rank sends to; dial each lane's channel and post its
+        header."""
+        plan = plan_transfer(self.num_kv_heads, ticket.prefill_tp_size, ticket.decode_tp_size)
+        segments = plan.for_prefill_rank(self.prefill_rank)
+        lanes = [
+            _Lane(
+                ticket.decode_endpoints[segment.decode_rank],
+                WireView(self.cache, block_ids, segment.src_heads, ticket.layerwise),
+            )
+            for segment in segments
+        ]
         # See the module docstring. Below _INLINE_MAX_BYTES per rank the socket buffer takes the
         # whole transfer at once, and a thread would cost more than the write it moves.
         post_inline = self.cache.device.type != "cpu" or (
             sum(lane.view.payload_bytes for lane in lanes) <= _INLINE_MAX_BYTES
         )
         handle = SendHandle(ticket, lanes, self.dialer, self.staging, post_inline)
-        plan = plan_transfer(self.num_kv_heads, ticket.prefill_tp_size, ticket.decode_tp_size)
-        segments = plan.for_prefill_rank(self.prefill_rank)
         for lane, segment in zip(lanes, segments, strict=True):
             pair_key = ticket.pair_key(self.prefill_rank, segment.decode_rank)
             try:

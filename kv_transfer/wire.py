@@ -104,8 +104,7 @@ class WireView:
     @property
     def payload_bytes(self) -> int:
         """The KV bytes this view moves (all payload messages together)."""
-        element = torch.empty((), dtype=self.cache.spec.dtype).element_size()
-        return element * _numel(self._message_shape(None))
+        return self.cache.spec.dtype.itemsize * _numel(self._message_shape(None))
 
     def _message_shape(self, key: tuple[int, int] | None) -> tuple[int, ...]:
         spec = self.cache.spec
@@ -125,13 +124,16 @@ class WireView:
         self._gather(key, out)
         return out, True
 
+    def _slab(self, key: tuple[int, int] | None) -> tuple[torch.Tensor, int]:
+        """This view's heads of the cache for payload `key`, and the dimension of its blocks."""
+        if key is None:  # [L, 2, blocks, block_size, heads, head_dim]
+            return self.cache.data[..., self.heads, :], 2
+        layer, kv = key  # [blocks, block_size, heads, head_dim]
+        return self.cache.data[layer, kv][..., self.heads, :], 0
+
     def _gather(self, key: tuple[int, int] | None, out: torch.Tensor) -> None:
         """Copy this view's blocks and heads into `out` (the inverse of `_scatter`)."""
-        if key is None:  # [L, 2, n, block_size, heads, head_dim]
-            source, dim = self.cache.data[..., self.heads, :], 2
-        else:  # [n, block_size, heads, head_dim]
-            layer, kv = key
-            source, dim = self.cache.data[layer, kv][..., self.heads, :], 0
+        source, dim = self._slab(key)
         start = contiguous_start(self.block_ids)
         if start is not None:  # a head slice of a run: a strided copy_ is ~3x index_select's speed
             out.copy_(source.narrow(dim, start, len(self.block_ids)))
@@ -153,12 +155,8 @@ class WireView:
         self._scatter(self.payload_key(index), staged)
 
     def _scatter(self, key: tuple[int, int] | None, staged: torch.Tensor) -> None:
+        target, dim = self._slab(key)
         start = contiguous_start(self.block_ids)
-        if key is None:
-            target, dim = self.cache.data[..., self.heads, :], 2
-        else:
-            layer, kv = key
-            target, dim = self.cache.data[layer, kv][..., self.heads, :], 0
         if start is not None:  # a strided copy_ is ~9x faster than index_copy_ into a head slice
             target.narrow(dim, start, len(self.block_ids)).copy_(staged)
         else:
@@ -183,9 +181,7 @@ class WireView:
     # ------------------------------------------------------------ packed (whole) mode
     def _packed_layout(self) -> tuple[int, int]:
         """(payload bytes, trailer offset) of the packed message; the trailer is 8-aligned."""
-        spec = self.cache.spec
-        element = torch.empty((), dtype=spec.dtype).element_size()
-        payload_bytes = element * _numel(self._message_shape(None))
+        payload_bytes = self.payload_bytes
         return payload_bytes, _CONTROL_BYTES + -(-payload_bytes // 8) * 8
 
     def _packed_parts(self, message: torch.Tensor) -> tuple[torch.Tensor, ...]:
