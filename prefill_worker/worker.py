@@ -327,8 +327,11 @@ class PrefillWorker(WorkerLoop):
         entry = self._prefills.pop(request_id, None)
         if entry is not None and not success and not entry.quiet:
             reason = entry.send_error or "no answer from the decode side before the deadline"
-            message = f"handing the KV off to {entry.ticket.decode_instance_id} failed: {reason}"
-            self._emit([TokenEvent(request_id, [], "error", message, self.instance_id)])
+            decode_id = entry.ticket.decode_instance_id
+            message = f"handing the KV off to {decode_id} failed: {reason}"
+            event = TokenEvent(request_id, [], "error", message, self.instance_id)
+            event.failed_peer = decode_id
+            self._emit([event])
 
     def _cancel_ticket(self, ticket: KVTicket) -> None:
         self.engine.executor.collective_call("cancel_send", ticket)

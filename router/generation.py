@@ -176,6 +176,12 @@ class GenerationRunner:
     ) -> GenerationChunk:
         if event.finish_reason == "error":
             progress.finished_by = event.source or None
+            if event.failed_peer:  # the same end as the router noticing that peer is gone
+                raise GenerationFailed(
+                    FailureKind.UNAVAILABLE,
+                    f"worker {event.failed_peer} became unavailable ({event.error}); "
+                    "retry the request",
+                )
             raise GenerationFailed(
                 FailureKind.WORKER_ERROR,
                 f"worker {event.source or '?'} failed the request: {event.error or 'no detail'}",
