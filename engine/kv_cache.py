@@ -2,16 +2,22 @@
 
 One preallocated tensor per worker (per TP rank), never grown:
 
-    data: [num_layers, 2, num_blocks, block_size, num_kv_heads_local, head_dim]
+    data: [num_layers, 2, num_kv_heads_local, num_blocks, block_size, head_dim]
                        ^ 0 = key, 1 = value
 
-`data[l, 0]` is layer l's key cache in the layout flash-attn's paged kernels take
-(`[num_blocks, page_block_size, nheads_k, headdim]`). Token t of a sequence lives in block
-`block_table[t // block_size]` at offset `t % block_size`; its flat slot is
-`block_id * block_size + offset` (the slot mapping).
+Token t of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`; its
+flat slot is `block_id * block_size + offset` (the slot mapping).
 
-Putting all layers in one tensor lets kv_transfer gather a whole request's KV with a single
-`index_select` over dim 2, and a single layer's with one over dim 1 of `data[l]`.
+Heads outermost (head-major, like FlashInfer's HND but with the head above the block): one KV
+head's keys or values for a run of consecutive blocks are one contiguous region. That is what
+the KV hand-off needs: a decode rank with another TP size than the prefill rank takes a subset of
+its heads, and with heads outermost each head of a block run travels straight from the sending
+cache into the receiving one, with no copy on either side (gloo and NCCL send only contiguous
+tensors; with heads innermost, as flash-attn's [blocks, block_size, heads, head_dim], every
+head slice is a strided gather of head_dim-sized pieces). It also suits attention on CPU: a
+gather of a sequence's blocks per head is already SDPA's [heads, seq, head_dim].
+`paged_view` gives the [num_blocks, block_size, heads, head_dim] strided view paged kernels
+such as flash-attn's take.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class KVCacheSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
@@ -92,26 +98,13 @@ class KVCache:
         return self.data.device
 
     def key(self, layer: int) -> torch.Tensor:
-        return self.data[layer, 0]  # [num_blocks, block_size, num_kv_heads, head_dim]
+        return self.data[layer, 0]  # [num_kv_heads, num_blocks, block_size, head_dim]
 
     def value(self, layer: int) -> torch.Tensor:
         return self.data[layer, 1]
 
-    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy of the given blocks for all layers: [num_layers, 2, n, block_size, heads, head_dim]."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data.index_select(2, index)
 
-    def gather_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """Copy of one layer's blocks: [2, n, block_size, heads, head_dim]."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data[layer].index_select(1, index)
-
-    def scatter_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Write `blocks` ([num_layers, 2, n, ...], as from gather_blocks) into `block_ids`."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(2, index, blocks)
-
-    def scatter_layer(self, layer: int, block_ids: list[int], blocks: torch.Tensor) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        self.data[layer].index_copy_(1, index, blocks)
+def paged_view(cache: torch.Tensor) -> torch.Tensor:
+    """[num_kv_heads, num_blocks, block_size, head_dim] -> the same memory viewed as
+    [num_blocks, block_size, num_kv_heads, head_dim] (strided; no copy)."""
+    return cache.permute(1, 2, 0, 3)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Each (transfer, channel) uses a window of gloo/NCCL tags: header, 2 per layer, trailer.
-MAX_MESSAGES_PER_TRANSFER = 1024
+# Each (transfer, channel) uses a window of gloo/NCCL tags: header, 2 per layer and head, trailer
+# (80 layers x 8 heads on one channel fit; the window still spans 524,287 transfer ids).
+MAX_MESSAGES_PER_TRANSFER = 4096
 
 
 @dataclass(frozen=True)

@@ -134,11 +134,12 @@ class SendHandle:
         if not self.ticket.layerwise:
             return  # whole-request wire mode: everything goes at finish()
         for lane in self._lanes:
-            if lane.next_index != 2 * layer:
+            per_layer = lane.view.messages_per_layer
+            if lane.next_index != layer * per_layer:
                 raise ValueError(
-                    f"send_layer({layer}) out of order: expected {lane.next_index // 2}"
+                    f"send_layer({layer}) out of order: expected {lane.next_index // per_layer}"
                 )
-            self._post_payload_until(lane, 2 * layer + 2)
+            self._post_payload_until(lane, (layer + 1) * per_layer)
 
     def finish(self, first_token_id: int | None = None) -> None:
         """Post what is left and the trailers, then wait for every send in a background thread."""

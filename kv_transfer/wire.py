@@ -3,9 +3,9 @@
 Two wire modes (the ticket says which; see KVTransferConfig for how it is chosen):
 
     whole (packed): ONE message per channel, built at finish(), the same count as a raw send:
-        uint8[ header int64[6] | payload [L, 2, num_blocks, block_size, heads, head_dim] | trailer ]
-    layerwise: header, then 2L payload messages [num_blocks, block_size, heads, head_dim] in
-        (layer, k/v) order, each posted as soon as its layer is computed, then the trailer.
+        uint8[ header int64[6] | payload [L, 2, heads, num_blocks, block_size, head_dim] | trailer ]
+    layerwise: header, then 2 * L * heads payload messages [num_blocks, block_size, head_dim] in
+        (layer, k/v, head) order, each layer's posted as soon as it is computed, then the trailer.
 
     header   int64[6]  MAGIC, transfer_id, status, num_blocks, num_heads, num_payload_messages
     trailer  int64[6]  MAGIC, transfer_id, status, first_token_id, num_tokens, 0
@@ -14,16 +14,19 @@ The receiver posts every receive at once. A sender that cancels mid-way still se
 the payload, with a CANCELLED trailer; one that never started (layerwise) sends only a CANCELLED
 header, and the receiver then drops the channel (its other receives could never complete).
 
-Copies. KV cache layout is [num_layers, 2, num_blocks, block_size, heads, head_dim], so one
-(layer, k/v) run of consecutive blocks with all heads is contiguous: layerwise messages are sent
-from it and received into it without a copy. Otherwise the sender gathers (index_select) into a
-reused staging buffer and the receiver stages the message and scatters it (index_copy_).
+Copies. The KV cache is head-major, [num_layers, 2, heads, num_blocks, block_size, head_dim]
+(see engine/kv_cache.py), so one (layer, k/v, head) over a run of consecutive blocks is one
+contiguous region, whichever subset of heads the channel carries (re-sharding between TP sizes):
+layerwise messages are sent from it and received into it without a copy. The message layout does
+not depend on either side's block ids, so each side decides alone: a side whose blocks are not
+one run gathers (index_select) into a reused staging buffer, or stages and scatters (index_copy_).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -73,8 +76,17 @@ class WireView:
             )
 
     @property
+    def num_heads(self) -> int:
+        return self.heads.stop - self.heads.start
+
+    @property
+    def messages_per_layer(self) -> int:
+        """Layerwise payload messages per layer: keys then values, one per head."""
+        return 2 * self.num_heads
+
+    @property
     def num_payload_messages(self) -> int:
-        return 2 * self.cache.spec.num_layers if self.layerwise else 1
+        return self.cache.spec.num_layers * self.messages_per_layer if self.layerwise else 1
 
     @property
     def num_messages(self) -> int:
@@ -85,68 +97,75 @@ class WireView:
         window = (2**31 - 1) // MAX_MESSAGES_PER_TRANSFER
         return (transfer_id % window) * MAX_MESSAGES_PER_TRANSFER + index
 
-    def payload_key(self, index: int) -> tuple[int, int] | None:
-        """(layer, 0 key / 1 value) of payload message `index`, or None for the whole request."""
-        return divmod(index, 2) if self.layerwise else None
+    def payload_key(self, index: int) -> tuple[int, int, int] | None:
+        """(layer, 0 key / 1 value, local head) of payload message `index`, or None for the
+        whole request."""
+        if not self.layerwise:
+            return None
+        layer, rest = divmod(index, self.messages_per_layer)
+        kv, head = divmod(rest, self.num_heads)
+        return layer, kv, self.heads.start + head
 
+    @cached_property
     def _index(self) -> torch.Tensor:
         return torch.tensor(self.block_ids, dtype=torch.long, device=self.cache.device)
 
-    def _direct_view(self, key: tuple[int, int] | None) -> torch.Tensor | None:
-        """The cache slice itself when it is one contiguous region, else None."""
-        all_heads = self.heads == slice(0, self.cache.spec.num_kv_heads)
-        start = contiguous_start(self.block_ids)
-        if key is None or not all_heads or start is None:
-            return None
-        layer, kv = key
-        return self.cache.data[layer, kv, start : start + len(self.block_ids)]
+    @cached_property
+    def _run_start(self) -> int | None:
+        return contiguous_start(self.block_ids)
 
     @property
     def payload_bytes(self) -> int:
         """The KV bytes this view moves (all payload messages together)."""
         return self.cache.spec.dtype.itemsize * _numel(self._message_shape(None))
 
-    def _message_shape(self, key: tuple[int, int] | None) -> tuple[int, ...]:
+    def _message_shape(self, key: tuple[int, int, int] | None) -> tuple[int, ...]:
         spec = self.cache.spec
-        num_heads = self.heads.stop - self.heads.start
-        shape: tuple[int, ...] = (len(self.block_ids), spec.block_size, num_heads, spec.head_dim)
-        return shape if key is not None else (spec.num_layers, 2, *shape)
+        shape: tuple[int, ...] = (len(self.block_ids), spec.block_size, spec.head_dim)
+        return shape if key is not None else (spec.num_layers, 2, self.num_heads, *shape)
+
+    def _slab(self, key: tuple[int, int, int] | None) -> tuple[torch.Tensor, int]:
+        """The cache memory payload `key` reads or writes, and the dimension of its blocks."""
+        if key is None:  # [L, 2, heads, blocks, block_size, head_dim]
+            return self.cache.data[:, :, self.heads], 3
+        layer, kv, head = key  # [blocks, block_size, head_dim]
+        return self.cache.data[layer, kv, head], 0
+
+    def _run(self, key: tuple[int, int, int] | None) -> torch.Tensor | None:
+        """This view's blocks of the slab when they are one run of consecutive ids, else None."""
+        start = self._run_start
+        if start is None:
+            return None
+        source, dim = self._slab(key)
+        return source.narrow(dim, start, len(self.block_ids))
 
     def outgoing(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
         """Payload message `index` ready to send, and whether it is a staging buffer (to give
         back once sent) rather than a view of the cache."""
         key = self.payload_key(index)
-        direct = self._direct_view(key)
-        if direct is not None:
-            return direct, False
-        spec = self.cache.spec
-        out = staging.take(self._message_shape(key), spec.dtype, self.cache.device)
+        run = self._run(key)
+        if run is not None:  # one (layer, k/v, head) of a block run: contiguous
+            return run, False
+        out = staging.take(self._message_shape(key), self.cache.spec.dtype, self.cache.device)
         self._gather(key, out)
         return out, True
 
-    def _slab(self, key: tuple[int, int] | None) -> tuple[torch.Tensor, int]:
-        """This view's heads of the cache for payload `key`, and the dimension of its blocks."""
-        if key is None:  # [L, 2, blocks, block_size, heads, head_dim]
-            return self.cache.data[..., self.heads, :], 2
-        layer, kv = key  # [blocks, block_size, heads, head_dim]
-        return self.cache.data[layer, kv][..., self.heads, :], 0
-
-    def _gather(self, key: tuple[int, int] | None, out: torch.Tensor) -> None:
+    def _gather(self, key: tuple[int, int, int] | None, out: torch.Tensor) -> None:
         """Copy this view's blocks and heads into `out` (the inverse of `_scatter`)."""
+        run = self._run(key)
+        if run is not None:  # the packed message of a run: a strided copy_
+            out.copy_(run)
+            return
         source, dim = self._slab(key)
-        start = contiguous_start(self.block_ids)
-        if start is not None:  # a head slice of a run: a strided copy_ is ~3x index_select's speed
-            out.copy_(source.narrow(dim, start, len(self.block_ids)))
-        else:
-            torch.index_select(source, dim, self._index(), out=out)
+        torch.index_select(source, dim, self._index, out=out)
 
     def incoming(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
         """A buffer to receive payload message `index` into, and whether it is a staging buffer
         (to scatter, then give back) rather than the destination itself."""
         key = self.payload_key(index)
-        direct = self._direct_view(key)
-        if direct is not None:
-            return direct, False
+        run = self._run(key)
+        if run is not None:
+            return run, False
         spec = self.cache.spec
         return staging.take(self._message_shape(key), spec.dtype, self.cache.device), True
 
@@ -154,17 +173,18 @@ class WireView:
         """Write a staged payload message into its blocks and heads."""
         self._scatter(self.payload_key(index), staged)
 
-    def _scatter(self, key: tuple[int, int] | None, staged: torch.Tensor) -> None:
+    def _scatter(self, key: tuple[int, int, int] | None, staged: torch.Tensor) -> None:
+        run = self._run(key)
+        if run is not None:
+            run.copy_(staged)
+            return
         target, dim = self._slab(key)
-        start = contiguous_start(self.block_ids)
-        if start is not None:  # a strided copy_ is ~9x faster than index_copy_ into a head slice
-            target.narrow(dim, start, len(self.block_ids)).copy_(staged)
-        else:
-            target.index_copy_(dim, self._index(), staged)
+        target.index_copy_(dim, self._index, staged)
 
     def header(self, transfer_id: int, status: int) -> torch.Tensor:
-        num_heads = self.heads.stop - self.heads.start
-        values = (transfer_id, status, len(self.block_ids), num_heads, self.num_payload_messages)
+        values = (
+            transfer_id, status, len(self.block_ids), self.num_heads, self.num_payload_messages
+        )
         return control_message(values, self.cache.device)
 
     def check_header(self, header: torch.Tensor, transfer_id: int, what: str) -> int:

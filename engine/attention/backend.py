@@ -12,7 +12,8 @@ A back end computes attention for one layer of one step over the paged KV cache:
   transformers' Mistral/Qwen2 do).
 
 Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
-key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]; returns
+key_cache, value_cache [num_kv_heads, num_blocks, block_size, head_dim] (head-major, see
+engine/kv_cache.py); returns
 [num_tokens, num_heads, head_dim]. Query head h reads KV head h // (num_heads // num_kv_heads).
 """
 
@@ -48,6 +49,6 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter new K/V rows into their flat slots (index_copy_, in place)."""
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[-1]
+    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))

@@ -3,7 +3,9 @@
 Uses flash-attn 2's paged kernels: `flash_attn_with_kvcache` for decode and
 `flash_attn_varlen_func` with a block table for prefill chunks (causal is bottom-right aligned,
 which is exactly "attend to the cached prefix plus causally within the chunk"). Both need the KV
-page size to be a multiple of 256, which `select_backend` checks. Untested on CPU machines.
+page size to be a multiple of 256, which `select_backend` checks. They take the head-major cache
+through `paged_view`, a strided [blocks, block_size, heads, head_dim] view (flash-attn reads the
+cache through its strides and needs only the last dim contiguous). Untested on CPU machines.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from engine.attention.backend import AttentionBackend, write_kv
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import paged_view
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -30,6 +33,7 @@ class FlashAttentionBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        key_cache, value_cache = paged_view(key_cache), paged_view(value_cache)
         # flash-attn's window (left, right): a query sees keys q_pos - left .. q_pos + right
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
         out = torch.empty_like(q)

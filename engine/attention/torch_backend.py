@@ -50,10 +50,10 @@ def _decode(
     metadata: AttentionMetadata, scale: float, sliding_window: int | None,
 ) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads = key_cache.shape[0]
     group = num_heads // num_kv_heads
-    keys = _gather_blocks(key_cache, metadata.decode_block_tables).transpose(1, 2)
-    values = _gather_blocks(value_cache, metadata.decode_block_tables).transpose(1, 2)
+    keys = _gather_blocks(key_cache, metadata.decode_block_tables).transpose(0, 1)
+    values = _gather_blocks(value_cache, metadata.decode_block_tables).transpose(0, 1)
     mask = _decode_mask(metadata, sliding_window)  # [num_decodes, 1, 1, L]
     queries = q.view(num_decodes, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
@@ -61,15 +61,16 @@ def _decode(
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[rows, max_blocks] block ids -> [rows, max_blocks * block_size, kv_heads, head_dim].
+    """[rows, max_blocks] block ids -> [kv_heads, rows, max_blocks * block_size, head_dim].
 
-    index_select over whole blocks (one contiguous row each) is a plain memcpy per block, several
-    times faster on CPU than advanced indexing with a 2-D index.
+    index_select over whole blocks (one contiguous block_size x head_dim piece per head) is a
+    plain memcpy per block and head, several times faster on CPU than advanced indexing with a
+    2-D index; per head the result is already SDPA's [seq, head_dim].
     """
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    num_kv_heads, num_blocks, block_size, head_dim = cache.shape
     rows, max_blocks = block_tables.shape
-    flat = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
-    return flat.view(rows, max_blocks * block_size, num_kv_heads, head_dim)
+    flat = cache.view(num_kv_heads, num_blocks, -1).index_select(1, block_tables.reshape(-1))
+    return flat.view(num_kv_heads, rows, max_blocks * block_size, head_dim)
 
 
 def _decode_mask(metadata: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
@@ -93,13 +94,12 @@ def _prefill_chunk(
 ) -> torch.Tensor:
     # SDPA wants 4-D [1, heads, len, head_dim]: with 3-D inputs CPU falls back to the slow math path
     queries = q.transpose(0, 1).unsqueeze(0)
-    if chunk.start_pos == 0:
-        keys, values = k, v  # the chunk is the whole context
-    else:
+    if chunk.start_pos == 0:  # the chunk is the whole context
+        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    else:  # [1, kv_heads, context_len, head_dim] straight from the head-major gather
         table = chunk.block_table[None, :]
-        keys = _gather_blocks(key_cache, table)[0, : chunk.context_len]
-        values = _gather_blocks(value_cache, table)[0, : chunk.context_len]
-    keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+        keys = _gather_blocks(key_cache, table)[:, :, : chunk.context_len].transpose(0, 1)
+        values = _gather_blocks(value_cache, table)[:, :, : chunk.context_len].transpose(0, 1)
     if chunk.start_pos == 0 and sliding_window is None:
         out = F.scaled_dot_product_attention(
             queries, keys, values, is_causal=True, scale=scale, enable_gqa=True

@@ -131,6 +131,6 @@ def test_kv_blocks_from_memory_budget(tiny_model) -> None:
     config = EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=10 * spec_bytes + 5)
     runner = ModelRunner(config)
     assert runner.num_kv_blocks == 10
-    assert runner.kv_cache.data.shape == (2, 2, 10, 16, 1, 16)
+    assert runner.kv_cache.data.shape == (2, 2, 1, 10, 16, 16)  # head-major
     with pytest.raises(ValueError, match="too small"):
         ModelRunner(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=spec_bytes - 1))

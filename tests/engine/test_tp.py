@@ -50,10 +50,10 @@ def test_tp2_matches_tp1_and_transformers(tiny_model, family, overrides, num_loc
     model_dir = tiny_model(family, **overrides)
     prompts, tp1, tp1_kv = run(model_dir, tp_size=1)
     _, tp2, tp2_kv = run(model_dir, tp_size=2, chunk_size=9)
-    assert tp2_kv.shape[4] == num_local_kv_heads
+    assert tp2_kv.shape[2] == num_local_kv_heads  # [layers, 2, heads, blocks, block, head_dim]
     # Rank 0 holds exactly the KV heads engine.kv_cache.local_kv_heads names, in the same blocks.
-    heads = list(local_kv_heads(tp1_kv.shape[4], 2, 0))
-    assert (tp2_kv - tp1_kv[:, :, :, :, heads]).abs().max().item() < 1e-9
+    heads = list(local_kv_heads(tp1_kv.shape[2], 2, 0))
+    assert (tp2_kv - tp1_kv[:, :, heads]).abs().max().item() < 1e-9
     expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     for i in range(len(prompts)):
         assert tp1[i].token_ids == expected[i]

@@ -31,9 +31,9 @@ COMMAND_TIMEOUT_S = 60.0
 
 
 def full_kv(seed: int, num_kv_heads: int) -> torch.Tensor:
-    """The whole model's KV for a seed: [L, 2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM]."""
+    """The whole model's KV for a seed: [L, 2, num_kv_heads, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM]."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    shape = (NUM_LAYERS, 2, num_kv_heads, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM)
     return torch.randn(shape, generator=generator)
 
 
@@ -45,7 +45,7 @@ def rank_spec(num_kv_heads: int, tp_size: int, rank: int, head_dim: int = HEAD_D
 def source_cache(seed: int, num_kv_heads: int, tp_size: int, rank: int) -> KVCache:
     cache = KVCache(rank_spec(num_kv_heads, tp_size, rank))
     heads = local_kv_heads(num_kv_heads, tp_size, rank)
-    cache.data.copy_(full_kv(seed, num_kv_heads)[..., heads.start : heads.stop, :])
+    cache.data.copy_(full_kv(seed, num_kv_heads)[:, :, heads.start : heads.stop])
     return cache
 
 
@@ -61,8 +61,8 @@ def check_received(
     """None if the destination blocks hold the source bytes exactly and all else is still zero."""
     heads = local_kv_heads(num_kv_heads, tp_size, rank)
     expected = torch.zeros_like(cache.data)
-    source = full_kv(seed, num_kv_heads)[..., heads.start : heads.stop, :]
-    expected[:, :, dst_block_ids] = source[:, :, src_block_ids]
+    source = full_kv(seed, num_kv_heads)[:, :, heads.start : heads.stop]
+    expected[:, :, :, dst_block_ids] = source[:, :, :, src_block_ids]
     if torch.equal(cache.data.view(torch.int32), expected.view(torch.int32)):
         return None
     wrong = (cache.data != expected).nonzero()[:5].tolist()
