@@ -2,7 +2,14 @@
 
 For the engine benchmark's model shape (8 layers, 2 KV heads, head_dim 64, float32, block_size
 16) and 64/512/2048/8192 tokens, each p,d in {1,2}, whole-request and layerwise wire modes, and
-contiguous or scattered block ids on both sides. Every rank is its own process (gloo on CPU).
+three block layouts (every rank is its own process, gloo on CPU):
+
+    contiguous        both sides' blocks are one run of ids
+    scattered-source  the prefill blocks are scattered, the decode blocks one run: what
+                      `BlockPool.allocate_run` gives a decode reservation whenever the pool
+                      has a free run that long (the prefill side gathers, the decode side
+                      receives in place)
+    scattered         both scattered: a decode pool too fragmented for a run (gather and scatter)
 
     kv_gbps   request KV bytes / (first prefill rank starts -> last decode rank has it landed)
     raw_gbps  the same bytes as one contiguous tensor over one channel of the same backend,
@@ -49,6 +56,9 @@ def request_bytes(num_tokens: int) -> int:
     return NUM_LAYERS * 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES
 
 
+LAYOUTS = ("contiguous", "scattered-source", "scattered")
+
+
 def block_ids(num_blocks: int, contiguous: bool, seed: int) -> list[int]:
     if contiguous:
         return list(range(num_blocks))
@@ -64,7 +74,7 @@ class Bench:
         self.next_transfer_id = 1
 
     def one_transfer(
-        self, p: int, d: int, num_tokens: int, layerwise: bool, contiguous: bool
+        self, p: int, d: int, num_tokens: int, layerwise: bool, layout: str
     ) -> float:
         """Seconds from the first prefill rank's start to the last decode rank's landing."""
         num_blocks = -(-num_tokens // BLOCK_SIZE)
@@ -72,7 +82,7 @@ class Bench:
         ticket = KVTicket(
             request_id=f"r{tid}",
             transfer_id=tid,
-            block_ids=tuple(block_ids(num_blocks, contiguous, tid)),
+            block_ids=tuple(block_ids(num_blocks, layout != "scattered", tid)),
             num_tokens=num_tokens,
             prefill_instance_id=f"P{p}",
             prefill_tp_size=p,
@@ -84,7 +94,7 @@ class Bench:
         )
         for rank in range(d):
             self.decode[rank].call("recv", ticket, rank)
-        source_ids = block_ids(num_blocks, contiguous, tid + 7919)
+        source_ids = block_ids(num_blocks, layout == "contiguous", tid + 7919)
         for rank in range(p):
             self.prefill[rank].post("send", ticket, rank, source_ids)
         for rank in range(d):
@@ -121,17 +131,17 @@ class Bench:
         return max(ends) - min(starts)
 
     def case(
-        self, p: int, d: int, num_tokens: int, layerwise: bool, contiguous: bool, iters: int
+        self, p: int, d: int, num_tokens: int, layerwise: bool, layout: str, iters: int
     ) -> dict[str, Any]:
         num_bytes = request_bytes(num_tokens)
         self.one_raw(num_bytes)  # warm-up: channels and allocator
-        self.one_transfer(p, d, num_tokens, layerwise, contiguous)
+        self.one_transfer(p, d, num_tokens, layerwise, layout)
         self.one_raw_topology(p, d, num_bytes)
         raw_times, kv_times, topology_times = [], [], []
         for _ in range(iters):  # interleaved, so both see the same load on a shared machine
             raw_times.append(self.one_raw(num_bytes))
             topology_times.append(self.one_raw_topology(p, d, num_bytes))
-            kv_times.append(self.one_transfer(p, d, num_tokens, layerwise, contiguous))
+            kv_times.append(self.one_transfer(p, d, num_tokens, layerwise, layout))
         raw, kv = statistics.median(raw_times), statistics.median(kv_times)
         topology = statistics.median(topology_times)
         raw_best, kv_best = min(raw_times), min(kv_times)
@@ -140,7 +150,7 @@ class Bench:
             "d": d,
             "tokens": num_tokens,
             "mode": "layerwise" if layerwise else "whole",
-            "blocks": "contiguous" if contiguous else "scattered",
+            "blocks": layout,
             "bytes": num_bytes,
             "kv_ms": round(kv * 1e3, 3),
             "raw_ms": round(raw * 1e3, 3),
@@ -171,7 +181,7 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
     default = KVTransferConfig()
     summary: dict[str, Any] = {}
     for mode in ("default", "layerwise", "whole"):
-        for blocks in ("contiguous", "scattered"):
+        for blocks in LAYOUTS:
             rows = [
                 c
                 for c in cases
@@ -211,13 +221,13 @@ def main() -> None:
         for p, d in ((1, 1), (1, 2), (2, 1), (2, 2)):
             for num_tokens in args.tokens:
                 for layerwise in (True, False):
-                    for contiguous in (True, False):
+                    for layout in LAYOUTS:
                         row = bench.case(
                             p,
                             d,
                             num_tokens,
                             layerwise,
-                            contiguous,
+                            layout,
                             iterations(num_tokens, args.quick),
                         )
                         print(json.dumps(row), flush=True)

@@ -12,6 +12,12 @@ The free list is ordered LRU first: `allocate` takes from the head, `free` appen
 the prefix cache evicts the blocks that were released longest ago. A cached block that is hit again
 (`touch`) leaves the free list until its last user frees it.
 
+Runs. `allocate_run` hands out consecutive ids when the pool has a run of free, uncached blocks
+(found with a substring search over a byte map of them, in C), so a KV hand-off into or out of
+those blocks moves each (layer, k/v, head) as one message with no gather or scatter copy (see
+kv_transfer/wire.py). It never evicts cached blocks out of LRU order to make a run: without a
+run it falls back to `allocate`.
+
 Invariant that the KV hand-off relies on: a block id is handed out by `allocate` only while its
 ref_cnt is 0, so any holder (a running sequence, a transfer in flight) keeps the block from reuse
 simply by holding a reference. Freeing a block whose ref_cnt is already 0 raises: no double free.
@@ -70,6 +76,8 @@ class BlockPool:
         # block_id -> None; insertion order is LRU order (head = least recently released).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        # 1 where a block is free and uncached (what allocate_run may take), else 0
+        self._plain = bytearray(b"\x01") * num_blocks
         self.num_cache_evictions = 0
 
     # ----------------------------------------------------------------- queries
@@ -110,7 +118,29 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
+            self._plain[block_id] = 0
             block_ids.append(block_id)
+        return block_ids
+
+    def allocate_run(self, num_blocks: int, after: int | None = None) -> list[int]:
+        """Like `allocate`, but consecutive ids when free, uncached blocks allow: first the ones
+        right after block `after` (a block table growing in place), else the lowest such run;
+        without one, `allocate`'s LRU choice."""
+        if num_blocks <= 0 or num_blocks > len(self._free):
+            return self.allocate(num_blocks)
+        want = b"\x01" * num_blocks
+        start = -1
+        if after is not None and self._plain[after + 1 : after + 1 + num_blocks] == want:
+            start = after + 1
+        if start < 0:
+            start = self._plain.find(want)
+        if start < 0:
+            return self.allocate(num_blocks)
+        block_ids = list(range(start, start + num_blocks))
+        for block_id in block_ids:
+            del self._free[block_id]
+            self.blocks[block_id].ref_cnt = 1
+        self._plain[start : start + num_blocks] = bytes(num_blocks)
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -126,6 +156,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                self._plain[block_id] = block.block_hash is None
 
     def free_sequence_blocks(self, block_table: Sequence[int]) -> None:
         """Free a sequence's block table, tail first (LRU: its shared prefix stays cached longest)."""
@@ -137,6 +168,7 @@ class BlockPool:
             block = self._block(block_id)
             if block.ref_cnt == 0:
                 del self._free[block_id]
+                self._plain[block_id] = 0
             block.ref_cnt += 1
 
     # ------------------------------------------------------------ prefix cache
@@ -170,6 +202,7 @@ class BlockPool:
             block = self.blocks[block_id]
             block.block_hash = None
             block.token_ids = None
+            self._plain[block_id] = block.ref_cnt == 0
 
     # --------------------------------------------------------------- internals
     def _block(self, block_id: int) -> Block:
@@ -194,6 +227,11 @@ class BlockPool:
             in_free = block.block_id in free_ids
             assert in_free == (block.ref_cnt == 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free={in_free}"
+            )
+            plain = in_free and block.block_hash is None
+            assert self._plain[block.block_id] == plain, (
+                f"block {block.block_id}: run map says {self._plain[block.block_id]}, "
+                f"free and uncached is {plain}"
             )
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) == block.block_id, (

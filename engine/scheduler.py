@@ -172,7 +172,9 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is request:
                 return False
-        request.block_table.extend(pool.allocate(num_needed))
+        # Grown in place when the next ids are free: a KV hand-off of one run moves with no copy.
+        last = request.block_table[-1] if request.block_table else None
+        request.block_table.extend(pool.allocate_run(num_needed, after=last))
         return True
 
     def _preempt(self, victim: Request, plan: _StepPlan) -> None:
@@ -222,7 +224,8 @@ class Scheduler:
                 return  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             pool.touch(cached_block_ids)
-            request.block_table = cached_block_ids + pool.allocate(num_needed)
+            last = cached_block_ids[-1] if cached_block_ids else None
+            request.block_table = cached_block_ids + pool.allocate_run(num_needed, after=last)
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached

@@ -78,7 +78,8 @@ class KVReceiver:
         ticket = KVTicket(
             request_id=rid,
             transfer_id=next(self._transfer_ids),
-            block_ids=tuple(self.pool.allocate(num_blocks)),
+            # one run when the pool has one: the KV then lands with no scatter copy
+            block_ids=tuple(self.pool.allocate_run(num_blocks)),
             num_tokens=request.num_tokens,
             prefill_instance_id=request.prefill_instance_id,
             prefill_tp_size=request.prefill_tp_size,

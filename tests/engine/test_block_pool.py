@@ -54,6 +54,37 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 del self.cache[evicted]
         self.holders.append(block_ids)
 
+    @rule(num_blocks=st.integers(1, 4), data=st.data())
+    def allocate_run(self, num_blocks: int, data: st.DataObject) -> None:
+        """Consecutive free, uncached ids when they exist (right after `after` first), else the
+        LRU head like allocate; never evicts to make a run."""
+        if num_blocks > len(self.free_list):
+            with pytest.raises(BlockPoolError):
+                self.pool.allocate_run(num_blocks)
+            return
+        after = data.draw(st.none() | st.integers(0, len(self.ref_cnt) - 1))
+        cached = {b for b, _ in self.cache.values()}
+        plain = [b in self.free_list and b not in cached for b in range(len(self.ref_cnt))]
+
+        def is_run(start: int) -> bool:
+            return start + num_blocks <= len(plain) and all(plain[start : start + num_blocks])
+
+        block_ids = self.pool.allocate_run(num_blocks, after)
+        if after is not None and is_run(after + 1):
+            assert block_ids == list(range(after + 1, after + 1 + num_blocks))
+        elif any(is_run(start) for start in range(len(plain))):
+            first = next(start for start in range(len(plain)) if is_run(start))
+            assert block_ids == list(range(first, first + num_blocks))
+        else:
+            assert block_ids == self.free_list[:num_blocks]  # the LRU fallback
+        for block_id in block_ids:
+            self.free_list.remove(block_id)
+            self.ref_cnt[block_id] = 1
+            evicted = self._cached_hash_of(block_id)
+            if evicted is not None:
+                del self.cache[evicted]
+        self.holders.append(block_ids)
+
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
     def share(self, data: st.DataObject) -> None:
