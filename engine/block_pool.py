@@ -12,11 +12,13 @@ The free list is ordered LRU first: `allocate` takes from the head, `free` appen
 the prefix cache evicts the blocks that were released longest ago. A cached block that is hit again
 (`touch`) leaves the free list until its last user frees it.
 
-Runs. `allocate_run` hands out consecutive ids when the pool has a run of free, uncached blocks
-(found with a substring search over a byte map of them, in C), so a KV hand-off into or out of
-those blocks moves each (layer, k/v, head) as one message with no gather or scatter copy (see
-kv_transfer/wire.py). It never evicts cached blocks out of LRU order to make a run: without a
-run it falls back to `allocate`.
+Runs. `allocate_run` hands out consecutive ids when the free blocks hold such a run (found by a
+search over a one-byte-per-block state map, in C), so a KV hand-off into or out of those blocks
+moves each (layer, k/v, head) as one message with no gather or scatter copy (see
+kv_transfer/wire.py). It takes a run of uncached blocks if there is one, else a run that evicts
+cached blocks out of LRU order (measured by benchmarks/block_runs.py: with the prefix cache on,
+nearly every free block is cached in steady state, so insisting on uncached runs found almost
+none), else falls back to `allocate`.
 
 Invariant that the KV hand-off relies on: a block id is handed out by `allocate` only while its
 ref_cnt is 0, so any holder (a running sequence, a transfer in flight) keeps the block from reuse
@@ -25,12 +27,17 @@ simply by holding a reference. Freeing a block whose ref_cnt is already 0 raises
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
 BlockHash = NewType("BlockHash", int)
+
+# allocate_run's state map, one byte per block: in use, free and cached after a hit (only LRU
+# evicts it), free and cached without a hit yet (a run may evict it), free.
+_IN_USE, _REUSED, _CACHED, _PLAIN = b"\x00", b"\x01", b"\x02", b"\x03"
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -60,6 +67,7 @@ class Block:
     block_hash: BlockHash | None = None
     # The tokens whose KV the block holds, kept for cached blocks so a hash hit is verified.
     token_ids: tuple[int, ...] | None = None
+    reused: bool = False  # a prefix-cache hit found it since it was cached: LRU keeps it
 
 
 class BlockPoolError(RuntimeError):
@@ -76,8 +84,9 @@ class BlockPool:
         # block_id -> None; insertion order is LRU order (head = least recently released).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
-        # 1 where a block is free and uncached (what allocate_run may take), else 0
-        self._plain = bytearray(b"\x01") * num_blocks
+        # Each block's state as one byte (in use / free and cached / free), for allocate_run's
+        # searches for runs of consecutive free ids.
+        self._state = bytearray(_PLAIN * num_blocks)
         self.num_cache_evictions = 0
 
     # ----------------------------------------------------------------- queries
@@ -118,29 +127,38 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
-            self._plain[block_id] = 0
+            self._state[block_id] = _IN_USE[0]
             block_ids.append(block_id)
         return block_ids
 
     def allocate_run(self, num_blocks: int, after: int | None = None) -> list[int]:
-        """Like `allocate`, but consecutive ids when free, uncached blocks allow: first the ones
-        right after block `after` (a block table growing in place), else the lowest such run;
-        without one, `allocate`'s LRU choice."""
+        """Like `allocate`, but consecutive ids where the free blocks allow. In order: the blocks
+        right after block `after` (a block table growing in place); a run of uncached blocks; a
+        run that evicts cached blocks no prefix hit has found yet; else `allocate`'s LRU choice.
+        Growth (`after` given) takes runs from the top of the id space and new tables from the
+        bottom, so sequences' one-block steps do not break up the long runs reservations need."""
         if num_blocks <= 0 or num_blocks > len(self._free):
             return self.allocate(num_blocks)
-        want = b"\x01" * num_blocks
+        state = self._state
         start = -1
-        if after is not None and self._plain[after + 1 : after + 1 + num_blocks] == want:
-            start = after + 1
+        if after is not None:
+            following = state[after + 1 : after + 1 + num_blocks]
+            if len(following) == num_blocks and not following.translate(None, _EVICTABLE):
+                start = after + 1
         if start < 0:
-            start = self._plain.find(want)
+            start = (state.rfind if after is not None else state.find)(_PLAIN * num_blocks)
+        if start < 0:
+            start = _find_run(state, num_blocks, from_top=after is not None)
         if start < 0:
             return self.allocate(num_blocks)
         block_ids = list(range(start, start + num_blocks))
         for block_id in block_ids:
             del self._free[block_id]
-            self.blocks[block_id].ref_cnt = 1
-        self._plain[start : start + num_blocks] = bytes(num_blocks)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        state[start : start + num_blocks] = _IN_USE * num_blocks
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -156,7 +174,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
-                self._plain[block_id] = block.block_hash is None
+                self._state[block_id] = _free_state(block)[0]
 
     def free_sequence_blocks(self, block_table: Sequence[int]) -> None:
         """Free a sequence's block table, tail first (LRU: its shared prefix stays cached longest)."""
@@ -168,7 +186,7 @@ class BlockPool:
             block = self._block(block_id)
             if block.ref_cnt == 0:
                 del self._free[block_id]
-                self._plain[block_id] = 0
+                self._state[block_id] = _IN_USE[0]
             block.ref_cnt += 1
 
     # ------------------------------------------------------------ prefix cache
@@ -179,8 +197,13 @@ class BlockPool:
         block_id = self._cached.get(block_hash)
         if block_id is None:
             return None
-        if self.blocks[block_id].token_ids != tuple(token_ids):
+        block = self.blocks[block_id]
+        if block.token_ids != tuple(token_ids):
             return None  # a hash collision; never reuse KV of other tokens
+        if not block.reused:
+            block.reused = True
+            if block.ref_cnt == 0:
+                self._state[block_id] = _REUSED[0]
         return block_id
 
     def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
@@ -202,7 +225,9 @@ class BlockPool:
             block = self.blocks[block_id]
             block.block_hash = None
             block.token_ids = None
-            self._plain[block_id] = block.ref_cnt == 0
+            block.reused = False
+            if block.ref_cnt == 0:
+                self._state[block_id] = _PLAIN[0]
 
     # --------------------------------------------------------------- internals
     def _block(self, block_id: int) -> Block:
@@ -216,6 +241,7 @@ class BlockPool:
             del self._cached[block.block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.reused = False
         self.num_cache_evictions += 1
 
     def check_integrity(self) -> None:
@@ -228,10 +254,10 @@ class BlockPool:
             assert in_free == (block.ref_cnt == 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free={in_free}"
             )
-            plain = in_free and block.block_hash is None
-            assert self._plain[block.block_id] == plain, (
-                f"block {block.block_id}: run map says {self._plain[block.block_id]}, "
-                f"free and uncached is {plain}"
+            state = _free_state(block) if in_free else _IN_USE
+            assert self._state[block.block_id] == state[0], (
+                f"block {block.block_id}: the state map says {self._state[block.block_id]}, "
+                f"the block is {state}"
             )
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) == block.block_id, (
@@ -239,3 +265,23 @@ class BlockPool:
                 )
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash
+
+
+
+_EVICTABLE = _PLAIN + _CACHED  # what a run may take (bytes.translate deletes these)
+
+
+def _free_state(block: Block) -> bytes:
+    if block.block_hash is None:
+        return _PLAIN
+    return _REUSED if block.reused else _CACHED
+
+
+def _find_run(state: bytearray, num_blocks: int, from_top: bool) -> int:
+    """Start of the lowest (or highest) run of `num_blocks` evictable blocks, or -1."""
+    pattern = re.compile(b"[%s]{%d}" % (re.escape(_EVICTABLE), num_blocks))
+    if not from_top:
+        match = pattern.search(state)
+        return match.start() if match is not None else -1
+    match = pattern.search(state[::-1])  # the highest run is the first one in reverse
+    return len(state) - match.start() - num_blocks if match is not None else -1

@@ -4,6 +4,8 @@ the exact LRU order of the free list, and checks that no double free gets throug
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -33,6 +35,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.ref_cnt = [0] * num_blocks
         self.free_list = list(range(num_blocks))  # the model's LRU order, head first
         self.cache: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, tokens)
+        self.reused: set[int] = set()  # cached blocks a lookup has hit: only LRU evicts them
 
     def _cached_hash_of(self, block_id: int) -> int | None:
         return next((h for h, (b, _) in self.cache.items() if b == block_id), None)
@@ -46,43 +49,55 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return
         block_ids = self.pool.allocate(num_blocks)
         assert block_ids == self.free_list[:num_blocks]  # taken from the LRU head
-        del self.free_list[:num_blocks]
-        for block_id in block_ids:
-            self.ref_cnt[block_id] = 1
-            evicted = self._cached_hash_of(block_id)
-            if evicted is not None:
-                del self.cache[evicted]
-        self.holders.append(block_ids)
+        self._take(block_ids)
 
     @rule(num_blocks=st.integers(1, 4), data=st.data())
     def allocate_run(self, num_blocks: int, data: st.DataObject) -> None:
-        """Consecutive free, uncached ids when they exist (right after `after` first), else the
-        LRU head like allocate; never evicts to make a run."""
+        """Consecutive ids where the free blocks allow: right after `after`; else a run of
+        uncached blocks; else a run that evicts cached blocks no hit has found (lowest first for
+        a new table, highest first for growth); else the LRU head like allocate."""
         if num_blocks > len(self.free_list):
             with pytest.raises(BlockPoolError):
                 self.pool.allocate_run(num_blocks)
             return
-        after = data.draw(st.none() | st.integers(0, len(self.ref_cnt) - 1))
-        cached = {b for b, _ in self.cache.values()}
-        plain = [b in self.free_list and b not in cached for b in range(len(self.ref_cnt))]
+        size = len(self.ref_cnt)
+        after = data.draw(st.none() | st.integers(0, size - 1))
+        free, cached = set(self.free_list), {b for b, _ in self.cache.values()}
 
-        def is_run(start: int) -> bool:
-            return start + num_blocks <= len(plain) and all(plain[start : start + num_blocks])
+        def plain(block_id: int) -> bool:
+            return block_id in free and block_id not in cached
 
-        block_ids = self.pool.allocate_run(num_blocks, after)
-        if after is not None and is_run(after + 1):
-            assert block_ids == list(range(after + 1, after + 1 + num_blocks))
-        elif any(is_run(start) for start in range(len(plain))):
-            first = next(start for start in range(len(plain)) if is_run(start))
-            assert block_ids == list(range(first, first + num_blocks))
-        else:
-            assert block_ids == self.free_list[:num_blocks]  # the LRU fallback
+        def evictable(block_id: int) -> bool:
+            return block_id in free and block_id not in self.reused
+
+        def run_at(start: int, fits: Callable[[int], bool]) -> bool:
+            return start + num_blocks <= size and all(map(fits, range(start, start + num_blocks)))
+
+        starts = list(range(size - num_blocks + 1))
+        if after is not None:
+            starts.reverse()  # growth searches from the top
+        expected = next(
+            (
+                list(range(start, start + num_blocks))
+                for fits in (plain, evictable)
+                for start in starts
+                if run_at(start, fits)
+            ),
+            self.free_list[:num_blocks],  # the LRU fallback
+        )
+        if after is not None and run_at(after + 1, evictable):
+            expected = list(range(after + 1, after + 1 + num_blocks))
+        assert self.pool.allocate_run(num_blocks, after) == expected
+        self._take(expected)
+
+    def _take(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
             self.free_list.remove(block_id)
             self.ref_cnt[block_id] = 1
             evicted = self._cached_hash_of(block_id)
             if evicted is not None:
                 del self.cache[evicted]
+                self.reused.discard(block_id)
         self.holders.append(block_ids)
 
     @precondition(lambda self: self.holders)
@@ -122,6 +137,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.pool.lookup(block_hash, tokens) == expected
         if expected is None:
             return
+        self.reused.add(expected)
         self.pool.touch([expected])
         if self.ref_cnt[expected] == 0:
             self.free_list.remove(expected)
@@ -193,4 +209,21 @@ def test_free_evicts_cached_blocks_in_lru_order() -> None:
     assert pool.lookup(BlockHash(100), (0,)) == 0
     assert pool.num_cache_evictions == 1
     pool.free([2])
+    pool.check_integrity()
+
+
+def test_allocate_run_evicts_unhit_cached_blocks_bottom_up_for_new_tables_top_down_for_growth() -> (
+    None
+):
+    pool = BlockPool(8)
+    for block_id in pool.allocate(8):
+        pool.cache_block(block_id, BlockHash(100 + block_id), (block_id,))
+    pool.free(range(8))  # every free block is cached: no run of uncached blocks anywhere
+    assert pool.lookup(BlockHash(107), (7,)) == 7  # a prefix hit: block 7 is kept under LRU
+    assert pool.allocate_run(2) == [0, 1]  # a new table: the lowest run, evicting
+    assert pool.allocate_run(1, after=1) == [2]  # growth in place
+    assert pool.allocate_run(2) == [3, 4]
+    # Growth that cannot stay in place takes the highest run it may evict, never the hit block.
+    assert pool.allocate_run(1, after=2) == [6]
+    assert pool.num_cache_evictions == 6 and pool.lookup(BlockHash(107), (7,)) == 7
     pool.check_integrity()
