@@ -5,11 +5,13 @@ For the engine benchmark's model shape (8 layers, 2 KV heads, head_dim 64, float
 three block layouts (every rank is its own process, gloo on CPU):
 
     contiguous        both sides' blocks are one run of ids
-    scattered-source  the prefill blocks are scattered, the decode blocks one run: what
-                      `BlockPool.allocate_run` gives a decode reservation whenever the pool
-                      has a free run that long (the prefill side gathers, the decode side
-                      receives in place)
+    prefix-hit        the prefill blocks are two runs (a cached prefix of a quarter of the
+                      prompt, then the new blocks), the decode blocks one run (the prefill side
+                      gathers)
+    scattered-source  the prefill blocks are scattered, the decode blocks one run (the prefill
+                      side gathers, the decode side receives in place)
     scattered         both scattered: a decode pool too fragmented for a run (gather and scatter)
+benchmarks/block_runs.py measures how often each arises under load with BlockPool.allocate_run.
 
     kv_gbps   request KV bytes / (first prefill rank starts -> last decode rank has it landed)
     raw_gbps  the same bytes as one contiguous tensor over one channel of the same backend,
@@ -56,7 +58,14 @@ def request_bytes(num_tokens: int) -> int:
     return NUM_LAYERS * 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES
 
 
-LAYOUTS = ("contiguous", "scattered-source", "scattered")
+LAYOUTS = ("contiguous", "prefix-hit", "scattered-source", "scattered")
+
+
+def source_ids(num_blocks: int, layout: str, seed: int) -> list[int]:
+    if layout == "prefix-hit":  # a cached prefix run high in the pool, then the new blocks
+        prefix = max(1, num_blocks // 4)
+        return list(range(NUM_BLOCKS - prefix, NUM_BLOCKS)) + list(range(num_blocks - prefix))
+    return block_ids(num_blocks, layout == "contiguous", seed)
 
 
 def block_ids(num_blocks: int, contiguous: bool, seed: int) -> list[int]:
@@ -94,9 +103,9 @@ class Bench:
         )
         for rank in range(d):
             self.decode[rank].call("recv", ticket, rank)
-        source_ids = block_ids(num_blocks, layout == "contiguous", tid + 7919)
+        src_ids = source_ids(num_blocks, layout, tid + 7919)
         for rank in range(p):
-            self.prefill[rank].post("send", ticket, rank, source_ids)
+            self.prefill[rank].post("send", ticket, rank, src_ids)
         for rank in range(d):
             self.decode[rank].post("wait_recv")
         starts = [self.prefill[rank].reply() for rank in range(p)]

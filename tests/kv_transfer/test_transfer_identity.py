@@ -1,5 +1,7 @@
 """Real processes over gloo: the KV that lands is byte-identical to the source blocks, for every
-prefill/decode TP pair, both wire modes, split and replicated heads, scattered and contiguous ids."""
+prefill/decode TP pair, both wire modes, split and replicated heads, and block ids that are one
+run on both sides (sent and received in place), a few runs, or scattered (gathered and
+scattered)."""
 
 from __future__ import annotations
 
@@ -97,7 +99,15 @@ def check_transfer(
         assert result == {"ok": True, "first_token_id": 1000 + seed, "mismatch": None}
 
 
-@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "scattered"])
+LAYOUTS = {  # (source ids, destination ids)
+    "contiguous": ([2, 3, 4, 5], [10, 11, 12, 13]),
+    # a cached prefix run, then new blocks; the destination breaks once
+    "runs": ([7, 8, 1, 2, 3], [10, 11, 12, 4, 5]),
+    "scattered": ([9, 1, 14, 6, 0, 11, 3, 15, 7], [3, 15, 0, 8, 12, 5, 10, 1, 13]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["2heads", "1head"])
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1), (2, 2)])
@@ -107,12 +117,11 @@ def test_received_kv_is_byte_identical(
     d: int,
     num_kv_heads: int,
     layerwise: bool,
-    contiguous: bool,
+    layout: str,
 ) -> None:
     prefill, decode = workers
-    src_block_ids = [2, 3, 4, 5] if contiguous else [9, 1, 14, 6]
-    dst_block_ids = [10, 11, 12, 13] if contiguous else [3, 15, 0, 8]
-    name = f"req-{p}{d}{num_kv_heads}{int(layerwise)}{int(contiguous)}"
+    src_block_ids, dst_block_ids = LAYOUTS[layout]
+    name = f"req-{p}{d}{num_kv_heads}{int(layerwise)}{layout}"
     ticket = make_ticket(decode, p, d, dst_block_ids, layerwise, name)
     seed = ticket.transfer_id
     post_transfer(prefill, decode, ticket, num_kv_heads, seed, src_block_ids)
@@ -149,3 +158,4 @@ def test_channels_coexist_with_the_default_group(
         for rank, worker in enumerate(group):
             worker.commands.put(("all_reduce", 10 * rank))
         assert [worker.reply() for worker in group] == [10.0, 10.0]
+
