@@ -1,7 +1,8 @@
 """How often a KV hand-off's blocks form one run of ids, on each side, under a steady load.
 
-With the head-major KV cache (engine/kv_cache.py) a side whose blocks are one run sends or
-receives each (layer, k/v, head) in place; any other layout costs a gather or scatter copy (see
+With the head-major KV cache (engine/kv_cache.py) the decode side receives each (layer, k/v,
+head) in place when its reservation spans at most 8 runs, and the prefill side sends in place
+where its blocks are runs too; any other layout costs a gather or scatter copy (see
 benchmarks/kv_transfer.py for what that costs). This script drives the real engine Scheduler and
 BlockPool with no model (block bookkeeping only) and counts the runs of every transfer:
 
@@ -114,6 +115,8 @@ def simulate(args: argparse.Namespace, use_runs: bool) -> dict[str, Any]:
         "prefill_two_runs": round(sum(r == 2 for r in src_runs) / max(1, len(src_runs)), 3),
         "prefill_mean_runs": round(sum(src_runs) / max(1, len(src_runs)), 2),
         "decode_one_run": round(sum(r == 1 for r in dst_runs) / max(1, transfers), 3),
+        # the KV hand-off receives up to 8 runs in place (kv_transfer.wire.MAX_PIECES)
+        "decode_at_most_8_runs": round(sum(r <= 8 for r in dst_runs) / max(1, transfers), 3),
         "decode_mean_runs": round(sum(dst_runs) / max(1, transfers), 2),
         "prefill_prefix_hit_rate": round(cached_tokens / max(1, prompt_tokens), 3),
         "decode_pool_used_mean": round(sum(decode_used) / max(1, len(decode_used)), 3),

@@ -8,9 +8,12 @@ three block layouts (every rank is its own process, gloo on CPU):
     prefix-hit        the prefill blocks are two runs (a cached prefix of a quarter of the
                       prompt, then the new blocks), the decode blocks one run (the prefill side
                       gathers)
+    split-decode      the prefill blocks are one run, the decode blocks four runs (a
+                      reservation in a fragmented pool): layerwise sends four pieces per
+                      (layer, k/v, head), in place on both sides
     scattered-source  the prefill blocks are scattered, the decode blocks one run (the prefill
                       side gathers, the decode side receives in place)
-    scattered         both scattered: a decode pool too fragmented for a run (gather and scatter)
+    scattered         both scattered, more runs than a transfer splits into (gather and scatter)
 benchmarks/block_runs.py measures how often each arises under load with BlockPool.allocate_run.
 
     kv_gbps   request KV bytes / (first prefill rank starts -> last decode rank has it landed)
@@ -58,14 +61,22 @@ def request_bytes(num_tokens: int) -> int:
     return NUM_LAYERS * 2 * num_blocks * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES
 
 
-LAYOUTS = ("contiguous", "prefix-hit", "scattered-source", "scattered")
+LAYOUTS = ("contiguous", "prefix-hit", "split-decode", "scattered-source", "scattered")
+
+
+def decode_ids(num_blocks: int, layout: str, seed: int) -> list[int]:
+    if layout == "split-decode" and num_blocks >= 4:  # four runs, spread over the pool
+        quarter = num_blocks // 4
+        sizes = [quarter, quarter, quarter, num_blocks - 3 * quarter]
+        return [i * NUM_BLOCKS // 4 + j for i, size in enumerate(sizes) for j in range(size)]
+    return block_ids(num_blocks, layout != "scattered", seed)
 
 
 def source_ids(num_blocks: int, layout: str, seed: int) -> list[int]:
     if layout == "prefix-hit":  # a cached prefix run high in the pool, then the new blocks
         prefix = max(1, num_blocks // 4)
         return list(range(NUM_BLOCKS - prefix, NUM_BLOCKS)) + list(range(num_blocks - prefix))
-    return block_ids(num_blocks, layout == "contiguous", seed)
+    return block_ids(num_blocks, layout in ("contiguous", "split-decode"), seed)
 
 
 def block_ids(num_blocks: int, contiguous: bool, seed: int) -> list[int]:
@@ -91,7 +102,7 @@ class Bench:
         ticket = KVTicket(
             request_id=f"r{tid}",
             transfer_id=tid,
-            block_ids=tuple(block_ids(num_blocks, layout != "scattered", tid)),
+            block_ids=tuple(decode_ids(num_blocks, layout, tid)),
             num_tokens=num_tokens,
             prefill_instance_id=f"P{p}",
             prefill_tp_size=p,

@@ -131,16 +131,20 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def allocate_run(self, num_blocks: int, after: int | None = None) -> list[int]:
+    def allocate_run(
+        self, num_blocks: int, after: int | None = None, max_runs: int = 8
+    ) -> list[int]:
         """Like `allocate`, but consecutive ids where the free blocks allow. In order: the blocks
         right after block `after` (a block table growing in place); a run of uncached blocks; a
-        run that evicts cached blocks no prefix hit has found yet; else `allocate`'s LRU choice.
-        Growth (`after` given) takes runs from the top of the id space and new tables from the
-        bottom, so sequences' one-block steps do not break up the long runs reservations need."""
+        run that evicts cached blocks no prefix hit has found yet; for a new table, the longest
+        such runs, at most `max_runs` of them (the KV hand-off moves up to 8 runs in place);
+        else `allocate`'s LRU choice. Growth (`after` given) takes runs from the top of the id
+        space and new tables from the bottom, so sequences' one-block steps do not break up the
+        long runs reservations need."""
         if num_blocks <= 0 or num_blocks > len(self._free):
             return self.allocate(num_blocks)
         state = self._state
-        start = -1
+        start, block_ids = -1, []
         if after is not None:
             following = state[after + 1 : after + 1 + num_blocks]
             if len(following) == num_blocks and not following.translate(None, _EVICTABLE):
@@ -149,16 +153,19 @@ class BlockPool:
             start = (state.rfind if after is not None else state.find)(_PLAIN * num_blocks)
         if start < 0:
             start = _find_run(state, num_blocks, from_top=after is not None)
-        if start < 0:
+        if start >= 0:
+            block_ids = list(range(start, start + num_blocks))
+        elif after is None and max_runs > 1:
+            block_ids = _longest_runs(state, num_blocks, max_runs)
+        if start < 0 and not block_ids:
             return self.allocate(num_blocks)
-        block_ids = list(range(start, start + num_blocks))
         for block_id in block_ids:
             del self._free[block_id]
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
-        state[start : start + num_blocks] = _IN_USE * num_blocks
+            state[block_id] = _IN_USE[0]
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -267,7 +274,6 @@ class BlockPool:
             assert self.blocks[block_id].block_hash == block_hash
 
 
-
 _EVICTABLE = _PLAIN + _CACHED  # what a run may take (bytes.translate deletes these)
 
 
@@ -285,3 +291,21 @@ def _find_run(state: bytearray, num_blocks: int, from_top: bool) -> int:
         return match.start() if match is not None else -1
     match = pattern.search(state[::-1])  # the highest run is the first one in reverse
     return len(state) - match.start() - num_blocks if match is not None else -1
+
+
+def _longest_runs(state: bytearray, num_blocks: int, max_runs: int) -> list[int]:
+    """Ids of the longest runs of evictable blocks that cover `num_blocks` in at most
+    `max_runs` runs (in id order; the last run taken only as far as needed), or [] if none do."""
+    shortest = -(-num_blocks // max_runs)  # any shorter run would need more than max_runs
+    pattern = re.compile(b"[%s]{%d,}" % (re.escape(_EVICTABLE), shortest))
+    runs = sorted(
+        ((m.end() - m.start(), m.start()) for m in pattern.finditer(state)), key=lambda r: -r[0]
+    )
+    chosen, need = [], num_blocks
+    for length, start in runs[:max_runs]:
+        take = min(length, need)
+        chosen.append((start, take))
+        need -= take
+        if need == 0:
+            return [i for start, take in sorted(chosen) for i in range(start, start + take)]
+    return []

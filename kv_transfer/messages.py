@@ -43,6 +43,8 @@ class KVTicket:
     never land in another's blocks. The prefill side counts `timeout_s` from when it starts
     sending; the decode side waits up to `start_timeout_s` + `timeout_s` from the reservation
     for the first message, then `timeout_s` from it for the rest (see KVTransferConfig).
+    `min_piece_bytes` is the decode side's KVTransferConfig.min_piece_bytes: both sides split a
+    layerwise transfer into pieces by the same rule (kv_transfer.wire.WireView.for_ticket).
     """
 
     request_id: str
@@ -57,6 +59,7 @@ class KVTicket:
     layerwise: bool
     timeout_s: float
     start_timeout_s: float = 0.0
+    min_piece_bytes: int = 256 * 1024
 
     @property
     def wait_to_start_s(self) -> float:

@@ -111,7 +111,7 @@ class KVRankReceiver:
         for segment in segments:
             pair_key = ticket.pair_key(segment.prefill_rank, self.decode_rank)
             channel = self.host.accept(pair_key, str(ticket.transfer_id), deadline)
-            view = WireView(self.cache, ticket.block_ids, segment.dst_heads, ticket.layerwise)
+            view = WireView.for_ticket(self.cache, ticket.block_ids, segment.dst_heads, ticket)
             # On a channel that is up, post the receives here: the sender's first message then
             # finds them (gloo sends only once the receive is announced), instead of waiting for
             # this lane's thread to start.

@@ -286,7 +286,7 @@ class KVRankSender:
         lanes = [
             _Lane(
                 ticket.decode_endpoints[segment.decode_rank],
-                WireView(self.cache, block_ids, segment.src_heads, ticket.layerwise),
+                WireView.for_ticket(self.cache, block_ids, segment.src_heads, ticket),
             )
             for segment in segments
         ]

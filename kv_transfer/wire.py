@@ -4,8 +4,10 @@ Two wire modes (the ticket says which; see KVTransferConfig for how it is chosen
 
     whole (packed): ONE message per channel, built at finish(), the same count as a raw send:
         uint8[ header int64[6] | payload [L, 2, heads, num_blocks, block_size, head_dim] | trailer ]
-    layerwise: header, then 2 * L * heads payload messages [num_blocks, block_size, head_dim] in
-        (layer, k/v, head) order, each layer's posted as soon as it is computed, then the trailer.
+    layerwise: header, then 2 * L * heads * pieces payload messages [piece_blocks, block_size,
+        head_dim] in (layer, k/v, head, piece) order, each layer's posted as soon as it is
+        computed, then the trailer. The pieces are the runs of the decode side's block ids (the
+        ticket's, so both sides know them before anything is sent), up to MAX_PIECES of them.
 
     header   int64[6]  MAGIC, transfer_id, status, num_blocks, num_heads, num_payload_messages
     trailer  int64[6]  MAGIC, transfer_id, status, first_token_id, num_tokens, 0
@@ -25,7 +27,7 @@ one run gathers (index_select) into a reused staging buffer, or stages and scatt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -33,6 +35,7 @@ import torch
 from engine.kv_cache import KVCache
 from kv_transfer.config import MAX_MESSAGES_PER_TRANSFER
 from kv_transfer.errors import KVTransferError
+from kv_transfer.messages import KVTicket
 from kv_transfer.staging import StagingPool
 
 MAGIC = 0x4B5654  # "KVT"
@@ -40,6 +43,7 @@ STATUS_OK = 0
 STATUS_CANCELLED = 1
 CONTROL_LEN = 6
 _CONTROL_BYTES = CONTROL_LEN * 8
+MAX_PIECES = 8
 
 
 def contiguous_start(block_ids: Sequence[int]) -> int | None:
@@ -48,6 +52,17 @@ def contiguous_start(block_ids: Sequence[int]) -> int | None:
     if all(block_id == first + i for i, block_id in enumerate(block_ids)):
         return first
     return None
+
+
+def run_lengths(block_ids: Sequence[int]) -> tuple[int, ...]:
+    """The lengths of the runs of consecutive ids in `block_ids`, in order."""
+    lengths, start = [], 0
+    for i in range(1, len(block_ids)):
+        if block_ids[i] != block_ids[i - 1] + 1:
+            lengths.append(i - start)
+            start = i
+    lengths.append(len(block_ids) - start)
+    return tuple(lengths)
 
 
 def control_message(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -67,8 +82,36 @@ class WireView:
     block_ids: tuple[int, ...]
     heads: slice  # the local heads that travel on this channel
     layerwise: bool
+    pieces: tuple[int, ...] | None = None  # layerwise: blocks per piece; None: one piece
+
+    @classmethod
+    def for_ticket(
+        cls, cache: KVCache, block_ids: Sequence[int], heads: slice, ticket: KVTicket
+    ) -> WireView:
+        """One side's view of a ticket's transfer: in layerwise mode split into the runs of the
+        decode side's ids (the ticket's) when there are at most MAX_PIECES of them, each of at
+        least `ticket.min_piece_bytes` per message, and their messages fit a transfer's tags;
+        else one piece. Both sides compute the same from the ticket."""
+        view = cls(cache, tuple(block_ids), heads, ticket.layerwise)
+        if not ticket.layerwise:
+            return view
+        pieces = run_lengths(ticket.block_ids)
+        spec = cache.spec
+        piece_bytes = min(pieces) * spec.block_size * spec.head_dim * spec.dtype.itemsize
+        per_piece = 2 * spec.num_layers * view.num_heads
+        if (
+            1 < len(pieces) <= MAX_PIECES
+            and piece_bytes >= ticket.min_piece_bytes
+            and per_piece * len(pieces) + 2 <= MAX_MESSAGES_PER_TRANSFER
+        ):
+            return replace(view, pieces=pieces)
+        return view
 
     def __post_init__(self) -> None:
+        if self.pieces is not None and (
+            sum(self.pieces) != len(self.block_ids) or min(self.pieces) < 1
+        ):
+            raise ValueError(f"pieces {self.pieces} do not split {len(self.block_ids)} blocks")
         if self.num_messages > MAX_MESSAGES_PER_TRANSFER:
             raise ValueError(
                 f"{self.cache.spec.num_layers} layers need {self.num_messages} layerwise messages, "
@@ -79,10 +122,24 @@ class WireView:
     def num_heads(self) -> int:
         return self.heads.stop - self.heads.start
 
+    @cached_property
+    def _pieces(self) -> tuple[tuple[int, int | None, torch.Tensor | None], ...]:
+        """Per piece: (blocks, first id if they are one run else None, index tensor if not)."""
+        out, offset = [], 0
+        for size in self.pieces or (len(self.block_ids),):
+            ids = self.block_ids[offset : offset + size]
+            start = contiguous_start(ids)
+            index = None
+            if start is None:
+                index = torch.tensor(ids, dtype=torch.long, device=self.cache.device)
+            out.append((size, start, index))
+            offset += size
+        return tuple(out)
+
     @property
     def messages_per_layer(self) -> int:
-        """Layerwise payload messages per layer: keys then values, one per head."""
-        return 2 * self.num_heads
+        """Layerwise payload messages per layer: keys then values, per head, per piece."""
+        return 2 * self.num_heads * len(self._pieces)
 
     @property
     def num_payload_messages(self) -> int:
@@ -97,47 +154,43 @@ class WireView:
         window = (2**31 - 1) // MAX_MESSAGES_PER_TRANSFER
         return (transfer_id % window) * MAX_MESSAGES_PER_TRANSFER + index
 
-    def payload_key(self, index: int) -> tuple[int, int, int] | None:
-        """(layer, 0 key / 1 value, local head) of payload message `index`, or None for the
-        whole request."""
+    def payload_key(self, index: int) -> tuple[int, int, int, int] | None:
+        """(layer, 0 key / 1 value, local head, piece) of payload message `index`, or None for
+        the whole request."""
         if not self.layerwise:
             return None
+        num_pieces = len(self._pieces)
         layer, rest = divmod(index, self.messages_per_layer)
-        kv, head = divmod(rest, self.num_heads)
-        return layer, kv, self.heads.start + head
-
-    @cached_property
-    def _index(self) -> torch.Tensor:
-        return torch.tensor(self.block_ids, dtype=torch.long, device=self.cache.device)
-
-    @cached_property
-    def _run_start(self) -> int | None:
-        return contiguous_start(self.block_ids)
+        kv, rest = divmod(rest, self.num_heads * num_pieces)
+        head, piece = divmod(rest, num_pieces)
+        return layer, kv, self.heads.start + head, piece
 
     @property
     def payload_bytes(self) -> int:
         """The KV bytes this view moves (all payload messages together)."""
         return self.cache.spec.dtype.itemsize * _numel(self._message_shape(None))
 
-    def _message_shape(self, key: tuple[int, int, int] | None) -> tuple[int, ...]:
+    def _message_shape(self, key: tuple[int, int, int, int] | None) -> tuple[int, ...]:
         spec = self.cache.spec
-        shape: tuple[int, ...] = (len(self.block_ids), spec.block_size, spec.head_dim)
-        return shape if key is not None else (spec.num_layers, 2, self.num_heads, *shape)
+        if key is not None:
+            return (self._pieces[key[3]][0], spec.block_size, spec.head_dim)
+        shape = (len(self.block_ids), spec.block_size, spec.head_dim)
+        return (spec.num_layers, 2, self.num_heads, *shape)
 
-    def _slab(self, key: tuple[int, int, int] | None) -> tuple[torch.Tensor, int]:
-        """The cache memory payload `key` reads or writes, and the dimension of its blocks."""
-        if key is None:  # [L, 2, heads, blocks, block_size, head_dim]
-            return self.cache.data[:, :, self.heads], 3
-        layer, kv, head = key  # [blocks, block_size, head_dim]
-        return self.cache.data[layer, kv, head], 0
+    def _slab(
+        self, key: tuple[int, int, int, int] | None
+    ) -> tuple[torch.Tensor, int, tuple[int, int | None, torch.Tensor | None]]:
+        """The cache memory payload `key` reads or writes, the dimension of its blocks, and
+        its piece."""
+        if key is None:  # [L, 2, heads, blocks, block_size, head_dim]; one piece (whole mode)
+            return self.cache.data[:, :, self.heads], 3, self._pieces[0]
+        layer, kv, head, piece = key  # [blocks, block_size, head_dim]
+        return self.cache.data[layer, kv, head], 0, self._pieces[piece]
 
-    def _run(self, key: tuple[int, int, int] | None) -> torch.Tensor | None:
-        """This view's blocks of the slab when they are one run of consecutive ids, else None."""
-        start = self._run_start
-        if start is None:
-            return None
-        source, dim = self._slab(key)
-        return source.narrow(dim, start, len(self.block_ids))
+    def _run(self, key: tuple[int, int, int, int] | None) -> torch.Tensor | None:
+        """The piece's blocks in the cache when they are one run of ids, else None."""
+        slab, dim, (size, start, _) = self._slab(key)
+        return None if start is None else slab.narrow(dim, start, size)
 
     def outgoing(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
         """Payload message `index` ready to send, and whether it is a staging buffer (to give
@@ -150,14 +203,14 @@ class WireView:
         self._gather(key, out)
         return out, True
 
-    def _gather(self, key: tuple[int, int, int] | None, out: torch.Tensor) -> None:
+    def _gather(self, key: tuple[int, int, int, int] | None, out: torch.Tensor) -> None:
         """Copy this view's blocks and heads into `out` (the inverse of `_scatter`)."""
         run = self._run(key)
         if run is not None:  # the packed message of a run: a strided copy_
             out.copy_(run)
             return
-        source, dim = self._slab(key)
-        torch.index_select(source, dim, self._index, out=out)
+        source, dim, (_, _, index) = self._slab(key)
+        torch.index_select(source, dim, index, out=out)
 
     def incoming(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
         """A buffer to receive payload message `index` into, and whether it is a staging buffer
@@ -173,17 +226,21 @@ class WireView:
         """Write a staged payload message into its blocks and heads."""
         self._scatter(self.payload_key(index), staged)
 
-    def _scatter(self, key: tuple[int, int, int] | None, staged: torch.Tensor) -> None:
+    def _scatter(self, key: tuple[int, int, int, int] | None, staged: torch.Tensor) -> None:
         run = self._run(key)
         if run is not None:
             run.copy_(staged)
             return
-        target, dim = self._slab(key)
-        target.index_copy_(dim, self._index, staged)
+        target, dim, (_, _, index) = self._slab(key)
+        target.index_copy_(dim, index, staged)
 
     def header(self, transfer_id: int, status: int) -> torch.Tensor:
         values = (
-            transfer_id, status, len(self.block_ids), self.num_heads, self.num_payload_messages
+            transfer_id,
+            status,
+            len(self.block_ids),
+            self.num_heads,
+            self.num_payload_messages,
         )
         return control_message(values, self.cache.device)
 

@@ -40,9 +40,9 @@ def test_kv_transfer_benchmark_reports_every_case(tmp_path: Path) -> None:
     out = tmp_path / "kv.json"
     result = run_script("benchmarks/kv_transfer.py", "--quick", "--tokens", "64", "--out", str(out))
     cases = result["cases"]
-    # p, d in {1, 2}, two wire modes, four block layouts
-    assert len(cases) == 4 * 2 * 4
-    layouts = {"contiguous", "prefix-hit", "scattered-source", "scattered"}
+    # p, d in {1, 2}, two wire modes, five block layouts
+    assert len(cases) == 4 * 2 * 5
+    layouts = {"contiguous", "prefix-hit", "split-decode", "scattered-source", "scattered"}
     assert {case["blocks"] for case in cases} == layouts
     for case in cases:
         assert case["tokens"] == 64 and case["kv_gbps"] > 0 and case["raw_gbps"] > 0

@@ -55,7 +55,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def allocate_run(self, num_blocks: int, data: st.DataObject) -> None:
         """Consecutive ids where the free blocks allow: right after `after`; else a run of
         uncached blocks; else a run that evicts cached blocks no hit has found (lowest first for
-        a new table, highest first for growth); else the LRU head like allocate."""
+        a new table, highest first for growth); else, for a new table, the longest such runs (at
+        most 8); else the LRU head like allocate."""
         if num_blocks > len(self.free_list):
             with pytest.raises(BlockPoolError):
                 self.pool.allocate_run(num_blocks)
@@ -83,12 +84,34 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 for start in starts
                 if run_at(start, fits)
             ),
-            self.free_list[:num_blocks],  # the LRU fallback
+            None,
         )
+        if expected is None and after is None:  # a new table: the longest runs, up to 8
+            expected = self._longest_runs(num_blocks, evictable)
+        if expected is None:
+            expected = self.free_list[:num_blocks]  # the LRU fallback
         if after is not None and run_at(after + 1, evictable):
             expected = list(range(after + 1, after + 1 + num_blocks))
         assert self.pool.allocate_run(num_blocks, after) == expected
         self._take(expected)
+
+    def _longest_runs(self, num_blocks: int, fits: Callable[[int], bool]) -> list[int] | None:
+        runs, block_id, size = [], 0, len(self.ref_cnt)
+        while block_id < size:
+            end = block_id
+            while end < size and fits(end):
+                end += 1
+            if end - block_id >= -(-num_blocks // 8):
+                runs.append((end - block_id, block_id))
+            block_id = max(end, block_id + 1)
+        runs.sort(key=lambda run: -run[0])
+        chosen, need = [], num_blocks
+        for length, start in runs[:8]:
+            chosen.append((start, min(length, need)))
+            need -= chosen[-1][1]
+            if need == 0:
+                return [i for start, take in sorted(chosen) for i in range(start, start + take)]
+        return None
 
     def _take(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -226,4 +249,14 @@ def test_allocate_run_evicts_unhit_cached_blocks_bottom_up_for_new_tables_top_do
     # Growth that cannot stay in place takes the highest run it may evict, never the hit block.
     assert pool.allocate_run(1, after=2) == [6]
     assert pool.num_cache_evictions == 6 and pool.lookup(BlockHash(107), (7,)) == 7
+    pool.check_integrity()
+
+
+def test_allocate_run_covers_a_new_table_with_the_fewest_runs_in_id_order() -> None:
+    pool = BlockPool(12)
+    held = pool.allocate(12)
+    pool.free([0, 1, 3, 4, 6, 7, 8])  # free runs: 0-1, 3-4, 6-8; none of 5
+    assert pool.allocate_run(5) == [0, 1, 6, 7, 8]  # the longest runs, then in id order
+    assert pool.allocate_run(2) == [3, 4]
+    pool.free([b for b in held if b not in (0, 1, 3, 4, 6, 7, 8)])
     pool.check_integrity()

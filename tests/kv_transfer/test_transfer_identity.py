@@ -10,8 +10,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from engine.kv_cache import KVCache
 from kv_transfer.messages import KVTicket
-from tests.kv_transfer.kv_procs import Worker, free_port, start_workers
+from kv_transfer.staging import StagingPool
+from kv_transfer.wire import MAX_PIECES, WireView, run_lengths
+from tests.kv_transfer.kv_procs import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    NUM_LAYERS,
+    Worker,
+    free_port,
+    rank_spec,
+    start_workers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +62,7 @@ def make_ticket(
         decode_endpoints=endpoints,
         layerwise=layerwise,
         timeout_s=20.0,
+        min_piece_bytes=0,  # pieces of any size: these blocks are tiny
     )
 
 
@@ -101,7 +113,7 @@ def check_transfer(
 
 LAYOUTS = {  # (source ids, destination ids)
     "contiguous": ([2, 3, 4, 5], [10, 11, 12, 13]),
-    # a cached prefix run, then new blocks; the destination breaks once
+    # a cached prefix run, then new blocks; the destination is two runs (two pieces)
     "runs": ([7, 8, 1, 2, 3], [10, 11, 12, 4, 5]),
     "scattered": ([9, 1, 14, 6, 0, 11, 3, 15, 7], [3, 15, 0, 8, 12, 5, 10, 1, 13]),
 }
@@ -159,3 +171,44 @@ def test_channels_coexist_with_the_default_group(
             worker.commands.put(("all_reduce", 10 * rank))
         assert [worker.reply() for worker in group] == [10.0, 10.0]
 
+
+def test_layerwise_messages_follow_the_decode_runs() -> None:
+    """Both sides split a layerwise transfer at the decode side's runs (the ticket's ids): the
+    decode side then receives every message in place, the prefill side gathers only the pieces
+    that are not runs of its own blocks. Past MAX_PIECES runs, or with pieces under the ticket's
+    min_piece_bytes, or in whole mode, there is one piece."""
+    cache, staging, heads = KVCache(rank_spec(2, 1, 0)), StagingPool(), slice(0, 2)
+
+    def ticket(dst: list[int], layerwise: bool = True, min_piece_bytes: int = 0) -> KVTicket:
+        return KVTicket(
+            "r",
+            1,
+            tuple(dst),
+            4 * len(dst),
+            "P",
+            1,
+            "D",
+            1,
+            (),
+            layerwise,
+            1.0,
+            min_piece_bytes=min_piece_bytes,
+        )
+
+    src, dst = LAYOUTS["runs"]
+    sender = WireView.for_ticket(cache, src, heads, ticket(dst))
+    receiver = WireView.for_ticket(cache, dst, heads, ticket(dst))
+    assert run_lengths(dst) == sender.pieces == receiver.pieces == (3, 2)
+    assert sender.num_payload_messages == receiver.num_payload_messages == NUM_LAYERS * 2 * 2 * 2
+    staged_out = [sender.outgoing(i, staging)[1] for i in range(sender.num_payload_messages)]
+    staged_in = [receiver.incoming(i, staging)[1] for i in range(receiver.num_payload_messages)]
+    assert staged_out == [True, False] * (NUM_LAYERS * 2 * 2)  # piece 0 of src is 7, 8, 1
+    assert not any(staged_in)
+    block_bytes = BLOCK_SIZE * HEAD_DIM * 4  # one head of one block, float32
+    small = ticket(dst, min_piece_bytes=2 * block_bytes + 1)  # the 2-block piece is too small
+    assert WireView.for_ticket(cache, dst, heads, small).pieces is None
+    assert WireView.for_ticket(cache, src, heads, ticket(dst, layerwise=False)).pieces is None
+    scattered_src, scattered_dst = LAYOUTS["scattered"]
+    assert len(run_lengths(scattered_dst)) > MAX_PIECES
+    one_piece = WireView.for_ticket(cache, scattered_src, heads, ticket(scattered_dst))
+    assert one_piece.pieces is None
