@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Each (transfer, channel) uses a window of gloo/NCCL tags: header, 2 per layer and head, trailer
-# (80 layers x 8 heads on one channel fit; the window still spans 524,287 transfer ids).
+# Each (transfer, channel) uses a window of gloo/NCCL tags: the header, 2 per layer, head and
+# piece, the trailer (80 layers x 8 heads on one channel fit in one piece; a transfer needing
+# more pieces than fit is sent in one). The window still spans 524,287 transfer ids.
 MAX_MESSAGES_PER_TRANSFER = 4096
 
 
