@@ -8,6 +8,7 @@ Two wire modes (the ticket says which; see KVTransferConfig for how it is chosen
         head_dim] in (layer, k/v, head, piece) order, each layer's posted as soon as it is
         computed, then the trailer. The pieces are the runs of the decode side's block ids (the
         ticket's, so both sides know them before anything is sent), up to MAX_PIECES of them.
+        Grouped: 2 * L messages [heads, num_blocks, block_size, head_dim] instead.
 
     header   int64[6]  MAGIC, transfer_id, status, num_blocks, num_heads, num_payload_messages
     trailer  int64[6]  MAGIC, transfer_id, status, first_token_id, num_tokens, 0
@@ -19,15 +20,21 @@ header, and the receiver then drops the channel (its other receives could never 
 Copies. The KV cache is head-major, [num_layers, 2, heads, num_blocks, block_size, head_dim]
 (see engine/kv_cache.py), so one (layer, k/v, head) over a run of consecutive blocks is one
 contiguous region, whichever subset of heads the channel carries (re-sharding between TP sizes):
-layerwise messages are sent from it and received into it without a copy. The message layout does
-not depend on either side's block ids, so each side decides alone: a side whose blocks are not
-one run gathers (index_select) into a reused staging buffer, or stages and scatters (index_copy_).
+layerwise messages are sent from it and received into it without a copy. The decode side's pieces
+are runs by construction, so it receives in place whenever its reservation spans at most
+MAX_PIECES runs of at least `min_piece_bytes` per message (KVTransferConfig; BlockPool.
+allocate_run makes a reservation one run when the pool has one, else the fewest it can); the
+prefill side gathers (index_select) a piece into a reused staging buffer when its own blocks for
+that piece are not a run. Past MAX_PIECES (or in whole mode) there is one piece, and the decode
+side stages and scatters (index_copy_) as well. When a message per head would be smaller than
+`min_piece_bytes` (short requests, small heads) or too many for the tag window (many layers
+times many heads), the heads of a (layer, k/v) travel together, gathered and scattered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -83,33 +90,44 @@ class WireView:
     heads: slice  # the local heads that travel on this channel
     layerwise: bool
     pieces: tuple[int, ...] | None = None  # layerwise: blocks per piece; None: one piece
+    grouped: bool = False  # layerwise: one message per (layer, k/v) with all heads, not per head
 
     @classmethod
     def for_ticket(
         cls, cache: KVCache, block_ids: Sequence[int], heads: slice, ticket: KVTicket
     ) -> WireView:
-        """One side's view of a ticket's transfer: in layerwise mode split into the runs of the
-        decode side's ids (the ticket's) when there are at most MAX_PIECES of them, each of at
-        least `ticket.min_piece_bytes` per message, and their messages fit a transfer's tags;
-        else one piece. Both sides compute the same from the ticket."""
-        view = cls(cache, tuple(block_ids), heads, ticket.layerwise)
+        """One side's view of a ticket's transfer; both sides compute the same from the ticket.
+        Layerwise: one message per (layer, k/v, head), each a contiguous region of a block run,
+        split into the runs of the decode side's ids (the ticket's) when there are at most
+        MAX_PIECES of them; messages of fewer than `ticket.min_piece_bytes` are not worth
+        their fixed cost, so pieces that small are not split off, and when even one message
+        per head over the whole request would be that small (or would overflow the tag
+        window: many layers times many heads), the heads of a (layer, k/v) go as one message,
+        gathered and scattered."""
+        ids = tuple(block_ids)
         if not ticket.layerwise:
-            return view
-        pieces = run_lengths(ticket.block_ids)
+            return cls(cache, ids, heads, False)
         spec = cache.spec
-        piece_bytes = min(pieces) * spec.block_size * spec.head_dim * spec.dtype.itemsize
-        per_piece = 2 * spec.num_layers * view.num_heads
+        head_bytes = spec.block_size * spec.head_dim * spec.dtype.itemsize  # one head, one block
+        num_heads = heads.stop - heads.start
+        per_head = 2 * spec.num_layers * num_heads  # messages per piece
+        if num_heads > 1 and (
+            len(ids) * head_bytes < ticket.min_piece_bytes
+            or per_head + 2 > MAX_MESSAGES_PER_TRANSFER
+        ):
+            return cls(cache, ids, heads, True, grouped=True)
+        pieces = run_lengths(ticket.block_ids)
         if (
             1 < len(pieces) <= MAX_PIECES
-            and piece_bytes >= ticket.min_piece_bytes
-            and per_piece * len(pieces) + 2 <= MAX_MESSAGES_PER_TRANSFER
+            and min(pieces) * head_bytes >= ticket.min_piece_bytes
+            and per_head * len(pieces) + 2 <= MAX_MESSAGES_PER_TRANSFER
         ):
-            return replace(view, pieces=pieces)
-        return view
+            return cls(cache, ids, heads, True, pieces=pieces)
+        return cls(cache, ids, heads, True)
 
     def __post_init__(self) -> None:
         if self.pieces is not None and (
-            sum(self.pieces) != len(self.block_ids) or min(self.pieces) < 1
+            sum(self.pieces) != len(self.block_ids) or min(self.pieces) < 1 or self.grouped
         ):
             raise ValueError(f"pieces {self.pieces} do not split {len(self.block_ids)} blocks")
         if self.num_messages > MAX_MESSAGES_PER_TRANSFER:
@@ -121,6 +139,11 @@ class WireView:
     @property
     def num_heads(self) -> int:
         return self.heads.stop - self.heads.start
+
+    @property
+    def _groups(self) -> int:
+        """Head groups per (layer, k/v): one message each."""
+        return 1 if self.grouped else self.num_heads
 
     @cached_property
     def _pieces(self) -> tuple[tuple[int, int | None, torch.Tensor | None], ...]:
@@ -138,8 +161,8 @@ class WireView:
 
     @property
     def messages_per_layer(self) -> int:
-        """Layerwise payload messages per layer: keys then values, per head, per piece."""
-        return 2 * self.num_heads * len(self._pieces)
+        """Layerwise payload messages per layer: keys then values, per head group, per piece."""
+        return 2 * self._groups * len(self._pieces)
 
     @property
     def num_payload_messages(self) -> int:
@@ -155,15 +178,15 @@ class WireView:
         return (transfer_id % window) * MAX_MESSAGES_PER_TRANSFER + index
 
     def payload_key(self, index: int) -> tuple[int, int, int, int] | None:
-        """(layer, 0 key / 1 value, local head, piece) of payload message `index`, or None for
-        the whole request."""
+        """(layer, 0 key / 1 value, head group, piece) of payload message `index`, or None for
+        the whole request. Group g is local head heads.start + g, or all heads when grouped."""
         if not self.layerwise:
             return None
         num_pieces = len(self._pieces)
         layer, rest = divmod(index, self.messages_per_layer)
-        kv, rest = divmod(rest, self.num_heads * num_pieces)
-        head, piece = divmod(rest, num_pieces)
-        return layer, kv, self.heads.start + head, piece
+        kv, rest = divmod(rest, self._groups * num_pieces)
+        group, piece = divmod(rest, num_pieces)
+        return layer, kv, group, piece
 
     @property
     def payload_bytes(self) -> int:
@@ -172,10 +195,11 @@ class WireView:
 
     def _message_shape(self, key: tuple[int, int, int, int] | None) -> tuple[int, ...]:
         spec = self.cache.spec
-        if key is not None:
-            return (self._pieces[key[3]][0], spec.block_size, spec.head_dim)
-        shape = (len(self.block_ids), spec.block_size, spec.head_dim)
-        return (spec.num_layers, 2, self.num_heads, *shape)
+        if key is None:
+            shape = (len(self.block_ids), spec.block_size, spec.head_dim)
+            return (spec.num_layers, 2, self.num_heads, *shape)
+        shape = (self._pieces[key[3]][0], spec.block_size, spec.head_dim)
+        return (self.num_heads, *shape) if self.grouped else shape
 
     def _slab(
         self, key: tuple[int, int, int, int] | None
@@ -184,21 +208,31 @@ class WireView:
         its piece."""
         if key is None:  # [L, 2, heads, blocks, block_size, head_dim]; one piece (whole mode)
             return self.cache.data[:, :, self.heads], 3, self._pieces[0]
-        layer, kv, head, piece = key  # [blocks, block_size, head_dim]
+        layer, kv, group, piece = key
+        if self.grouped:  # [heads, blocks, block_size, head_dim]
+            return self.cache.data[layer, kv, self.heads], 1, self._pieces[piece]
+        head = self.heads.start + group  # [blocks, block_size, head_dim]
         return self.cache.data[layer, kv, head], 0, self._pieces[piece]
 
     def _run(self, key: tuple[int, int, int, int] | None) -> torch.Tensor | None:
-        """The piece's blocks in the cache when they are one run of ids, else None."""
+        """The piece's blocks in the cache when they are one run of ids, else None (a
+        strided view unless it is one head's: see `_direct`)."""
         slab, dim, (size, start, _) = self._slab(key)
         return None if start is None else slab.narrow(dim, start, size)
+
+    def _direct(self, key: tuple[int, int, int, int] | None) -> torch.Tensor | None:
+        """The message's memory in the cache when it is one contiguous region, else None."""
+        if key is None or (self.grouped and self.num_heads > 1):
+            return None
+        return self._run(key)
 
     def outgoing(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
         """Payload message `index` ready to send, and whether it is a staging buffer (to give
         back once sent) rather than a view of the cache."""
         key = self.payload_key(index)
-        run = self._run(key)
-        if run is not None:  # one (layer, k/v, head) of a block run: contiguous
-            return run, False
+        direct = self._direct(key)
+        if direct is not None:  # one (layer, k/v, head) of a block run: contiguous
+            return direct, False
         out = staging.take(self._message_shape(key), self.cache.spec.dtype, self.cache.device)
         self._gather(key, out)
         return out, True
@@ -206,7 +240,7 @@ class WireView:
     def _gather(self, key: tuple[int, int, int, int] | None, out: torch.Tensor) -> None:
         """Copy this view's blocks and heads into `out` (the inverse of `_scatter`)."""
         run = self._run(key)
-        if run is not None:  # the packed message of a run: a strided copy_
+        if run is not None:  # a run of blocks: a strided copy_
             out.copy_(run)
             return
         source, dim, (_, _, index) = self._slab(key)
@@ -216,9 +250,9 @@ class WireView:
         """A buffer to receive payload message `index` into, and whether it is a staging buffer
         (to scatter, then give back) rather than the destination itself."""
         key = self.payload_key(index)
-        run = self._run(key)
-        if run is not None:
-            return run, False
+        direct = self._direct(key)
+        if direct is not None:
+            return direct, False
         spec = self.cache.spec
         return staging.take(self._message_shape(key), spec.dtype, self.cache.device), True
 

@@ -9,8 +9,9 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
+import torch
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.messages import KVTicket
 from kv_transfer.staging import StagingPool
 from kv_transfer.wire import MAX_PIECES, WireView, run_lengths
@@ -48,6 +49,7 @@ def make_ticket(
     dst_block_ids: list[int],
     layerwise: bool,
     name: str,
+    min_piece_bytes: int = 0,  # pieces and per-head messages of any size: these blocks are tiny
 ) -> KVTicket:
     endpoints = tuple(worker.call("endpoint") for worker in decode[:d])
     return KVTicket(
@@ -62,7 +64,7 @@ def make_ticket(
         decode_endpoints=endpoints,
         layerwise=layerwise,
         timeout_s=20.0,
-        min_piece_bytes=0,  # pieces of any size: these blocks are tiny
+        min_piece_bytes=min_piece_bytes,
     )
 
 
@@ -140,6 +142,22 @@ def test_received_kv_is_byte_identical(
     check_transfer(prefill, decode, ticket, num_kv_heads, seed, src_block_ids)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "runs"])
+@pytest.mark.parametrize("p,d", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_heads_grouped_per_layer_are_byte_identical(
+    workers: tuple[list[Worker], list[Worker]], p: int, d: int, layout: str
+) -> None:
+    """Per-head messages smaller than the ticket's min_piece_bytes: one message per (layer, k/v)
+    with all the channel's heads, gathered and scattered."""
+    prefill, decode = workers
+    src_block_ids, dst_block_ids = LAYOUTS[layout]
+    name = f"grouped-{p}{d}{layout}"
+    ticket = make_ticket(decode, p, d, dst_block_ids, True, name, min_piece_bytes=1 << 30)
+    seed = ticket.transfer_id
+    post_transfer(prefill, decode, ticket, 4, seed, src_block_ids)
+    check_transfer(prefill, decode, ticket, 4, seed, src_block_ids)
+
+
 def test_two_to_one_and_one_to_two_at_the_same_time(
     workers: tuple[list[Worker], list[Worker]],
 ) -> None:
@@ -211,4 +229,17 @@ def test_layerwise_messages_follow_the_decode_runs() -> None:
     scattered_src, scattered_dst = LAYOUTS["scattered"]
     assert len(run_lengths(scattered_dst)) > MAX_PIECES
     one_piece = WireView.for_ticket(cache, scattered_src, heads, ticket(scattered_dst))
-    assert one_piece.pieces is None
+    assert one_piece.pieces is None and not one_piece.grouped
+    # A message per head under min_piece_bytes: the heads of a (layer, k/v) go together.
+    tiny = WireView.for_ticket(cache, src, heads, ticket(dst, min_piece_bytes=1 << 20))
+    assert tiny.grouped and tiny.pieces is None and tiny.num_payload_messages == NUM_LAYERS * 2
+    assert all(tiny.outgoing(i, staging)[1] for i in range(tiny.num_payload_messages))
+
+
+def test_many_layers_times_many_heads_group_the_heads_instead_of_failing() -> None:
+    """60 layers x 52 KV heads on one rank (a 30B multi-head model at TP=1) would need 6,242
+    messages per channel, more than a transfer's tag window: its heads travel grouped."""
+    spec = KVCacheSpec(60, 4, BLOCK_SIZE, 52, HEAD_DIM, torch.float32)
+    ticket = KVTicket("r", 1, (0, 1, 2, 3), 16, "P", 1, "D", 1, (), True, 1.0, min_piece_bytes=0)
+    view = WireView.for_ticket(KVCache(spec), [0, 1, 2, 3], slice(0, 52), ticket)
+    assert view.grouped and view.num_payload_messages == 60 * 2
