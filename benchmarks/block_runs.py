@@ -33,12 +33,14 @@ from engine.block_pool import BlockPool  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
+from kv_transfer.config import KVTransferConfig  # noqa: E402
+from kv_transfer.wire import MAX_PIECES, run_lengths  # noqa: E402
 
 BLOCK_SIZE = 16
 
 
 def num_runs(block_ids: list[int]) -> int:
-    return 1 + sum(1 for a, b in zip(block_ids, block_ids[1:], strict=False) if b != a + 1)
+    return len(run_lengths(block_ids))
 
 
 def make_scheduler(pool: BlockPool, chunk_size: int) -> Scheduler:
@@ -62,6 +64,8 @@ def simulate(args: argparse.Namespace, use_runs: bool) -> dict[str, Any]:
     waiting_reserve: list[tuple[Request, list[int]]] = []
     src_runs: list[int] = []
     dst_runs: list[int] = []
+    dst_in_place: list[bool] = []  # one run, or pieces the wire takes (see --head-block-bytes)
+    min_piece_blocks = -(-args.min_piece_bytes // args.head_block_bytes)
     outputs: dict[str, int] = {}
     prompt_tokens = cached_tokens = 0
     decode_used: list[float] = []
@@ -92,6 +96,10 @@ def simulate(args: argparse.Namespace, use_runs: bool) -> dict[str, Any]:
                 continue
             reserved = decode_pool.allocate_run(needed)
             dst_runs.append(num_runs(reserved))
+            runs = run_lengths(reserved)
+            dst_in_place.append(
+                len(runs) == 1 or (len(runs) <= MAX_PIECES and min(runs) >= min_piece_blocks)
+            )
             in_flight.append((step + args.transfer_steps, source, request, reserved))
         waiting_reserve = blocked
         for _, source, request, reserved in [t for t in in_flight if t[0] <= step]:
@@ -115,8 +123,10 @@ def simulate(args: argparse.Namespace, use_runs: bool) -> dict[str, Any]:
         "prefill_two_runs": round(sum(r == 2 for r in src_runs) / max(1, len(src_runs)), 3),
         "prefill_mean_runs": round(sum(src_runs) / max(1, len(src_runs)), 2),
         "decode_one_run": round(sum(r == 1 for r in dst_runs) / max(1, transfers), 3),
-        # the KV hand-off receives up to 8 runs in place (kv_transfer.wire.MAX_PIECES)
         "decode_at_most_8_runs": round(sum(r <= 8 for r in dst_runs) / max(1, transfers), 3),
+        # what the wire receives in place: one run, or up to MAX_PIECES runs whose per-head
+        # messages carry at least min_piece_bytes each (kv_transfer.wire.WireView.for_ticket)
+        "decode_in_place": round(sum(dst_in_place) / max(1, transfers), 3),
         "decode_mean_runs": round(sum(dst_runs) / max(1, transfers), 2),
         "prefill_prefix_hit_rate": round(cached_tokens / max(1, prompt_tokens), 3),
         "decode_pool_used_mean": round(sum(decode_used) / max(1, len(decode_used)), 3),
@@ -137,6 +147,13 @@ def main() -> None:
     parser.add_argument("--prefill-blocks", type=int, default=2048)
     parser.add_argument("--decode-blocks", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--head-block-bytes", type=int, default=16 * 128 * 2,
+        help="one KV head of one block (block_size 16, head_dim 128, bf16): sizes the pieces",
+    )
+    parser.add_argument(
+        "--min-piece-bytes", type=int, default=KVTransferConfig().min_piece_bytes
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     result = {

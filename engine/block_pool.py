@@ -27,7 +27,6 @@ simply by holding a reference. Freeing a block whose ref_cnt is already 0 raises
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -275,6 +274,7 @@ class BlockPool:
 
 
 _EVICTABLE = _PLAIN + _CACHED  # what a run may take (bytes.translate deletes these)
+_TO_MASK = bytes(1 if bytes([b]) in (_PLAIN, _CACHED) else 0 for b in range(256))
 
 
 def _free_state(block: Block) -> bytes:
@@ -283,29 +283,47 @@ def _free_state(block: Block) -> bytes:
     return _REUSED if block.reused else _CACHED
 
 
+def _evictable_mask(state: bytearray) -> bytes:
+    """b"\\x01" where a run may take the block, b"\\x00" elsewhere (one C pass)."""
+    return state.translate(_TO_MASK)
+
+
 def _find_run(state: bytearray, num_blocks: int, from_top: bool) -> int:
-    """Start of the lowest (or highest) run of `num_blocks` evictable blocks, or -1."""
-    pattern = re.compile(b"[%s]{%d}" % (re.escape(_EVICTABLE), num_blocks))
-    if not from_top:
-        match = pattern.search(state)
-        return match.start() if match is not None else -1
-    match = pattern.search(state[::-1])  # the highest run is the first one in reverse
-    return len(state) - match.start() - num_blocks if match is not None else -1
+    """Start of the lowest (or highest) run of `num_blocks` evictable blocks, or -1. Plain
+    substring searches over a 0/1 mask: linear, in C (a regex with a repeat retries from every
+    start, quadratic on a fragmented pool)."""
+    mask, want = _evictable_mask(state), b"\x01" * num_blocks
+    return mask.rfind(want) if from_top else mask.find(want)
+
+
+# At most this many free runs are examined for a cover (bounds a very fragmented pool's cost).
+_MAX_RUNS_EXAMINED = 256
 
 
 def _longest_runs(state: bytearray, num_blocks: int, max_runs: int) -> list[int]:
-    """Ids of the longest runs of evictable blocks that cover `num_blocks` in at most
-    `max_runs` runs (in id order; the last run taken only as far as needed), or [] if none do."""
-    shortest = -(-num_blocks // max_runs)  # any shorter run would need more than max_runs
-    pattern = re.compile(b"[%s]{%d,}" % (re.escape(_EVICTABLE), shortest))
-    runs = sorted(
-        ((m.end() - m.start(), m.start()) for m in pattern.finditer(state)), key=lambda r: -r[0]
-    )
+    """Ids of evictable blocks covering `num_blocks` in at most `max_runs` runs, or [] if none
+    is found: the longest runs of at least num_blocks / max_runs blocks, taken whole, then, if
+    blocks are still missing, the lowest run that holds the rest. In id order."""
+    mask = bytearray(_evictable_mask(state))
+    want = b"\x01" * -(-num_blocks // max_runs)  # a run at least this long (C searches only)
+    runs, position = [], mask.find(want)
+    while position >= 0 and len(runs) < _MAX_RUNS_EXAMINED:
+        end = mask.find(b"\x00", position)
+        end = len(mask) if end < 0 else end
+        runs.append((end - position, position))
+        position = mask.find(want, end)
+    runs.sort(key=lambda run: -run[0])
     chosen, need = [], num_blocks
-    for length, start in runs[:max_runs]:
+    for length, start in runs[: max_runs - 1]:
         take = min(length, need)
         chosen.append((start, take))
         need -= take
+        mask[start : start + take] = bytes(take)
         if need == 0:
-            return [i for start, take in sorted(chosen) for i in range(start, start + take)]
-    return []
+            break
+    if need > 0:  # the last run may be shorter than the others
+        start = mask.find(b"\x01" * need)
+        if start < 0:
+            return []
+        chosen.append((start, need))
+    return [i for start, take in sorted(chosen) for i in range(start, start + take)]

@@ -51,15 +51,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert block_ids == self.free_list[:num_blocks]  # taken from the LRU head
         self._take(block_ids)
 
-    @rule(num_blocks=st.integers(1, 4), data=st.data())
-    def allocate_run(self, num_blocks: int, data: st.DataObject) -> None:
+    @rule(num_blocks=st.integers(1, 10), max_runs=st.sampled_from([2, 3, 8]), data=st.data())
+    def allocate_run(self, num_blocks: int, max_runs: int, data: st.DataObject) -> None:
         """Consecutive ids where the free blocks allow: right after `after`; else a run of
         uncached blocks; else a run that evicts cached blocks no hit has found (lowest first for
         a new table, highest first for growth); else, for a new table, the longest such runs (at
-        most 8); else the LRU head like allocate."""
+        most `max_runs`); else the LRU head like allocate."""
         if num_blocks > len(self.free_list):
             with pytest.raises(BlockPoolError):
-                self.pool.allocate_run(num_blocks)
+                self.pool.allocate_run(num_blocks, max_runs=max_runs)
             return
         size = len(self.ref_cnt)
         after = data.draw(st.none() | st.integers(0, size - 1))
@@ -87,31 +87,43 @@ class BlockPoolMachine(RuleBasedStateMachine):
             None,
         )
         if expected is None and after is None:  # a new table: the longest runs, up to 8
-            expected = self._longest_runs(num_blocks, evictable)
+            expected = self._longest_runs(num_blocks, evictable, max_runs)
         if expected is None:
             expected = self.free_list[:num_blocks]  # the LRU fallback
         if after is not None and run_at(after + 1, evictable):
             expected = list(range(after + 1, after + 1 + num_blocks))
-        assert self.pool.allocate_run(num_blocks, after) == expected
+        assert self.pool.allocate_run(num_blocks, after, max_runs) == expected
         self._take(expected)
 
-    def _longest_runs(self, num_blocks: int, fits: Callable[[int], bool]) -> list[int] | None:
-        runs, block_id, size = [], 0, len(self.ref_cnt)
+    def _longest_runs(
+        self, num_blocks: int, fits: Callable[[int], bool], max_runs: int
+    ) -> list[int] | None:
+        """The longest runs of at least num_blocks / max_runs blocks taken whole (at most
+        max_runs - 1), then the lowest run holding what is missing; in id order."""
+        size = len(self.ref_cnt)
+        free = [fits(b) for b in range(size)]
+        runs, block_id = [], 0
         while block_id < size:
             end = block_id
-            while end < size and fits(end):
+            while end < size and free[end]:
                 end += 1
-            if end - block_id >= -(-num_blocks // 8):
+            if end - block_id >= -(-num_blocks // max_runs):
                 runs.append((end - block_id, block_id))
             block_id = max(end, block_id + 1)
         runs.sort(key=lambda run: -run[0])
         chosen, need = [], num_blocks
-        for length, start in runs[:8]:
+        for length, start in runs[: max_runs - 1]:
             chosen.append((start, min(length, need)))
             need -= chosen[-1][1]
+            free[start : start + chosen[-1][1]] = [False] * chosen[-1][1]
             if need == 0:
-                return [i for start, take in sorted(chosen) for i in range(start, start + take)]
-        return None
+                break
+        if need > 0:
+            last = next((b for b in range(size - need + 1) if all(free[b : b + need])), None)
+            if last is None:
+                return None
+            chosen.append((last, need))
+        return [i for start, take in sorted(chosen) for i in range(start, start + take)]
 
     def _take(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -122,6 +134,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 del self.cache[evicted]
                 self.reused.discard(block_id)
         self.holders.append(block_ids)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        self.cache.clear()
+        self.reused.clear()
 
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
