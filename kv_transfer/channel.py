@@ -74,18 +74,27 @@ class Channel:
         self._connected = threading.Event()
         self._connect_error: BaseException | None = None
         self._closed = threading.Event()
+        self._group_lock = threading.Lock()  # close() and a finishing connect() hand the group over
         self.broken = False
 
     def __repr__(self) -> str:
         return f"Channel({self.pair_key}#{self.epoch}, rank {self.rank})"
 
     def connect(self, deadline: float) -> None:
-        """Build the group; blocks until the peer joins or the deadline passes."""
+        """Build the group; blocks until the peer joins or the deadline passes. A group that
+        comes up after close() is aborted at once (close could not reach it)."""
         try:
-            self._group = self._make_group(_timedelta(_remaining(deadline)))
+            group = self._make_group(_timedelta(_remaining(deadline)))
         except BaseException as exc:  # the constructor raises several types on a missing peer
             self._connect_error = exc
             self.broken = True
+        else:
+            with self._group_lock:
+                closed = self._closed.is_set()
+                if not closed:
+                    self._group = group
+            if closed:
+                _abort(group)
         finally:
             self._connected.set()
         if self._connect_error is not None:
@@ -168,17 +177,22 @@ class Channel:
         wait still runs to its own deadline). A connect still waiting for the peer to dial ends
         too, and so do the waits on it (a thread left polling the store when the process exits
         aborts the interpreter's teardown)."""
-        self._closed.set()
+        with self._group_lock:
+            self._closed.set()
+            group, self._group = self._group, None
         if not self._connected.is_set():
             self._connect_error = self._connect_error or RuntimeError("the channel was closed")
             self.broken = True
             self._connected.set()
-        group, self._group = self._group, None
         if group is not None:
-            try:
-                group.abort()
-            except Exception:  # noqa: S110 - best effort: the peer may be gone already
-                pass
+            _abort(group)
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    try:
+        group.abort()
+    except Exception:  # noqa: S110 - best effort: the peer may be gone already
+        pass
 
 
 class ChannelHost:
