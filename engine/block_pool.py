@@ -263,7 +263,7 @@ class BlockPool:
             state = _free_state(block) if in_free else _IN_USE
             assert self._state[block.block_id] == state[0], (
                 f"block {block.block_id}: the state map says {self._state[block.block_id]}, "
-                f"the block is {state}"
+                f"the block is {state[0]}"
             )
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) == block.block_id, (
@@ -283,7 +283,7 @@ def _free_state(block: Block) -> bytes:
     return _REUSED if block.reused else _CACHED
 
 
-def _evictable_mask(state: bytearray) -> bytes:
+def _evictable_mask(state: bytearray) -> bytearray:
     """b"\\x01" where a run may take the block, b"\\x00" elsewhere (one C pass)."""
     return state.translate(_TO_MASK)
 
@@ -306,7 +306,8 @@ def _longest_runs(state: bytearray, num_blocks: int, max_runs: int) -> list[int]
     blocks are still missing, the lowest run that holds the rest. In id order."""
     mask = bytearray(_evictable_mask(state))
     want = b"\x01" * -(-num_blocks // max_runs)  # a run at least this long (C searches only)
-    runs, position = [], mask.find(want)
+    runs: list[tuple[int, int]] = []  # (length, start)
+    position = mask.find(want)
     while position >= 0 and len(runs) < _MAX_RUNS_EXAMINED:
         end = mask.find(b"\x00", position)
         end = len(mask) if end < 0 else end

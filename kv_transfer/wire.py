@@ -244,6 +244,7 @@ class WireView:
             out.copy_(run)
             return
         source, dim, (_, _, index) = self._slab(key)
+        assert index is not None  # a piece that is not a run has its index
         torch.index_select(source, dim, index, out=out)
 
     def incoming(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
@@ -266,6 +267,7 @@ class WireView:
             run.copy_(staged)
             return
         target, dim, (_, _, index) = self._slab(key)
+        assert index is not None
         target.index_copy_(dim, index, staged)
 
     def header(self, transfer_id: int, status: int) -> torch.Tensor:
