@@ -119,15 +119,9 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free):
             raise BlockPoolError(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        block_ids: list[int] = []
-        for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._evict(block)
-            block.ref_cnt = 1
-            self._state[block_id] = _IN_USE[0]
-            block_ids.append(block_id)
+        block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
+        for block_id in block_ids:
+            self._claim(block_id)
         return block_ids
 
     def allocate_run(
@@ -142,30 +136,38 @@ class BlockPool:
         long runs reservations need."""
         if num_blocks <= 0 or num_blocks > len(self._free):
             return self.allocate(num_blocks)
-        state = self._state
-        start, block_ids = -1, []
-        if after is not None:
-            following = state[after + 1 : after + 1 + num_blocks]
-            if len(following) == num_blocks and not following.translate(None, _EVICTABLE):
-                start = after + 1
-        if start < 0:
-            start = (state.rfind if after is not None else state.find)(_PLAIN * num_blocks)
-        if start < 0:
-            start = _find_run(state, num_blocks, from_top=after is not None)
-        if start >= 0:
-            block_ids = list(range(start, start + num_blocks))
-        elif after is None and max_runs > 1:
-            block_ids = _longest_runs(state, num_blocks, max_runs)
-        if start < 0 and not block_ids:
+        block_ids = self._run_ids(num_blocks, after, max_runs)
+        if not block_ids:
             return self.allocate(num_blocks)
         for block_id in block_ids:
             del self._free[block_id]
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._evict(block)
-            block.ref_cnt = 1
-            state[block_id] = _IN_USE[0]
+            self._claim(block_id)
         return block_ids
+
+    def _run_ids(self, num_blocks: int, after: int | None, max_runs: int) -> list[int]:
+        """allocate_run's choice of free ids, or [] for the LRU fallback."""
+        state = self._state
+        if after is not None:
+            following = state[after + 1 : after + 1 + num_blocks]
+            if len(following) == num_blocks and not following.translate(None, _EVICTABLE):
+                return list(range(after + 1, after + 1 + num_blocks))
+        start = (state.rfind if after is not None else state.find)(_PLAIN * num_blocks)
+        if start < 0:
+            start = _find_run(state, num_blocks, from_top=after is not None)
+        if start >= 0:
+            return list(range(start, start + num_blocks))
+        if after is None and max_runs > 1:
+            return _longest_runs(state, num_blocks, max_runs)
+        return []
+
+    def _claim(self, block_id: int) -> None:
+        """A block just taken off the free list: its cached content goes, and its one reference
+        is the caller's."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        self._state[block_id] = _IN_USE[0]
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block. Blocks reaching 0 join the LRU tail in this order.
