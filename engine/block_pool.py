@@ -276,7 +276,7 @@ class BlockPool:
 
 
 _EVICTABLE = _PLAIN + _CACHED  # what a run may take (bytes.translate deletes these)
-_TO_MASK = bytes(1 if bytes([b]) in (_PLAIN, _CACHED) else 0 for b in range(256))
+_TO_MASK = bytes(int(b in _EVICTABLE) for b in range(256))  # state byte -> 1 if evictable
 
 
 def _free_state(block: Block) -> bytes:

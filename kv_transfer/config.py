@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # piece, the trailer (80 layers x 8 heads on one channel fit in one piece; a transfer needing
 # more pieces than fit is sent in one). The window still spans 524,287 transfer ids.
 MAX_MESSAGES_PER_TRANSFER = 4096
+DEFAULT_MIN_PIECE_BYTES = 256 * 1024  # KVTransferConfig.min_piece_bytes; tickets carry it
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class KVTransferConfig:
     start_timeout_s: float = 60.0
     layerwise: bool | None = None
     layerwise_min_tokens: int = 2048
-    min_piece_bytes: int = 256 * 1024
+    min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
     host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_transfer.channel import ChannelEndpoint
+from kv_transfer.config import DEFAULT_MIN_PIECE_BYTES
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class KVTicket:
     layerwise: bool
     timeout_s: float
     start_timeout_s: float = 0.0
-    min_piece_bytes: int = 256 * 1024
+    min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
 
     @property
     def wait_to_start_s(self) -> float:
