@@ -40,6 +40,15 @@ from router.worker_pool import WorkerPool
 logger = logging.getLogger(__name__)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# gRPC core holds calls that arrived before the server asked for them (the aio server accepts
+# one call per event-loop turn, so a burst waits there) and, past 1,000 such calls, cancels
+# them at random with a bare CANCELLED. Every call must reach admission control instead, which
+# answers the excess with RESOURCE_EXHAUSTED and a message; so these bounds are out of reach.
+_MAX_PENDING_CALLS = 1 << 20
+_SERVER_OPTIONS = (
+    ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING_CALLS),
+)
 
 
 class Router:
@@ -83,7 +92,7 @@ class Router:
         interceptors = []
         if self.config.auth_token is not None:
             interceptors.append(BearerTokenInterceptor(self.config.auth_token))
-        server = grpc.aio.server(interceptors=interceptors)
+        server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
         server.add_generic_rpc_handlers((self._servicer.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
