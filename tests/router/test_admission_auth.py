@@ -106,3 +106,41 @@ def test_tls_server_refuses_plaintext_clients(secure_server: tuple[RouterThread,
                 timeout=3,
             )
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_the_token_is_not(
+    secure_server: tuple[RouterThread, bytes],
+) -> None:
+    server, cert = secure_server
+    with _secure_channel(server, cert) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for scheme in ("bearer", "BEARER", "bEaReR"):
+            metadata = [("authorization", f"{scheme} {TOKEN}")]
+            assert health.Check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=10)
+        for value in (f"bearer {TOKEN.upper()}", f"Basic {TOKEN}", f"Bearer{TOKEN}"):
+            with pytest.raises(grpc.RpcError) as error:
+                health.Check(
+                    health_pb2.HealthCheckRequest(), metadata=[("authorization", value)], timeout=10
+                )
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_an_unknown_method_is_unauthenticated_before_it_is_unimplemented(
+    secure_server: tuple[RouterThread, bytes],
+) -> None:
+    server, cert = secure_server
+    with _secure_channel(server, cert) as channel:
+        for method in ("/pdserve.v1.Generation/NoSuchMethod", "/no.such.Service/Call"):
+            unary = channel.unary_unary(method)
+            streaming = channel.unary_stream(method)
+            for metadata, code in (
+                (None, grpc.StatusCode.UNAUTHENTICATED),
+                ([("authorization", "Bearer wrong")], grpc.StatusCode.UNAUTHENTICATED),
+                ([("authorization", f"Bearer {TOKEN}")], grpc.StatusCode.UNIMPLEMENTED),
+            ):
+                with pytest.raises(grpc.RpcError) as error:
+                    unary(b"", metadata=metadata, timeout=10)
+                assert error.value.code() == code, (method, metadata)
+                with pytest.raises(grpc.RpcError) as error:
+                    list(streaming(b"", metadata=metadata, timeout=10))
+                assert error.value.code() == code, (method, metadata)
