@@ -13,11 +13,13 @@ model). Errors the user can fix end with exit code 2 and a one-line message.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -119,38 +121,84 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return apply_overrides(config, no_ray=True if args.no_ray else None, **overrides)
 
 
+class _ServeSignals:
+    """SIGINT/SIGTERM for `serve`: the first asks for a drain (during start-up it abandons the
+    start); a second one ends everything at once: every process this one started is killed by
+    id, Ray's temp dir removed, and the process exits. The handlers run on the main thread,
+    which only waits (`wait_for`), so a second signal is handled at once."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.serving = threading.Event()
+        self.cluster: object = None
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.stop.is_set():
+            self._exit_now(signum)
+        self.stop.set()
+        if not self.serving.is_set():  # still starting: abandon start-up (the `with` cleans up)
+            raise KeyboardInterrupt(f"signal {signum}")
+
+    def _exit_now(self, signum: int) -> None:
+        from deploy.ray_node import descendant_pids
+
+        _say(f"signal {signal.Signals(signum).name} again: stopping at once")
+        for pid in descendant_pids(os.getpid()):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        temp_dir = getattr(self.cluster, "temp_dir", None)  # a local Ray cluster's
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        os._exit(128 + signum)
+
+    def wait_for(self, work: Callable[[], object]) -> None:
+        """Run `work` on a thread; the main thread stays free for a second signal."""
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # handed to the main thread below
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="pdserve-shutdown", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+        if errors:
+            raise errors[0]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.demo import resolve_demo_model
     from deploy.launch import cluster_metrics_port, open_cluster
 
     config = serve_config(args)
-    stop = threading.Event()
-    serving = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-        if not serving.is_set():  # still starting: abandon start-up (the `with` cleans up)
-            raise KeyboardInterrupt(f"signal {signum}")
-
-    def install_handlers() -> None:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, on_signal)
-
-    install_handlers()
+    signals = _ServeSignals()
+    signals.install()
     say = _say
     model_dir = resolve_demo_model(None, sys.stdout) if config.model == "demo" else config.model
-    with open_cluster(config, model_dir, say=say) as cluster:
+    signals.cluster = cluster = open_cluster(config, model_dir, say=say)
+    with cluster:
         address = cluster.start(progress=say)
-        install_handlers()  # again: starting Ray installs its own SIGTERM handler (it aborts)
+        signals.install()  # again: starting Ray installs its own SIGTERM handler (it aborts)
         metrics_port = cluster_metrics_port(cluster)
         metrics = (
             f", metrics http://{config.router.host}:{metrics_port}/metrics" if metrics_port else ""
         )
         say(f"serving on {address}{metrics}; Ctrl-C to stop")
-        serving.set()
-        while not stop.wait(0.5):
+        signals.serving.set()
+        while not signals.stop.wait(0.5):
             pass
-        say("stopping: draining in-flight requests")
+        say(
+            f"stopping: draining in-flight requests (up to {config.router.shutdown_grace_s:g} s;"
+            " a second Ctrl-C stops at once)"
+        )
+        signals.wait_for(cluster.shutdown)
     say("stopped")
     return 0
 

@@ -86,10 +86,13 @@ def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         chunk_size=config.scheduler.chunk_size,
+        max_model_len=config.router.max_model_len,
     )
 
 
 def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:
+    """The router's config: the one builder both runtimes use (LocalCluster through the spec,
+    RayCluster through RayClusterConfig.from_cluster_spec), so their limits cannot drift."""
     router = config.router
     prefill_policy = (
         config.colocated.policy if config.mode == "colocated" else config.prefill.policy
@@ -106,6 +109,11 @@ def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:
         block_size=config.kv_cache.block_size,
         prefill_policy=prefill_policy,
         decode_policy=config.decode.policy,
+        max_model_len=router.max_model_len,
+        max_running_requests=router.max_running_requests,
+        max_queued_requests=router.max_queued_requests,
+        worker_timeout_s=router.worker_timeout_s,
+        shutdown_grace_s=router.shutdown_grace_s,
     )
 
 

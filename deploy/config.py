@@ -18,7 +18,9 @@ so a typo fails at start-up instead of silently keeping a default. The schema, w
     kv_cache:  {block_size: 16, memory_mb: 256, num_blocks: null}
     scheduler: {chunk_size: 512, max_num_seqs: 64, max_num_batched_tokens: 2048}
     router:    {host: 127.0.0.1, port: 50051, metrics_port: null, auth_token: null,
-                auth_token_file: null, tls_cert_file: null, tls_key_file: null}
+                auth_token_file: null, tls_cert_file: null, tls_key_file: null,
+                max_running_requests: 256, max_queued_requests: 256, max_model_len: null,
+                worker_timeout_s: 10, shutdown_grace_s: 30}
     ray:       {enabled: true, address: null}   # null: a local Ray cluster on this machine
 """
 
@@ -142,7 +144,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class RouterSection:
-    """Where the gRPC router listens, and who may call it."""
+    """Where the gRPC router listens, who may call it, and what it admits.
+
+    Past `max_running_requests` dispatched plus `max_queued_requests` waiting, a request gets
+    RESOURCE_EXHAUSTED. `max_model_len` (null: the model's) caps prompt plus output tokens, for
+    the workers too. `worker_timeout_s` bounds one call to a worker. On SIGINT/SIGTERM, in-flight
+    streams get `shutdown_grace_s` to finish (the drain) before they are cut.
+    """
 
     host: str = "127.0.0.1"
     port: int = 50051
@@ -151,8 +159,20 @@ class RouterSection:
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    max_running_requests: int = 256
+    max_queued_requests: int = 256
+    max_model_len: int | None = None
+    worker_timeout_s: float = 10.0
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
+        _check_int("router", "max_running_requests", self.max_running_requests, 1)
+        _check_int("router", "max_queued_requests", self.max_queued_requests, 0)
+        _check_int("router", "max_model_len", self.max_model_len, 2, allow_none=True)
+        for name in ("worker_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"router.{name} must be a number of seconds > 0, got {value!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(
                 f"router.host must be an address such as 127.0.0.1, got {self.host!r}"

@@ -38,7 +38,8 @@ class Cluster(Protocol):
 
 
 def ray_cluster_config(config: ServeConfig, model_dir: str) -> RayClusterConfig:
-    """The config file, field by field, as deploy/ray_config.RayClusterConfig."""
+    """The config file as deploy/ray_config.RayClusterConfig: the ClusterSpec plain processes
+    run, with its role and router configs taken whole."""
     from deploy.ray_config import RayClusterConfig
 
     if config.mode != "disaggregated":
@@ -46,32 +47,7 @@ def ray_cluster_config(config: ServeConfig, model_dir: str) -> RayClusterConfig:
             f"mode {config.mode!r} runs as plain processes only: set ray.enabled: false "
             "(or pass --no-ray)"
         )
-    router = config.router
-    return RayClusterConfig(
-        model_dir=model_dir,
-        dtype=config.dtype,
-        device=config.device,
-        num_prefill_instances=config.prefill.instances,
-        prefill_tp_size=config.prefill.tensor_parallel_size,
-        num_decode_instances=config.decode.instances,
-        decode_tp_size=config.decode.tensor_parallel_size,
-        block_size=config.kv_cache.block_size,
-        num_kv_blocks=config.kv_cache.num_blocks,
-        kv_cache_memory_bytes=config.kv_cache.memory_mb * 1024 * 1024,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        chunk_size=config.scheduler.chunk_size,
-        prefill_policy=config.prefill.policy,
-        decode_policy=config.decode.policy,
-        host=router.host,
-        port=router.port,
-        metrics_port=router.metrics_port,
-        auth_token=router.resolved_auth_token(),
-        tls_cert_file=router.tls_cert_file,
-        tls_key_file=router.tls_key_file,
-        address=config.ray.address,
-        pin_cpus=config.pin_cpus,
-    )
+    return RayClusterConfig.from_cluster_spec(build_cluster_spec(config, model_dir))
 
 
 def open_cluster(

@@ -89,6 +89,11 @@ class RayCluster:
         """host:port of the router's gRPC server (after `start`)."""
         return self._address
 
+    @property
+    def temp_dir(self) -> str | None:
+        """The temp dir of the local Ray cluster this object started (None when joined)."""
+        return None if self._node is None else self._node.temp_dir
+
     # ---------------------------------------------------------------- start
     def start(self, progress: Progress | None = None) -> str:
         """Bring the whole cluster up; returns the router's address once health is SERVING."""
@@ -96,6 +101,8 @@ class RayCluster:
         try:
             self._step("ray", say, "starting Ray" if self.config.address is None
                        else f"joining Ray at {self.config.address}", self._start_ray)  # fmt: skip
+            if self.temp_dir is not None:
+                say(f"Ray temp dir {self.temp_dir}")
             self._step("placement", say, f"reserving {self.config.num_workers} workers",
                        self._place)  # fmt: skip
             self._step("workers", say, "loading the model on every worker", self._start_workers)
@@ -176,7 +183,7 @@ class RayCluster:
     def _form_kv_channels(self) -> None:
         form_all_channels(
             self._actors_of("prefill-"), self._actors_of("decode-"), self.config.prefill_tp_size,
-            self.config.kv_transfer_timeout_s + 10,
+            self.config.prefill_config().kv_transfer.transfer_timeout_s + 10,
         )  # fmt: skip
 
     def _peers_of(self, role: Role) -> dict[str, int]:
@@ -222,13 +229,14 @@ class RayCluster:
         return bool(reply.status == _SERVING)
 
     def _channel(self) -> grpc.Channel:
-        if self.config.tls_cert_file is None:
+        cert_file = self.config.router_config().tls_cert_file
+        if cert_file is None:
             return grpc.insecure_channel(self._address)
-        root = Path(self.config.tls_cert_file).read_bytes()
+        root = Path(cert_file).read_bytes()
         return grpc.secure_channel(self._address, grpc.ssl_channel_credentials(root))
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        token = self.config.auth_token
+        token = self.config.router_config().auth_token
         return (("authorization", f"Bearer {token}"),) if token else ()
 
     def status(self, timeout_s: float = 5.0) -> ClusterStatus:
@@ -278,22 +286,23 @@ class RayCluster:
         if self._closed:
             return
         self._closed = True
-        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        grace = self.config.router_config().shutdown_grace_s if grace_s is None else grace_s
         if ray.is_initialized():
             self._stop_actors(grace)
             remove_placements(self.placements)
         if self._node is not None:
-            survivors = self._node.stop()
+            survivors = self._node.stop(timeout_s=6.0)
             if survivors:
                 logger.error("processes still running after shutdown: %s", survivors)
 
     def _stop_actors(self, grace_s: float) -> None:
         if self.router_actor is not None:
             _best_effort(lambda: ray.get(self.router_actor.stop.remote(grace_s),
-                                         timeout=grace_s + 10))  # fmt: skip
+                                         timeout=grace_s + 5))  # fmt: skip
         stops = [actor.shutdown.remote() for actor in self.worker_actors.values()]
         if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=15)
+            # after the drain, all of shutdown fits in ~15 s: workers 5, Ray's processes 6
+            ray.wait(stops, num_returns=len(stops), timeout=5)
         for actor in [*self.worker_actors.values(), *self.rank_actors, self.router_actor]:
             if actor is not None:
                 _best_effort(lambda a=actor: ray.kill(a, no_restart=True))

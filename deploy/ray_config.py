@@ -1,13 +1,16 @@
 """What a RayCluster is built from (one frozen dataclass), and what `status()` reports.
 
-The YAML config and the command line (deploy/config.py, deploy/cli.py) map onto
-RayClusterConfig field by field; the worker and router configs are derived from it here, so
+The YAML config and the command line (deploy/config.py, deploy/cli.py) become a ClusterSpec
+(deploy/cluster_spec.py), the same one plain processes run; `RayClusterConfig.from_cluster_spec`
+takes its role configs and router config whole, so both runtimes serve with the same limits.
+Built field by field (tests, scripts), the worker and router configs are derived here, so
 prefill, decode and router always agree on block size, model length and dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from decode_worker.config import DecodeConfig
 from engine.config import EngineConfig
@@ -15,6 +18,9 @@ from engine.messages import InstanceLoad, Role
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig
+
+if TYPE_CHECKING:
+    from deploy.cluster_spec import ClusterSpec
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,8 @@ class RayClusterConfig:
     workers (at most 1 each). `prefill_resources` / `decode_resources` are custom Ray resources
     added to each worker's bundle (e.g. {"prefill_node": 0.01}) to pin roles to node groups.
     `max_restarts`: how often Ray restarts a worker actor that died.
+    `router`, `prefill`, `decode`: when given (from_cluster_spec), used as they are in place of
+    the configs the flat fields would build.
     """
 
     model_dir: str
@@ -66,6 +74,9 @@ class RayClusterConfig:
     decode_resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 3
     start_timeout_s: float = 180.0
+    router: RouterConfig | None = None
+    prefill: PrefillConfig | None = None
+    decode: DecodeConfig | None = None
 
     def __post_init__(self) -> None:
         counts = {
@@ -87,6 +98,24 @@ class RayClusterConfig:
                     raise ValueError(f"{name}[{key!r}] must be a positive amount, got {amount!r}")
         self.engine_config(1)  # the engine and router check the rest, with their own messages
         self.router_config()
+
+    @classmethod
+    def from_cluster_spec(cls, spec: ClusterSpec, **ray_options: object) -> RayClusterConfig:
+        """The spec's role configs and router config, as they are (`ray_options`: address,
+        max_restarts, ... the fields no spec holds)."""
+        if spec.is_colocated or spec.prefill is None or spec.decode is None:
+            raise ValueError("a Ray cluster runs the disaggregated layout only")
+        engine = spec.prefill.engine
+        options: dict = {"address": spec.ray_address, "pin_cpus": spec.pin_cpus, **ray_options}
+        return cls(
+            model_dir=spec.model_dir, dtype=engine.dtype, device=engine.device,
+            num_prefill_instances=spec.num_prefill_instances,
+            prefill_tp_size=engine.tensor_parallel_size,
+            num_decode_instances=spec.num_decode_instances,
+            decode_tp_size=spec.decode.engine.tensor_parallel_size,
+            block_size=engine.block_size, max_model_len=engine.max_model_len,
+            router=spec.router, prefill=spec.prefill, decode=spec.decode, **options,
+        )  # fmt: skip
 
     @property
     def num_workers(self) -> int:
@@ -111,12 +140,18 @@ class RayClusterConfig:
         )
 
     def prefill_config(self) -> PrefillConfig:
+        if self.prefill is not None:
+            return self.prefill
         return PrefillConfig(self.engine_config(self.prefill_tp_size), self.kv_transfer_config())
 
     def decode_config(self) -> DecodeConfig:
+        if self.decode is not None:
+            return self.decode
         return DecodeConfig(self.engine_config(self.decode_tp_size), self.kv_transfer_config())
 
     def router_config(self) -> RouterConfig:
+        if self.router is not None:
+            return self.router
         return RouterConfig(
             model_dir=self.model_dir, host=self.host, port=self.port,
             metrics_port=self.metrics_port, tls_cert_file=self.tls_cert_file,

@@ -154,11 +154,42 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
     assert (decode.chunk_size, decode.max_num_seqs, decode.max_num_batched_tokens) == (64, 7, 128)
     assert spec.router.auth_token == "s3cret" and spec.router.prefill_policy == "prefix_affinity"
     ray_config = ray_cluster_config(config, model_dir)
-    assert ray_config.prefill_config() == spec.prefill.__class__(
-        prefill, ray_config.kv_transfer_config()
-    )
-    assert (ray_config.num_decode_instances, ray_config.auth_token) == (3, "s3cret")
+    assert ray_config.prefill_config() == spec.prefill
+    assert ray_config.decode_config() == spec.decode
+    assert ray_config.num_decode_instances == 3
+    assert ray_config.router_config().auth_token == "s3cret"
     assert ray_config.router_config().prefill_policy == "prefix_affinity"
+
+
+def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
+    """One builder: the limits a user sets reach the router whether Ray runs it or not."""
+    router = {
+        "port": 0, "max_running_requests": 3, "max_queued_requests": 2, "max_model_len": 300,
+        "worker_timeout_s": 7.5, "shutdown_grace_s": 12,
+    }  # fmt: skip
+    config = parse_config({"model": model_dir, "router": router})
+    plain = build_cluster_spec(config).router
+    assert plain == ray_cluster_config(config, model_dir).router_config()
+    assert (plain.max_running_requests, plain.max_queued_requests) == (3, 2)
+    assert (plain.max_model_len, plain.worker_timeout_s, plain.shutdown_grace_s) == (300, 7.5, 12)
+    spec = build_cluster_spec(config)
+    assert spec.prefill is not None and spec.prefill.engine.max_model_len == 300
+    # the defaults agree too, and the drain outlasts a typical stream
+    default = parse_config({"model": model_dir})
+    plain = build_cluster_spec(default).router
+    assert plain == ray_cluster_config(default, model_dir).router_config()
+    assert (plain.max_running_requests, plain.max_queued_requests) == (256, 256)
+    assert plain.shutdown_grace_s == 30
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("max_running_requests", 0), ("max_queued_requests", -1), ("shutdown_grace_s", 0),
+     ("worker_timeout_s", "soon"), ("max_model_len", 1)],
+)  # fmt: skip
+def test_router_limits_are_checked(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"router.{key} must be"):
+        parse_config({"router": {key: value}})
 
 
 def test_colocated_layout_has_replicas_and_no_ray(model_dir: str) -> None:

@@ -1,6 +1,7 @@
-"""SIGTERM or SIGINT to `python -m deploy.cli serve` (a local Ray cluster): the stream in flight
-ends, the process exits 0, and every process it started (GCS, raylet, agents, every actor, the
-TP rank actor) is gone."""
+"""SIGTERM or SIGINT to `python -m deploy.cli serve` on a local Ray cluster, sent to the whole
+process group (what systemd and a terminal's Ctrl-C do): the stream in flight finishes within the
+drain, the process exits 0, and every process it started (GCS, raylet, agents, every actor, the
+TP rank actor) is gone, with Ray's temp dir. A second signal ends the drain at once."""
 
 from __future__ import annotations
 
@@ -35,66 +36,119 @@ router:
   port: 0
   metrics_port: null
 """
+_PROMPT = [1, 7, 9, 30, 41]
+_MAX_TOKENS = 480
 
 
-def _read_lines(pipe: object, lines: queue.Queue[str]) -> None:
-    for line in pipe:  # type: ignore[attr-defined]
-        lines.put(line)
+class Serve:
+    """`deploy.cli serve` in its own session (its pid is its process group), output collected."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        model_dir = tiny_model_with_tokenizer(tmp_path)
+        config = tmp_path / "serve.yaml"
+        config.write_text(CONFIG.format(model_dir=model_dir))
+        env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", "--config", str(config)],
+            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:  # type: ignore[union-attr]
+            self.lines.put(line)
+
+    def wait_for(self, marker: str, timeout_s: float) -> str:
+        """The rest of the first output line holding `marker`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            if marker in line:
+                return line.split(marker, 1)[1].strip()
+        pytest.fail(f"serve did not print {marker!r}:\n" + self.output())
+
+    def output(self) -> str:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return "".join(self.seen[-60:])
+
+    def signal_group(self, signum: int) -> None:
+        os.killpg(self.process.pid, signum)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
 
 
-def _wait_for_address(lines: queue.Queue[str], seen: list[str], timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        seen.append(line)
-        if "serving on " in line:
-            return line.split("serving on ", 1)[1].split()[0].rstrip(";,")
-    pytest.fail("serve did not report its address:\n" + "".join(seen[-40:]))
+def _start_stream(address: str) -> tuple[threading.Thread, list[StreamResult]]:
+    started: list[int] = []
+    results: list[StreamResult] = []
+    streamer = threading.Thread(
+        target=lambda: results.append(stream(address, _PROMPT, _MAX_TOKENS, 120, started))
+    )
+    streamer.start()
+    deadline = time.monotonic() + 30
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert started, "the stream did not start"
+    return streamer, results
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_to_serve_drains_and_leaves_no_process(tmp_path: Path, signum: int) -> None:
-    model_dir = tiny_model_with_tokenizer(tmp_path)
-    config = tmp_path / "serve.yaml"
-    config.write_text(CONFIG.format(model_dir=model_dir))
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", "--config", str(config)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(serve.stdout, lines), daemon=True).start()
-    seen: list[str] = []
-    pids: list[int] = []
-    try:
-        address = _wait_for_address(lines, seen, 150)
-        started: list[int] = []
-        results: list[StreamResult] = []
-        streamer = threading.Thread(
-            target=lambda: results.append(stream(address, [1, 7, 9, 30, 41], 400, 60, started))
-        )
-        streamer.start()
-        deadline = time.monotonic() + 30
-        while not started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        pids = descendant_pids(serve.pid)
-        assert len(pids) >= 8, pids  # gcs, raylet, agents, monitor, router, workers, rank
-        serve.send_signal(signum)
-        assert serve.wait(60) == 0, "".join(seen[-40:])
-        streamer.join(30)
-        # the stream either finished in the drain or was ended by the shutdown
-        assert results[0].code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE,
-                                   grpc.StatusCode.CANCELLED), results[0]  # fmt: skip
-        if results[0].code == grpc.StatusCode.OK:
-            assert len(results[0].token_ids) == 400
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait(10)
+def _assert_nothing_left(pids: list[int], temp_dir: str) -> None:
     deadline = time.monotonic() + 10
     while any(process_is_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [pid for pid in pids if process_is_running(pid)] == []
+    assert not Path(temp_dir).exists(), f"Ray's temp dir {temp_dir} was left behind"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_group_drains_and_leaves_no_process(tmp_path: Path, signum: int) -> None:
+    serve = Serve(tmp_path)
+    pids: list[int] = []
+    try:
+        temp_dir = serve.wait_for("Ray temp dir ", 150)
+        address = serve.wait_for("serving on ", 150).split()[0].rstrip(";,")
+        streamer, results = _start_stream(address)
+        pids = descendant_pids(serve.process.pid)
+        assert len(pids) >= 8, pids  # gcs, raylet, agents, monitor, router, workers, rank
+        began = time.monotonic()
+        serve.signal_group(signum)
+        assert serve.process.wait(60) == 0, serve.output()
+        streamer.join(30)
+        # the drain let the stream finish: every token, status OK
+        assert results[0].code == grpc.StatusCode.OK, (results[0], serve.output())
+        assert len(results[0].token_ids) == _MAX_TOKENS
+        assert time.monotonic() - began < 45
+        assert "Traceback" not in serve.output()
+    finally:
+        serve.kill()
+    _assert_nothing_left(pids, temp_dir)
+
+
+def test_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
+    serve = Serve(tmp_path)
+    pids: list[int] = []
+    try:
+        temp_dir = serve.wait_for("Ray temp dir ", 150)
+        address = serve.wait_for("serving on ", 150).split()[0].rstrip(";,")
+        streamer, _results = _start_stream(address)
+        pids = descendant_pids(serve.process.pid)
+        serve.signal_group(signal.SIGTERM)
+        serve.wait_for("draining", 10)
+        began = time.monotonic()
+        serve.signal_group(signal.SIGTERM)
+        serve.process.wait(15)
+        assert time.monotonic() - began < 10, serve.output()
+        streamer.join(30)
+    finally:
+        serve.kill()
+    _assert_nothing_left(pids, temp_dir)
