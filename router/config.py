@@ -20,6 +20,8 @@ class RouterConfig:
     at once. `max_model_len` must match the workers' (None: the model's max_position_embeddings).
     `block_size` must match the workers' KV block size (the prefix-affinity policy hashes prompt
     blocks the way their prefix caches do).
+    A prompt longer than `max_prompt_chars_per_token * max_model_len` characters is refused before
+    it is tokenized (a generous bound: real text averages a few characters per token).
     """
 
     model_dir: str
@@ -38,6 +40,7 @@ class RouterConfig:
     max_queued_requests: int = 256
     default_max_tokens: int = 16
     max_stop_strings: int = 16
+    max_prompt_chars_per_token: int = 32
     load_refresh_interval_s: float = 0.1
     poll_timeout_s: float = 0.5
     worker_timeout_s: float = 10.0
@@ -72,7 +75,13 @@ class RouterConfig:
             )
 
     def _check_positive_ints(self) -> None:
-        names = ("block_size", "max_running_requests", "default_max_tokens", "max_stop_strings")
+        names = (
+            "block_size",
+            "max_running_requests",
+            "default_max_tokens",
+            "max_stop_strings",
+            "max_prompt_chars_per_token",
+        )
         for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -75,8 +75,8 @@ class Router:
         runner = GenerationRunner(
             self.pool, dispatcher, self.admission, self.tokenizer, self.metrics
         )
-        validator = RequestValidator(config, self.tokenizer, self.limits)
-        self._servicer = GenerationServicer(validator, runner, self.metrics)
+        self._validator = RequestValidator(config, self.tokenizer, self.limits)
+        self._servicer = GenerationServicer(self._validator, runner, self.metrics)
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -148,6 +148,7 @@ class Router:
             await self._server.stop(grace)
             self._server = None
         await self.pool.stop()
+        self._validator.close()
         self.metrics.close()
 
     async def wait_for_termination(self) -> None:

@@ -95,7 +95,7 @@ class GenerationServicer:
         try:
             if isinstance(request, MalformedRequest):
                 raise InvalidRequest(request.message)
-            return self._validator.validate(request)
+            return await self._validator.validate(request)
         except InvalidRequest as exc:
             self._metrics.request_failure.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

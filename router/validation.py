@@ -2,12 +2,21 @@
 
 Every rejection is an `InvalidRequest` whose message says what to fix; the servicer answers it
 with INVALID_ARGUMENT. Nothing here touches a worker.
+
+A prompt's size is checked before it is tokenized (a bound of `max_prompt_chars_per_token`
+characters per token of the model's maximum length), so an oversized prompt costs nothing. A
+long prompt is tokenized on a thread of its own (the tokenizer releases the GIL), so the event
+loop keeps streaming every other request's tokens meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pdserve_proto.v1 import generation_pb2 as pb
 
@@ -18,6 +27,17 @@ from router.tokenizer import ChatTemplateError, ModelLimits, RouterTokenizer
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_CHARS = 128
 MAX_TEMPERATURE = 100.0
+# Below this a temperature means greedy, as in vLLM: dividing logits by a tinier one overflows
+# them (1e-45 is 0 in float32, and every token came out as id 0).
+MIN_TEMPERATURE = 1e-5
+# A smaller top_p is 0 in float32 or close to it: it means greedy, so ask for that instead.
+MIN_TOP_P = 1e-6
+# Shorter prompts are tokenized on the event loop: a hop to a thread costs more than they do.
+MAX_INLINE_TOKENIZE_CHARS = 8192
+_TOKENIZER_THREADS = 2
+
+
+_T = TypeVar("_T")
 
 
 class InvalidRequest(ValueError):
@@ -39,12 +59,17 @@ class RequestValidator:
         self._config = config
         self._tokenizer = tokenizer
         self._limits = limits
+        self._max_prompt_chars = limits.max_model_len * config.max_prompt_chars_per_token
+        self._executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
-    def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
         request_id = self._request_id(request.request_id)
         params = self._sampling_params(request)
         stop_strings = self._stop_strings(request.stop)
-        prompt_token_ids = self._prompt_token_ids(request)
+        prompt_token_ids = await self._prompt_token_ids(request)
         num_total = len(prompt_token_ids) + params.max_tokens
         if num_total > self._limits.max_model_len:
             raise InvalidRequest(
@@ -64,7 +89,7 @@ class RequestValidator:
             )
         return request_id
 
-    def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
         given = [
             name
             for name, present in (
@@ -79,19 +104,42 @@ class RequestValidator:
         if len(given) > 1:
             raise InvalidRequest(f"set only one of prompt, token_ids or messages, not {given}")
         if request.prompt:
-            return self._tokenizer.encode(request.prompt)
+            prompt = request.prompt
+            self._check_prompt_chars("the prompt has", len(prompt))
+            return await self._tokenize(self._tokenizer.encode, prompt, len(prompt))
         if request.token_ids:
+            if len(request.token_ids) > self._limits.max_model_len:
+                raise InvalidRequest(
+                    f"token_ids has {len(request.token_ids)} ids, over the model's maximum "
+                    f"length {self._limits.max_model_len}; shorten the prompt"
+                )
             return self._check_token_ids("token_ids", list(request.token_ids))
-        return self._chat_token_ids(request.messages)
+        return await self._chat_token_ids(request.messages)
 
-    def _chat_token_ids(self, messages: list[pb.ChatMessage]) -> list[int]:
+    def _check_prompt_chars(self, what: str, num_chars: int) -> None:
+        if num_chars > self._max_prompt_chars:
+            raise InvalidRequest(
+                f"{what} {num_chars} characters, over the limit of {self._max_prompt_chars} "
+                f"({self._config.max_prompt_chars_per_token} per token of the model's maximum "
+                f"length {self._limits.max_model_len}); shorten the prompt"
+            )
+
+    async def _tokenize(self, encode: Callable[[_T], list[int]], text: _T, size: int) -> list[int]:
+        if size <= MAX_INLINE_TOKENIZE_CHARS:
+            return encode(text)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, encode, text)
+
+    async def _chat_token_ids(self, messages: list[pb.ChatMessage]) -> list[int]:
         for index, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
                 raise InvalidRequest(
                     f"messages[{index}].role is {message.role!r}; use one of {CHAT_ROLES}"
                 )
+        num_chars = sum(len(m.content) for m in messages)
+        self._check_prompt_chars("the messages have", num_chars)
+        turns = [(m.role, m.content) for m in messages]
         try:
-            token_ids = self._tokenizer.encode_chat([(m.role, m.content) for m in messages])
+            token_ids = await self._tokenize(self._tokenizer.encode_chat, turns, num_chars)
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc)) from exc
         if not token_ids:
@@ -121,9 +169,14 @@ class RequestValidator:
             raise InvalidRequest(
                 f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {temperature}"
             )
+        if temperature < MIN_TEMPERATURE:
+            temperature = 0.0
         top_p = request.top_p if request.HasField("top_p") else 1.0
-        if not 0.0 < top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
+        if not MIN_TOP_P <= top_p <= 1.0:  # also false for NaN
+            raise InvalidRequest(
+                f"top_p must be in [{MIN_TOP_P:g}, 1] (1 disables it; for greedy set "
+                f"temperature 0), got {top_p}"
+            )
         top_k = request.top_k if request.HasField("top_k") else 0
         if top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}")

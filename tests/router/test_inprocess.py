@@ -116,3 +116,15 @@ def test_cancelled_stream_frees_every_kv_block(
         0,
         0,
     )
+
+
+def test_a_vanishing_temperature_is_greedy(stub: pb_grpc.GenerationStub) -> None:
+    # 1e-45 is 0 in float32: dividing the logits by it made every token id 0.
+    base = pb.GenerateRequest(token_ids=[1, 40, 41, 42], max_tokens=8, ignore_eos=True)
+    greedy = list(stub.GenerateUnary(base, timeout=30).token_ids)
+    for temperature in (1e-45, 1e-7):
+        request = pb.GenerateRequest()
+        request.CopyFrom(base)
+        request.temperature = temperature
+        assert list(stub.GenerateUnary(request, timeout=30).token_ids) == greedy
+    assert greedy != [0] * 8
