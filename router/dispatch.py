@@ -54,7 +54,7 @@ class Dispatcher:
             if prefill_id is None or (self._pool.disaggregated and decode_id is None):
                 raise self._no_candidate_left(num_overloaded, len(refused))
             worker_request = WorkerRequest(
-                request.request_id,
+                channel.request_id,  # the worker-side id of this attempt
                 request.prompt_token_ids,
                 request.params,
                 arrival_time,

@@ -4,6 +4,8 @@
       -> submit to prefill -> events: first token (prefill), then the rest (decode)
       -> detokenize, cut at stop strings -> chunks to the servicer
 
+Workers know the request by its channel's id, unique to this attempt; the client's request_id
+appears only in what goes back to the client (two attempts may share it).
 Whatever ends the request (finish, stop string, client cancel or deadline, error), `finally`
 frees its admission slot and tells every instance that may hold state for it to abort, except
 the one whose finish event ended it (that one freed its state itself). gRPC stays out of this
@@ -91,11 +93,6 @@ class GenerationRunner:
 
     async def generate(self, request: ValidatedRequest) -> AsyncIterator[GenerationChunk]:
         """Chunks of new tokens and text; the last has finish_reason. Raises GenerationFailed."""
-        if self._pool.has_channel(request.request_id):
-            raise GenerationFailed(
-                FailureKind.DUPLICATE_ID,
-                f"request_id {request.request_id!r} is already running; use a unique id",
-            )
         progress = _Progress(
             IncrementalDetokenizer(self._tokenizer),
             StopStringMatcher(request.stop_strings),
@@ -126,7 +123,7 @@ class GenerationRunner:
             if dispatch is not None:
                 self._dispatcher.release(dispatch, prefilled=progress.first_token_at is not None)
             self._pool.abort_everywhere(
-                request.request_id, channel.holder_ids - {progress.finished_by}
+                channel.request_id, channel.holder_ids - {progress.finished_by}
             )
 
     def _update_queue_gauges(self) -> None:

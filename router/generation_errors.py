@@ -9,7 +9,6 @@ class FailureKind(enum.Enum):
     OVERLOADED = "overloaded"  # RESOURCE_EXHAUSTED
     UNAVAILABLE = "unavailable"  # UNAVAILABLE
     WORKER_ERROR = "worker_error"  # INTERNAL
-    DUPLICATE_ID = "duplicate_id"  # ALREADY_EXISTS
 
 
 class GenerationFailed(Exception):

@@ -25,7 +25,6 @@ _STATUS_BY_FAILURE = {
     FailureKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     FailureKind.WORKER_ERROR: grpc.StatusCode.INTERNAL,
-    FailureKind.DUPLICATE_ID: grpc.StatusCode.ALREADY_EXISTS,
 }
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,

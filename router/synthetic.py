@@ -11,7 +11,8 @@ or check is the router: its dispatch, streaming, cancellation and overhead.
     SyntheticColocated both in one instance (ticket=None).
 
 Tokens cycle through ids [3, vocab_size) from a per-request offset; `emit_times[request_id]`
-records when each token was produced (time.perf_counter), for the benchmark. A request finishes
+records when each token was produced (time.perf_counter), for the benchmark, by the client's
+request_id. A request finishes
 with "length" after max_tokens tokens.
 """
 
@@ -31,6 +32,7 @@ from router.worker_api import (
     TokenEvent,
     WorkerRequest,
 )
+from router.worker_pool import client_request_id
 
 _FIRST_ORDINARY_ID = 3  # ids 0-2 are <unk>, <s>, </s> in the tiny tokenizer
 
@@ -157,7 +159,8 @@ class SyntheticWorker:
             source=self.instance_id,
         )
         if self.record_emit_times:
-            self.emit_times.setdefault(request.request_id, []).append(time.time())
+            client_id = client_request_id(request.request_id)
+            self.emit_times.setdefault(client_id, []).append(time.time())
         if finished:
             self._sequences.pop(request.request_id, None)
             self.pool.free(sequence.block_ids)

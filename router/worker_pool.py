@@ -2,7 +2,12 @@
 
 One background task per handle long-polls `poll_events` and routes each TokenEvent by
 request_id to that request's `RequestChannel` (events for a request that is gone are dropped:
-it was aborted, and the abort reached the worker). Another task refreshes every load each
+it was aborted, and the abort reached the worker).
+
+Workers never see the client's request_id: each attempt gets a worker-side id of its own,
+`<client id>@<router run>-<n>`, used for every worker call, event, abort and KV ticket. A client
+that reuses an id (right after cancelling it, or concurrently) can then never receive another
+attempt's tokens, nor have its new attempt hit by the abort of the old one. Another task refreshes every load each
 `load_refresh_interval_s` for the policies and the metrics.
 
 A handle that fails (WorkerUnavailable, a timeout, any error) is marked unhealthy: policies
@@ -13,8 +18,10 @@ It becomes healthy again when a load report says so (a restarted worker).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import uuid
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -35,6 +42,12 @@ logger = logging.getLogger(__name__)
 _RETRY_AFTER_FAILURE_S = 0.5
 
 
+def client_request_id(worker_request_id: str) -> str:
+    """The client's request_id inside a worker-side id (an id without '@' is its own)."""
+    client_id, separator, _attempt = worker_request_id.rpartition("@")
+    return client_id if separator else worker_request_id
+
+
 @dataclass(frozen=True)
 class InstanceLost:
     instance_id: str
@@ -51,7 +64,7 @@ class RequestChannel:
     """
 
     def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the worker-side id, unique to this attempt
         self.holder_ids: set[str] = set()
         self._loop = asyncio.get_running_loop()
         self._items: deque[TokenEvent | InstanceLost] = deque()
@@ -115,7 +128,10 @@ class WorkerPool:
             )
         self._prefill_ids = [h.instance_id for h in prefill_handles]
         self._decode_ids = [h.instance_id for h in decode_handles]
-        self._channels: dict[str, RequestChannel] = {}
+        self._channels: dict[str, RequestChannel] = {}  # by worker-side request id
+        # A run token keeps ids unique across router restarts too: workers may outlive a router.
+        self._id_prefix = uuid.uuid4().hex[:8]
+        self._attempt_numbers = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._abort_tasks: set[asyncio.Task[None]] = set()
 
@@ -137,17 +153,16 @@ class WorkerPool:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def open_channel(self, request_id: str) -> RequestChannel:
-        if request_id in self._channels:
-            raise KeyError(request_id)
+    def open_channel(self, client_request_id: str) -> RequestChannel:
+        """A channel for one attempt at a request, under a worker-side id no other has had.
+        (The digits after the last '@' are the attempt number, so no two attempts, whatever
+        their client ids, share a worker-side id.)"""
+        request_id = f"{client_request_id}@{self._id_prefix}-{next(self._attempt_numbers)}"
         channel = self._channels[request_id] = RequestChannel(request_id)
         return channel
 
     def close_channel(self, channel: RequestChannel) -> None:
         self._channels.pop(channel.request_id, None)
-
-    def has_channel(self, request_id: str) -> bool:
-        return request_id in self._channels
 
     def handle(self, instance_id: str) -> WorkerHandle:
         return self._instances[instance_id].handle

@@ -1,0 +1,139 @@
+"""The router over a real disaggregated cluster (a prefill and a decode worker in plain
+processes, deploy/local_cluster.py): a request_id reused right after a cancel, or by two clients
+at once, never mixes up attempts; and streams already decoding survive the prefill's death.
+
+The processes are shared by the module (start-up dominates the time on 2 cores); the last test
+kills the prefill worker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from pdserve_proto.v1 import generation_pb2 as pb
+from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
+
+from decode_worker.config import DecodeConfig
+from deploy.cluster_spec import ClusterSpec
+from deploy.local_cluster import LocalCluster
+from engine import LLM, EngineConfig, SamplingParams
+from kv_transfer.config import KVTransferConfig
+from prefill_worker.config import PrefillConfig
+from router.config import RouterConfig
+
+BLOCK_SIZE = 8
+NUM_KV_BLOCKS = 128
+PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [1, 99, 98, 97]]
+MAX_TOKENS = 12
+LONG_MAX_TOKENS = 480  # decoding takes a while: long enough to kill the prefill meanwhile
+NUM_REUSES = 8
+
+
+def _engine(model_dir: str) -> EngineConfig:
+    return EngineConfig(
+        model_dir=model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: str) -> dict[tuple[int, int], list[int]]:
+    """Greedy tokens by (prompt index, max_tokens), from the engine in this process."""
+    with LLM(tiny_model_dir, dtype="float64", block_size=BLOCK_SIZE, num_kv_blocks=256) as llm:
+        out = {}
+        for max_tokens in (MAX_TOKENS, LONG_MAX_TOKENS):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            for index, result in enumerate(llm.generate(PROMPTS, params)):
+                out[index, max_tokens] = result.token_ids
+        return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: str) -> Iterator[LocalCluster]:
+    kv = KVTransferConfig(transfer_timeout_s=10.0)
+    spec = ClusterSpec(
+        router=RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.05),
+        prefill=PrefillConfig(_engine(tiny_model_dir), kv),
+        num_prefill_instances=1,
+        decode=DecodeConfig(_engine(tiny_model_dir), kv),
+        num_decode_instances=1,
+    )
+    with LocalCluster(spec) as running:
+        running.start()
+        yield running
+
+
+@pytest.fixture(scope="module")
+def stub(cluster: LocalCluster) -> Iterator[pb_grpc.GenerationStub]:
+    with grpc.insecure_channel(cluster.address) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def _request(index: int, max_tokens: int, request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        token_ids=PROMPTS[index], max_tokens=max_tokens, ignore_eos=True, request_id=request_id
+    )
+
+
+def _collect(responses: Iterator[pb.GenerateResponse]) -> tuple[list[int], int, set[str]]:
+    """(token ids, finish reason, the request ids the responses carried)."""
+    token_ids: list[int] = []
+    finish_reason = pb.FINISH_REASON_UNSPECIFIED
+    ids = set()
+    for response in responses:
+        token_ids += response.token_ids
+        finish_reason = response.finish_reason
+        ids.add(response.request_id)
+    return token_ids, finish_reason, ids
+
+
+def _wait_for_free_pools(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        loads = cluster.status()
+        if all(load.num_free_blocks == load.num_total_blocks for load in loads):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"KV blocks still held: {cluster.status()}")
+
+
+def test_reusing_a_request_id_right_after_cancelling_it_gets_the_right_tokens(
+    cluster: LocalCluster, stub: pb_grpc.GenerationStub, expected: dict
+) -> None:
+    for attempt in range(NUM_REUSES):
+        old = stub.Generate(_request(attempt % 2, LONG_MAX_TOKENS, "reused"), timeout=60)
+        for _ in range(1 + attempt % 3):  # cancel at the first token, or while decoding
+            next(old)
+        old.cancel()
+        index = (attempt + 1) % 2  # another prompt: the old attempt's tokens would show
+        token_ids, finish_reason, ids = _collect(
+            stub.Generate(_request(index, MAX_TOKENS, "reused"), timeout=60)
+        )
+        assert (token_ids, finish_reason) == (expected[index, MAX_TOKENS], pb.FINISH_REASON_LENGTH)
+        assert ids == {"reused"}  # the client's id, not the worker-side one
+    _wait_for_free_pools(cluster)
+
+
+def test_two_concurrent_requests_with_one_id_are_both_served(
+    cluster: LocalCluster, stub: pb_grpc.GenerationStub, expected: dict
+) -> None:
+    results: dict[int, tuple[list[int], int, set[str]]] = {}
+
+    def run(index: int) -> None:
+        results[index] = _collect(stub.Generate(_request(index, MAX_TOKENS, "twin"), timeout=60))
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in (0, 1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for index in (0, 1, 2):
+        assert results[index] == (
+            expected[index, MAX_TOKENS],
+            pb.FINISH_REASON_LENGTH,
+            {"twin"},
+        )
+    _wait_for_free_pools(cluster)
