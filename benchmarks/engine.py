@@ -43,25 +43,43 @@ MODEL_CONFIG: dict[str, Any] = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
-DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "bench-llama-31m"
+# A TinyLlama-shaped model (~1.1B parameters) for GPUs, where the 31M one only measures launches.
+PRESETS: dict[str, dict[str, Any]] = {
+    "31m": MODEL_CONFIG,
+    "1b": {
+        **MODEL_CONFIG,
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 2048,
+    },
+}
+CACHE_DIR = Path.home() / ".cache" / "pdserve"
+DEFAULT_MODEL_DIR = CACHE_DIR / "bench-llama-31m"
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, target number of output tokens)
 
 
-def ensure_model(model_dir: Path) -> Path:
+def ensure_model(model_dir: Path, model_config: dict[str, Any] = MODEL_CONFIG) -> Path:
     """Build the random-weight benchmark model once (weights fixed by seed 0)."""
     if not (model_dir / "config.json").is_file():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG))
+        model = LlamaForCausalLM(LlamaConfig(**model_config))
         model.save_pretrained(str(model_dir))
     return model_dir
 
 
 def make_workload(
-    num_requests: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], seed: int
+    num_requests: int,
+    prompt_lens: tuple[int, int],
+    output_lens: tuple[int, int],
+    seed: int,
+    vocab_size: int = MODEL_CONFIG["vocab_size"],
 ) -> Workload:
     rng = random.Random(seed)
-    vocab_size = MODEL_CONFIG["vocab_size"]
     workload = []
     for _ in range(num_requests):
         prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_lens))]
@@ -105,12 +123,13 @@ def run_pdserve(llm: LLM, workload: Workload) -> int:
 
 def run_hf(model: LlamaForCausalLM, workload: Workload, batch_size: int) -> int:
     useful = 0
+    device = model.device
     for start in range(0, len(workload), batch_size):
         batch = workload[start : start + batch_size]
         max_prompt = max(len(p) for p, _ in batch)
-        input_ids = torch.tensor([[0] * (max_prompt - len(p)) + p for p, _ in batch])
+        input_ids = torch.tensor([[0] * (max_prompt - len(p)) + p for p, _ in batch], device=device)
         attention_mask = torch.tensor(
-            [[0] * (max_prompt - len(p)) + [1] * len(p) for p, _ in batch]
+            [[0] * (max_prompt - len(p)) + [1] * len(p) for p, _ in batch], device=device
         )
         max_new_tokens = max(n for _, n in batch)
         with torch.no_grad():
@@ -172,7 +191,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--workloads", default="mixed,uniform")
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both systems)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="31m", help="model shape")
+    parser.add_argument("--kv-cache-gb", type=float, default=None, help="pdserve's KV pool")
+    parser.add_argument("--model-dir", type=Path, default=None, help="default: by preset")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -182,19 +204,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     uniform = (args.uniform_prompt_len, args.uniform_output_len)
     if args.quick:
         num_requests, prompt_lens, output_lens, uniform = 8, (8, 64), (4, 16), (32, 8)
+    model_config = PRESETS[args.preset]
+    vocab_size = model_config["vocab_size"]
     workloads = {
-        "mixed": make_workload(num_requests, prompt_lens, output_lens, args.seed),
+        "mixed": make_workload(num_requests, prompt_lens, output_lens, args.seed, vocab_size),
         "uniform": make_workload(
-            num_requests, (uniform[0], uniform[0]), (uniform[1], uniform[1]), args.seed
+            num_requests, (uniform[0], uniform[0]), (uniform[1], uniform[1]), args.seed, vocab_size
         ),
     }
-    model_dir = ensure_model(args.model_dir)
+    model_dir = ensure_model(
+        args.model_dir or CACHE_DIR / f"bench-llama-{args.preset}", model_config
+    )
     dtype = getattr(torch, args.dtype)
-    hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-    engine_kwargs = {"max_num_seqs": args.max_num_seqs, "num_threads": args.threads}
+    hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device).eval()
+    engine_kwargs: dict[str, Any] = {
+        "max_num_seqs": args.max_num_seqs,
+        "num_threads": args.threads,
+        "device": args.device,
+    }
+    if args.kv_cache_gb is not None:
+        engine_kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gb * 2**30)
     results: dict[str, Any] = {}
     with LLM(str(model_dir), dtype=args.dtype, **engine_kwargs) as llm:
-        warmup = make_workload(2, (8, 16), (4, 4), args.seed + 1)
+        warmup = make_workload(2, (8, 16), (4, 4), args.seed + 1, vocab_size)
         run_pdserve(llm, warmup)
         run_hf(hf, warmup, args.hf_batch_size)
         for name in args.workloads.split(","):
@@ -204,7 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "engine",
         "workloads": results,
         "config": {
-            "model": {k: MODEL_CONFIG[k] for k in list(MODEL_CONFIG)[:6]},
+            "model": {k: model_config[k] for k in list(model_config)[:6]},
+            "preset": args.preset,
+            "device": args.device,
             "num_parameters": sum(p.numel() for p in hf.parameters()),
             "dtype": args.dtype,
             "threads": args.threads,

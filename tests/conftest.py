@@ -27,3 +27,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
         return built[key]
 
     return get
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`@pytest.mark.gpu` tests skip on machines without CUDA (CI, the CPU dev machines)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (a GPU test)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
