@@ -47,6 +47,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     num_threads: int | None = None  # torch threads per rank on CPU; None = 1 per rank
+    # How long one TP collective waits for the other ranks inside a step (a dead or stalled rank
+    # turns into an error within it). Idle ranks wait for their next step without a deadline.
+    tp_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -64,6 +67,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not (isinstance(self.tp_timeout_s, (int, float)) and 0 < self.tp_timeout_s < 1e6):
+            raise ValueError(f"tp_timeout_s must be seconds in (0, 1e6), got {self.tp_timeout_s!r}")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.chunk_size > self.max_num_batched_tokens:

@@ -3,12 +3,14 @@
 TP=1: the ModelRunner runs in the caller's process. TP>1: the caller's process is TP rank 0 (the
 driver); ranks 1..n-1 run `engine.ranks.run_rank` wherever the `RankLauncher` puts them (local
 processes by default, Ray actors under deploy/). Each step the driver
-broadcasts the ScheduledBatch over the gloo control group; every rank runs the same forward (the
-TP collectives pair up inside it) and the driver returns its full-vocab logits.
+posts the ScheduledBatch to the other ranks (engine/step_queue.py: an idle rank waits for it with
+no deadline); every rank runs the same forward (the TP collectives pair up inside it) and the
+driver returns its full-vocab logits.
 
 Failure handling: startup waits are bounded by `timeout_s`; a rank that dies turns the next (or
-current) step into a RuntimeError naming it, never a hang (gloo collectives also time out after
-`timeout_s`). `shutdown()` is idempotent and also runs on garbage collection and at exit.
+current) step into a RuntimeError naming it, never a hang (a collective waits at most
+`config.tp_timeout_s` for its peers), and `check_ranks()` lets an idle owner notice it too.
+`shutdown()` is idempotent and also runs on garbage collection and at exit.
 
 A process that is itself a TP rank (a prefill/decode worker rank) builds its runner directly:
 `init_tp_group(rank, size, port, device)` then `ModelRunner(config, rank, size)`.
@@ -42,6 +44,7 @@ from engine.ranks import (
     SpawnLauncher,
     run_worker_loop,
 )
+from engine.step_queue import StepQueue
 
 __all__ = ["Executor", "RankCall", "RankExtension", "free_port", "run_worker_loop"]
 
@@ -52,13 +55,15 @@ class _Ranks:
     def __init__(self, launcher: RankLauncher) -> None:
         self.launcher = launcher
         self.group_ready = False
+        self.steps: StepQueue | None = None
 
     def close(self, join_timeout_s: float = 10.0) -> None:
-        if self.group_ready and not self.launcher.dead():
+        if self.steps is not None and not self.launcher.dead():
             try:
-                parallel.tp_broadcast_object(SHUTDOWN)
+                self.steps.post(SHUTDOWN)
             except RuntimeError:
-                pass  # a rank died meanwhile; the launcher kills the rest below
+                pass  # the store failed; the launcher kills the ranks below
+        self.steps = None
         self.launcher.stop(join_timeout_s)
         if self.group_ready:
             parallel.destroy_tp_group()
@@ -72,8 +77,11 @@ class Executor:
     """
 
     def __init__(
-        self, config: EngineConfig, timeout_s: float = 120.0,
-        rank_extension: RankExtension | None = None, launcher: RankLauncher | None = None,
+        self,
+        config: EngineConfig,
+        timeout_s: float = 120.0,
+        rank_extension: RankExtension | None = None,
+        launcher: RankLauncher | None = None,
         master_addr: str = "127.0.0.1",
     ) -> None:
         self.config = config
@@ -139,13 +147,22 @@ class Executor:
         if self.tp_size == 1:
             return run_here()
         self._raise_if_dead()
+        assert self._workers.steps is not None
         try:
-            parallel.tp_broadcast_object(message)
+            self._workers.steps.post(message)
             return run_here()
         except RuntimeError as exc:
             dead = self._workers.launcher.dead()
             self._broken = f"{', '.join(dead)} died" if dead else f"TP step failed: {exc}"
             raise RuntimeError(f"TP step failed: {self._broken}") from exc
+
+    def check_ranks(self) -> None:
+        """Raise RuntimeError when a rank has died (or a step failed): the executor is then
+        unusable for good, and its owner should report itself down so it is restarted."""
+        if self._broken is not None:
+            raise RuntimeError(f"executor is unusable: {self._broken}")
+        if self.tp_size > 1 and self._finalizer.alive:
+            self._raise_if_dead()
 
     def shutdown(self) -> None:
         """Stop the worker ranks and leave the process group; safe to call more than once."""
@@ -160,16 +177,29 @@ class Executor:
     # ----------------------------------------------------------------- startup
     def _start_workers(self, timeout_s: float) -> None:
         port = free_port(self.master_addr)
-        self._workers.launcher.start([
-            RankSpec(
-                self.config, rank, self.tp_size, self.master_addr, port, timeout_s,
-                self._rank_extension,
-            )
-            for rank in range(1, self.tp_size)
-        ])
+        self._workers.launcher.start(
+            [
+                RankSpec(
+                    self.config,
+                    rank,
+                    self.tp_size,
+                    self.master_addr,
+                    port,
+                    timeout_s,
+                    self._rank_extension,
+                )
+                for rank in range(1, self.tp_size)
+            ]
+        )
         try:
             parallel.init_tp_group(
-                0, self.tp_size, port, self.config.device, timeout_s, master_addr=self.master_addr
+                0,
+                self.tp_size,
+                port,
+                self.config.device,
+                timeout_s,
+                master_addr=self.master_addr,
+                op_timeout_s=self.config.tp_timeout_s,
             )
         except Exception as exc:
             dead = self._workers.launcher.dead()
@@ -178,6 +208,7 @@ class Executor:
                 + (f"dead: {', '.join(dead)}" if dead else "all launched ranks still alive")
             ) from exc
         self._workers.group_ready = True
+        self._workers.steps = StepQueue(parallel.tp_store(), 0, self.tp_size)
 
     def _wait_ready(self, timeout_s: float) -> None:
         self._workers.launcher.wait_ready(timeout_s)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from engine.kv_cache import local_kv_heads
 from engine.net import create_store
@@ -28,6 +29,7 @@ _TP_GROUP: dist.ProcessGroup | None = None
 _CONTROL_GROUP: dist.ProcessGroup | None = None
 _TP_RANK = 0
 _TP_SIZE = 1
+_TP_STORE: dist.Store | None = None
 
 
 def backend_for_device(device: str | torch.device) -> str:
@@ -35,25 +37,43 @@ def backend_for_device(device: str | torch.device) -> str:
 
 
 def init_tp_group(
-    tp_rank: int, tp_size: int, master_port: int, device: str | torch.device = "cpu",
-    timeout_s: float = 60.0, master_addr: str = "127.0.0.1",
+    tp_rank: int,
+    tp_size: int,
+    master_port: int,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 60.0,
+    master_addr: str = "127.0.0.1",
+    op_timeout_s: float | None = None,
 ) -> None:
-    """Join the TP group as `tp_rank` (rank 0 hosts the TCPStore). Blocks until all ranks join."""
+    """Join the TP group as `tp_rank` (rank 0 hosts the TCPStore). Blocks until all ranks join
+    (at most `timeout_s`); afterwards each collective waits at most `op_timeout_s` for its peers
+    (default `timeout_s`). Steps reach the other ranks through `tp_step_queue()`, not a
+    collective, so an idle group never meets that deadline."""
+    global _TP_STORE
     if tp_size > 1:
         store = create_store(master_addr, master_port, tp_size, tp_rank == 0, timeout_s)
         dist.init_process_group(
-            backend_for_device(device), store=store, rank=tp_rank, world_size=tp_size,
+            backend_for_device(device),
+            store=store,
+            rank=tp_rank,
+            world_size=tp_size,
             timeout=timedelta(seconds=timeout_s),
         )
         group = dist.group.WORLD
         control = group if backend_for_device(device) == "gloo" else dist.new_group(backend="gloo")
+        if op_timeout_s is not None:  # formed under the start-up deadline; steps use their own
+            for each in {group, control}:
+                _set_pg_timeout(timedelta(seconds=op_timeout_s), each)
         set_tp_group(group, tp_rank, tp_size, control)
+        _TP_STORE = store
     else:
         set_tp_group(None, 0, 1)
 
 
 def set_tp_group(
-    group: dist.ProcessGroup | None, tp_rank: int, tp_size: int,
+    group: dist.ProcessGroup | None,
+    tp_rank: int,
+    tp_size: int,
     control_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Make `group` the TP group of this process (`control_group`: gloo, same ranks)."""
@@ -63,9 +83,18 @@ def set_tp_group(
 
 
 def destroy_tp_group() -> None:
+    global _TP_STORE
     if _TP_SIZE > 1 and dist.is_initialized():
         dist.destroy_process_group()
     set_tp_group(None, 0, 1)
+    _TP_STORE = None
+
+
+def tp_store() -> dist.Store:
+    """The TP group's rendezvous store (hosted by rank 0): steps and liveness go through it."""
+    if _TP_STORE is None:
+        raise RuntimeError("no TP group with a store in this process (init_tp_group first)")
+    return _TP_STORE
 
 
 def tp_rank() -> int:
@@ -92,15 +121,6 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def tp_broadcast_object(obj: Any) -> Any:
-    """TP rank 0's `obj` (any picklable) on every rank, over the gloo control group."""
-    if _TP_SIZE == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, group=_CONTROL_GROUP, group_src=0)
-    return box[0]
-
-
 def tp_all_gather_object(obj: Any) -> list[Any]:
     """Every rank's `obj` (any picklable), in rank order, on every rank (gloo control group)."""
     if _TP_SIZE == 1:
@@ -112,7 +132,9 @@ def tp_all_gather_object(obj: Any) -> list[Any]:
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) must be divisible by tensor_parallel_size ({denominator})")
+        raise ValueError(
+            f"{what} ({numerator}) must be divisible by tensor_parallel_size ({denominator})"
+        )
     return numerator // denominator
 
 
@@ -166,13 +188,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k, v projections fused; shard ids 0/1/2. KV heads per rank follow `local_kv_heads`."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
         self.num_local_heads = divide(num_heads, tp_size(), "num_attention_heads")
         self.kv_head_ids = local_kv_heads(num_kv_heads, tp_size(), tp_rank())
         kv_size = len(self.kv_head_ids) * head_dim
         # the q part is an ordinary column split; k/v are overridden in shard_rows
-        super().__init__(hidden_size, [num_heads * head_dim, kv_size * tp_size(), kv_size * tp_size()], bias)
+        super().__init__(
+            hidden_size, [num_heads * head_dim, kv_size * tp_size(), kv_size * tp_size()], bias
+        )
         self.head_dim = head_dim
 
     def shard_rows(self, shard_id: int) -> tuple[int, int, int]:

@@ -1,8 +1,8 @@
 """The non-driver TP ranks: what each one runs, and who starts them.
 
 A rank's body (`run_rank`) is the same wherever it lives: join the TP group, build its
-ModelRunner and extension, report ready, then run every batch or RankCall the driver broadcasts
-until the driver broadcasts None. A `RankLauncher` decides where that body runs:
+ModelRunner and extension, report ready, then run every batch or RankCall the driver posts
+until the driver posts SHUTDOWN. A `RankLauncher` decides where that body runs:
 `SpawnLauncher` (default) starts local processes; deploy/ starts Ray actors in a placement group
 so that every rank claims its own GPU and sits where the placement logic put it.
 """
@@ -25,15 +25,16 @@ from engine import parallel
 from engine.config import EngineConfig
 from engine.gc_tuning import freeze_startup_heap
 from engine.model_runner import ModelRunner
+from engine.step_queue import DriverWatch, StepQueue
 
-SHUTDOWN = None  # broadcast to the ranks to make them leave their loop
+SHUTDOWN = None  # posted to the ranks to make them leave their loop
 
 RankExtension = Callable[[ModelRunner], Any]
 
 
 @dataclass
 class RankCall:
-    """Run `extension.<method>(*args, **kwargs)` on every TP rank (broadcast like a batch)."""
+    """Run `extension.<method>(*args, **kwargs)` on every TP rank (posted like a batch)."""
 
     method: str
     args: tuple[Any, ...] = ()
@@ -59,9 +60,11 @@ class RankSpec:
 
 
 def run_worker_loop(runner: ModelRunner, extension: Any = None) -> None:
-    """A non-driver TP rank: run every batch (or RankCall) the driver broadcasts, until None."""
+    """A non-driver TP rank: run every batch (or RankCall) the driver posts, until SHUTDOWN.
+    Between steps it waits with no deadline (see engine/step_queue.py)."""
+    steps = StepQueue(parallel.tp_store(), parallel.tp_rank(), parallel.tp_size())
     while True:
-        message = parallel.tp_broadcast_object(None)
+        message = steps.take()
         if message is SHUTDOWN:
             return
         if isinstance(message, RankCall):
@@ -75,9 +78,15 @@ def run_rank(spec: RankSpec, report: Callable[[str, int, str], None]) -> None:
     torch.set_num_threads(spec.config.num_threads or 1)
     try:
         parallel.init_tp_group(
-            spec.tp_rank, spec.tp_size, spec.master_port, spec.config.device, spec.timeout_s,
+            spec.tp_rank,
+            spec.tp_size,
+            spec.master_port,
+            spec.config.device,
+            spec.timeout_s,
             master_addr=spec.master_addr,
+            op_timeout_s=spec.config.tp_timeout_s,
         )
+        watch = DriverWatch(parallel.tp_store())
         runner = ModelRunner(spec.config, spec.tp_rank, spec.tp_size)
         extension = spec.rank_extension(runner) if spec.rank_extension is not None else None
     except BaseException:
@@ -88,6 +97,7 @@ def run_rank(spec: RankSpec, report: Callable[[str, int, str], None]) -> None:
     try:
         run_worker_loop(runner, extension)
     finally:
+        watch.stop()
         parallel.destroy_tp_group()
 
 
@@ -140,8 +150,10 @@ class SpawnLauncher:
         self._status = context.Queue()
         for spec in specs:
             proc = context.Process(
-                target=_spawned_rank_main, args=(spec, self._status),
-                name=f"pdserve-tp-rank-{spec.tp_rank}", daemon=True,
+                target=_spawned_rank_main,
+                args=(spec, self._status),
+                name=f"pdserve-tp-rank-{spec.tp_rank}",
+                daemon=True,
             )
             proc.start()
             self.processes.append(proc)
