@@ -74,6 +74,7 @@ class _Progress:
     worker_timings: RequestTimings = field(default_factory=RequestTimings)
     early_events: list[TokenEvent] = field(default_factory=list)  # decode before first token
     finished_by: str | None = None  # instance whose finish event ended the request
+    decode_started: bool = False  # an event from the decode instance: the KV has landed
 
 
 class GenerationRunner:
@@ -143,7 +144,10 @@ class GenerationRunner:
             items = await channel.take_all()
             merged: GenerationChunk | None = None
             for item in items:
+                if isinstance(item, InstanceLost) and item.instance_id not in channel.holder_ids:
+                    continue  # an instance the request no longer depends on
                 for event in self._in_order(item, progress, prefill_id):
+                    self._release_prefill_once_decoding(channel, progress, event, prefill_id)
                     chunk = self._on_event(request, progress, event)
                     merged = chunk if merged is None else _concat(merged, chunk)
                     if chunk.finish_reason is not None:
@@ -151,6 +155,18 @@ class GenerationRunner:
                         return
             if merged is not None:
                 yield merged
+
+    @staticmethod
+    def _release_prefill_once_decoding(
+        channel: RequestChannel, progress: _Progress, event: TokenEvent, prefill_id: str
+    ) -> None:
+        """Once the first token is in and the decode instance has sent a step of its own, the
+        KV has landed there: the prefill instance holds nothing more for the request, so losing
+        it must not end the stream (nor does the request's end need to abort it)."""
+        if event.source and event.source == progress.decode_instance != prefill_id:
+            progress.decode_started = True
+        if progress.decode_started and progress.first_token_at is not None:
+            channel.holder_ids.discard(prefill_id)
 
     def _in_order(
         self, item: TokenEvent | InstanceLost, progress: _Progress, prefill_id: str

@@ -8,6 +8,8 @@ kills the prefill worker.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -137,3 +139,22 @@ def test_two_concurrent_requests_with_one_id_are_both_served(
             {"twin"},
         )
     _wait_for_free_pools(cluster)
+
+
+def test_streams_already_decoding_survive_the_prefill_s_death(
+    cluster: LocalCluster, stub: pb_grpc.GenerationStub, expected: dict
+) -> None:
+    calls = [
+        stub.Generate(_request(index, LONG_MAX_TOKENS, f"long-{index}"), timeout=60)
+        for index in range(len(PROMPTS))
+    ]
+    firsts = [[*next(call).token_ids, *next(call).token_ids] for call in calls]  # decoding now
+    os.kill(cluster.workers["prefill-0"].pid, signal.SIGKILL)
+    for index, (call, first) in enumerate(zip(calls, firsts, strict=True)):
+        token_ids, finish_reason, _ids = _collect(call)
+        assert first + token_ids == expected[index, LONG_MAX_TOKENS]
+        assert finish_reason == pb.FINISH_REASON_LENGTH
+    # The router did notice: new requests have no prefill instance to go to.
+    with pytest.raises(grpc.RpcError) as error:
+        stub.GenerateUnary(_request(0, MAX_TOKENS, "after"), timeout=30)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
