@@ -24,11 +24,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine.child_signals import ignore_terminal_signals, terminal_signals_blocked
 from engine.gc_tuning import freeze_startup_heap
 from engine.messages import WorkerUnavailable
 
 
 def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    ignore_terminal_signals()  # the parent stops this process; a closed pipe means it is gone
     import torch
 
     torch.set_num_threads(1)
@@ -108,7 +110,8 @@ class ProcessWorker:
         self._closed = False
         started: Future[Any] = Future()
         self._pending[0] = started
-        self._process.start()
+        with terminal_signals_blocked():
+            self._process.start()
         child_conn.close()
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()

@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine import parallel
+from engine.child_signals import ignore_terminal_signals, terminal_signals_blocked
 from engine.config import EngineConfig
 from engine.gc_tuning import freeze_startup_heap
 from engine.model_runner import ModelRunner
@@ -122,6 +123,7 @@ class RankLauncher(Protocol):
 
 
 def _spawned_rank_main(spec: RankSpec, status: Any) -> None:
+    ignore_terminal_signals()  # the driver stops this rank; its death ends it (DriverWatch)
     code = 0
     try:
         run_rank(spec, lambda state, rank, detail: status.put((state, rank, detail)))
@@ -155,7 +157,8 @@ class SpawnLauncher:
                 name=f"pdserve-tp-rank-{spec.tp_rank}",
                 daemon=True,
             )
-            proc.start()
+            with terminal_signals_blocked():
+                proc.start()
             self.processes.append(proc)
 
     def wait_ready(self, timeout_s: float) -> None:
