@@ -39,9 +39,7 @@ def _serve_stand_in(model_dir: str, commands: mp.Queue, answers: mp.Queue) -> No
 def test_workers_ignore_group_signals_and_exit_with_their_parent(tiny_model) -> None:
     context = mp.get_context("spawn")
     commands, answers = context.Queue(), context.Queue()
-    parent = context.Process(
-        target=_serve_stand_in, args=(tiny_model("llama"), commands, answers)
-    )
+    parent = context.Process(target=_serve_stand_in, args=(tiny_model("llama"), commands, answers))
     parent.start()
     try:
         children = answers.get(timeout=120)  # [worker process, its TP rank]
