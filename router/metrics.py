@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from router.worker_api import InstanceLoad
+from router.worker_api import InstanceLoad, Role
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -99,6 +99,15 @@ class RouterMetrics:
             self.kv_transfer_bytes.labels(*labels).set(load.extra["kv_transfer_bytes_total"])
         if "kv_transfer_seconds_total" in load.extra:
             self.kv_transfer_seconds.labels(*labels).set(load.extra["kv_transfer_seconds_total"])
+
+    def observe_down(self, instance_id: str, role: Role) -> None:
+        """A worker that does not answer: down, and holding nothing (a dead process holds no
+        requests or blocks; a restarted one reports its own loads again)."""
+        labels = (instance_id, role.value)
+        self.worker_healthy.labels(*labels).set(0.0)
+        self.worker_waiting.labels(*labels).set(0)
+        self.worker_running.labels(*labels).set(0)
+        self.worker_blocks_used.labels(*labels).set(0)
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP; returns the bound port."""

@@ -12,7 +12,8 @@ attempt's tokens, nor have its new attempt hit by the abort of the old one. Anot
 
 A handle that fails (WorkerUnavailable, a timeout, any error) is marked unhealthy: policies
 stop choosing it, and every request holding state on it gets an `InstanceLost` in its channel.
-It becomes healthy again when a load report says so (a restarted worker).
+It becomes healthy again when a load report says so (a restarted worker). The metrics follow:
+a lost instance shows as down, with nothing running and no blocks in use, at once.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class WorkerPool:
         await self.refresh_loads()
         for instance_id in self._instances:
             self._tasks.append(asyncio.create_task(self._poll_loop(instance_id)))
-        self._tasks.append(asyncio.create_task(self._load_loop()))
+            self._tasks.append(asyncio.create_task(self._load_loop(instance_id)))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -237,37 +238,37 @@ class WorkerPool:
                 if channel is not None:
                     channel.put(event)
 
-    async def _load_loop(self) -> None:
+    async def _load_loop(self, instance_id: str) -> None:
+        """One loop per instance: a worker that hangs delays only its own reports."""
         while True:
             await asyncio.sleep(self._config.load_refresh_interval_s)
-            await self.refresh_loads()
+            await self._refresh_load(instance_id)
 
     async def refresh_loads(self) -> None:
-        instance_ids = list(self._instances)
-        results = await asyncio.gather(
-            *(
-                asyncio.wait_for(self._instances[i].handle.load(), self._config.worker_timeout_s)
-                for i in instance_ids
-            ),
-            return_exceptions=True,
-        )
-        for instance_id, result in zip(instance_ids, results, strict=True):
-            instance = self._instances[instance_id]
-            if isinstance(result, BaseException):
-                self._lose(instance_id, f"its load report failed: {result!r}")
-                continue
-            instance.load = result
-            instance.num_blocks_reserved_since_load = 0
-            if instance.healthy and not result.healthy:
-                self._lose(instance_id, "it reports itself unhealthy")
-            instance.healthy = result.healthy
-            self._metrics.observe_load(result)
+        await asyncio.gather(*(self._refresh_load(i) for i in self._instances))
+
+    async def _refresh_load(self, instance_id: str) -> None:
+        instance = self._instances[instance_id]
+        try:
+            load = await asyncio.wait_for(instance.handle.load(), self._config.worker_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._lose(instance_id, f"its load report failed: {exc!r}")
+            return
+        instance.load = load
+        instance.num_blocks_reserved_since_load = 0
+        if instance.healthy and not load.healthy:
+            self._lose(instance_id, "it reports itself unhealthy")
+        instance.healthy = load.healthy
+        self._metrics.observe_load(load)
 
     def _lose(self, instance_id: str, reason: str) -> None:
         instance = self._instances[instance_id]
         if instance.healthy:
             logger.warning("worker %s is unavailable: %s", instance_id, reason)
         instance.healthy = False
+        self._metrics.observe_down(instance_id, instance.handle.role)
         for channel in self._channels.values():
             if instance_id in channel.holder_ids:
                 channel.put(InstanceLost(instance_id, reason))

@@ -150,11 +150,20 @@ def test_streams_already_decoding_survive_the_prefill_s_death(
     ]
     firsts = [[*next(call).token_ids, *next(call).token_ids] for call in calls]  # decoding now
     os.kill(cluster.workers["prefill-0"].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
     for index, (call, first) in enumerate(zip(calls, firsts, strict=True)):
         token_ids, finish_reason, _ids = _collect(call)
         assert first + token_ids == expected[index, LONG_MAX_TOKENS]
         assert finish_reason == pb.FINISH_REASON_LENGTH
-    # The router did notice: new requests have no prefill instance to go to.
+    # The router did notice, at once: the metrics show the prefill down and holding nothing,
+    # and new requests have no prefill instance to go to.
+    assert cluster.router is not None
+    registry = cluster.router.metrics.registry
+    labels = {"instance": "prefill-0", "role": "prefill"}
+    while registry.get_sample_value("pdserve:worker_healthy", labels) != 0:
+        assert time.monotonic() - killed_at < 2.0, "prefill-0 still shows as healthy"
+        time.sleep(0.01)
+    assert registry.get_sample_value("pdserve:worker_num_requests_running", labels) == 0
     with pytest.raises(grpc.RpcError) as error:
         stub.GenerateUnary(_request(0, MAX_TOKENS, "after"), timeout=30)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
