@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
@@ -15,6 +16,9 @@ from router.config import RouterConfig
 from router.synthetic import SyntheticWorker
 from router.worker_api import InstanceLoad, Role, TokenEvent, WorkerUnavailable
 from tests.router.harness import RouterThread
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class FlakyWorker(SyntheticWorker):
@@ -97,3 +101,22 @@ def test_a_hung_worker_delays_only_its_own_load_reports(tiny_model_dir: str) -> 
             _within(lambda: _gauge(server, "worker_healthy", "colocated-1") == 0, 8)
             workers[1].hung = False
             _within(lambda: _gauge(server, "worker_healthy", "colocated-1") == 1, 2)
+
+
+def test_health_follows_a_lost_prefill_instance_back_to_serving(tiny_model_dir: str) -> None:
+    decode = SyntheticWorker("decode-0", Role.DECODE)
+    prefill = FlakyWorker("prefill-0", Role.PREFILL, peers={"decode-0": decode})
+    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.05)
+    with RouterThread(config, lambda: ([prefill], [decode])) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def status() -> int:
+                return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+            for dead, expected in ((True, _NOT_SERVING), (False, _SERVING)) * 2:
+                prefill.dead = dead
+                _within(lambda e=expected: status() == e, 3)
+            stub = pb_grpc.GenerationStub(channel)
+            reply = stub.GenerateUnary(pb.GenerateRequest(prompt="hi", max_tokens=3), timeout=10)
+            assert len(reply.token_ids) == 3
