@@ -12,8 +12,9 @@ rebuild into the same fresh group (a gloo rendezvous must never reuse an old pre
 
     decode rank (host)                        prefill rank (dialer)
     accept(pair, transfer)                    dial(endpoint, pair, transfer)
-      broken or absent -> epoch += 1            epoch = store.get(pair/t/transfer)   (waits)
-      store.set(pair/t/transfer, epoch)         epoch newer than mine -> rebuild
+      broken or absent -> epoch += 1            epoch = store.get(pair/t/transfer)
+      store.set(pair/t/transfer, epoch)         no such key -> the receive is over: fail
+      (before the ticket leaves)                epoch newer than mine -> rebuild
       connect in the background                 connect (joins the same prefix)
 
 After any failed or timed-out wait the group's state is undefined (gloo closes the connection on a
@@ -250,9 +251,18 @@ class ChannelDialer:
         key = f"{pair_key}/t/{transfer_key}"
         channel_key = (endpoint.host, endpoint.port, pair_key)
         try:
-            # get() waits for the key: one round trip when the decode side has accepted already.
-            store.set_timeout(_timedelta(_remaining(deadline)))
+            # The decode side publishes the key before its ticket leaves it and deletes it when the
+            # receive ends: a missing key means nobody waits for this transfer any more (aborted
+            # or expired). Waiting for it instead would hold this decode instance's dial lock, and
+            # stall every other send to it, until the deadline.
+            store.set_timeout(_timedelta(min(_remaining(deadline), _STORE_OP_TIMEOUT_S)))
+            if not store.check([key]):
+                raise KVTransferError(
+                    f"decode side of {pair_key} no longer expects transfer {transfer_key}"
+                )
             epoch = int(store.get(key))
+        except KVTransferError:
+            raise
         except Exception as exc:
             with self._lock:  # the decode side may be gone: reconnect the store next time
                 self._stores.pop((endpoint.host, endpoint.port), None)
