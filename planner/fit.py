@@ -1,0 +1,63 @@
+"""Least-squares fits of the latency model from measured step times (numpy.linalg.lstsq)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner.profile import DEFAULT_THRESHOLD, Triple
+
+
+def _lstsq(columns: list[np.ndarray], times_ms: np.ndarray) -> np.ndarray:
+    design = np.stack(columns, axis=1)
+    coeffs, *_ = np.linalg.lstsq(design, times_ms, rcond=None)
+    return coeffs
+
+
+def fit_prefill(samples: Sequence[tuple[Sequence[int], float]]) -> Triple:
+    """[a, b, c] of a + b*Σl + c*Σl² from (prompt lengths of a batch, ms) samples."""
+    if len(samples) < 3:
+        raise ValueError(f"fitting a prefill triple needs >= 3 samples, got {len(samples)}")
+    sum_len = np.array([float(sum(lens)) for lens, _ in samples])
+    sum_sq = np.array([float(sum(x * x for x in lens)) for lens, _ in samples])
+    times = np.array([t for _, t in samples], dtype=float)
+    a, b, c = _lstsq([np.ones_like(sum_len), sum_len, sum_sq], times)
+    return (float(a), float(b), float(c))
+
+
+def _fit_decode_part(samples: Sequence[tuple[int, int, float]]) -> Triple:
+    batch = np.array([float(b) for b, _, _ in samples])
+    tokens = np.array([float(s + b) for b, s, _ in samples])  # Σ(ctx + 1)
+    times = np.array([t for _, _, t in samples], dtype=float)
+    a, b, c = _lstsq([np.ones_like(batch), tokens, batch], times)
+    return (float(a), float(b), float(c))
+
+
+def fit_decode(
+    samples: Sequence[tuple[int, int, float]], threshold: int = DEFAULT_THRESHOLD
+) -> tuple[Triple, Triple]:
+    """(small-batch, large-batch) triples of a + b*Σ(ctx+1) + c*B from (B, Σctx, ms) samples.
+
+    A side with fewer than 3 samples takes the other side's fit (a profile run on a small
+    machine may never reach the threshold's batch size).
+    """
+    small = [s for s in samples if s[0] < threshold]
+    large = [s for s in samples if s[0] >= threshold]
+    if len(small) < 3 and len(large) < 3:
+        raise ValueError(f"fitting decode needs >= 3 samples on one side, got {len(samples)}")
+    small_fit = _fit_decode_part(small) if len(small) >= 3 else None
+    large_fit = _fit_decode_part(large) if len(large) >= 3 else None
+    return (small_fit or large_fit, large_fit or small_fit)  # type: ignore[return-value]
+
+
+def fit_transfer(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(bandwidth GB/s, per-message ms) from (bytes moved, ms) samples."""
+    if len(samples) < 2:
+        raise ValueError(f"fitting a transfer needs >= 2 sizes, got {len(samples)}")
+    sizes = np.array([float(n) for n, _ in samples])
+    times = np.array([t for _, t in samples], dtype=float)
+    per_message, ms_per_byte = _lstsq([np.ones_like(sizes), sizes], times)
+    if ms_per_byte <= 0:
+        raise ValueError("the transfer times do not grow with size; measure larger sizes")
+    return (float(1.0 / (ms_per_byte * 1e6)), float(max(per_message, 0.0)))
