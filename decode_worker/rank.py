@@ -53,7 +53,10 @@ class DecodeRank:
         return parallel.tp_all_gather_object(self.channel_host.endpoint)
 
     def start_receive(self, ticket: KVTicket) -> None:
+        """Post the receive (a collective: it returns once every rank has posted, so the ticket
+        leaves only when every rank's channel host expects the transfer)."""
         self._handles.append(self.receiver.receive(ticket))
+        parallel.tp_all_gather_object(None)
 
     def num_receiving(self) -> int:
         return len(self._handles)

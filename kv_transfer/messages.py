@@ -13,7 +13,7 @@ The control plane (Ray calls, pipes in tests) carries them; kv_transfer never se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv_transfer.channel import ChannelEndpoint
 from kv_transfer.config import DEFAULT_MIN_PIECE_BYTES
@@ -94,8 +94,13 @@ class KVTransferDone:
 
 @dataclass(frozen=True)
 class KVAbort:
-    """Either side -> the other: stop this transfer and free what it holds."""
+    """Either side -> the other: stop this transfer and free what it holds.
+
+    From the decode side it carries the ticket: a prefill instance that never got the request
+    (the router cancelled between reserve and submit) still ends the decode ranks' posted
+    receives with a CANCELLED header, instead of leaving the reservation to its deadline."""
 
     request_id: str
     transfer_id: int
     reason: str
+    ticket: KVTicket | None = field(default=None, compare=False)

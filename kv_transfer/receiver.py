@@ -124,7 +124,7 @@ class KVReceiver:
             incoming.error = f"aborted: {reason}"
         incoming.tell_prefill = False  # the KVAbort returned here is its answer
         self._settle(request_id)
-        return KVAbort(request_id, incoming.ticket.transfer_id, reason)
+        return KVAbort(request_id, incoming.ticket.transfer_id, reason, incoming.ticket)
 
     def on_abort(self, message: KVAbort) -> None:
         """The prefill side aborted; blocks are freed once every rank's receive has ended."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -52,6 +53,7 @@ from prefill_worker.config import PrefillConfig
 from prefill_worker.rank import PrefillRank, SendReport
 
 SendControl = Callable[[str, Any], None]
+_MAX_REMEMBERED_CANCELS = 65536  # a few MB; a transfer is cancelled within seconds of its ticket
 
 
 @dataclass
@@ -89,6 +91,9 @@ class PrefillWorker(WorkerLoop):
         self.kv_sender = KVSender(self.engine.block_pool, self.tp_size, self._on_released)
         self._send_control = send_control
         self._prefills: dict[str, _Prefill] = {}
+        # Transfers this instance cancelled (each gets one CANCELLED header, never two: a second
+        # one would wait on the channel for a receive that is gone and break it), oldest first.
+        self._cancelled: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._num_cancel_reports_due = 0
         if start:
             self.start()
@@ -128,6 +133,11 @@ class PrefillWorker(WorkerLoop):
     def _submit(self, request: WorkerRequest, ticket: KVTicket | None) -> None:
         self._check_ticket(request, ticket)
         assert ticket is not None
+        if (ticket.request_id, ticket.transfer_id) in self._cancelled:
+            raise ValueError(
+                f"the decode side already aborted the transfer of {request.request_id!r}: "
+                "reserve again"
+            )
         if request.request_id in self._prefills:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         try:
@@ -189,6 +199,11 @@ class PrefillWorker(WorkerLoop):
 
     def _deliver(self, message: KVTransferDone | KVAbort) -> None:
         entry = self._prefills.get(message.request_id)
+        if entry is None and isinstance(message, KVAbort) and message.ticket is not None:
+            # Never submitted here (or long gone): end the decode ranks' receives anyway, and
+            # refuse the submit if it comes after all.
+            self._cancel_ticket(message.ticket)
+            return
         if entry is None or entry.ticket.transfer_id != message.transfer_id:
             return  # already settled: late messages are harmless
         if isinstance(message, KVTransferDone):
@@ -210,7 +225,10 @@ class PrefillWorker(WorkerLoop):
 
     def _load(self) -> InstanceLoad:
         return InstanceLoad.from_stats(
-            self.instance_id, Role.PREFILL, self.engine.stats, self.healthy,
+            self.instance_id,
+            Role.PREFILL,
+            self.engine.stats,
+            self.healthy,
             num_transfers_in_flight=self.kv_sender.num_in_flight,
         )
 
@@ -334,6 +352,12 @@ class PrefillWorker(WorkerLoop):
             self._emit([event])
 
     def _cancel_ticket(self, ticket: KVTicket) -> None:
+        key = (ticket.request_id, ticket.transfer_id)
+        if key in self._cancelled:
+            return
+        self._cancelled[key] = None
+        if len(self._cancelled) > _MAX_REMEMBERED_CANCELS:
+            self._cancelled.popitem(last=False)
         self.engine.executor.collective_call("cancel_send", ticket)
         self._num_cancel_reports_due += self.tp_size
 

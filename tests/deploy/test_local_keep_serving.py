@@ -1,0 +1,112 @@
+"""The plain-process cluster keeps serving (issue 12): it outlives idle time past every timeout,
+and cancelled requests give back every KV block at once.
+
+One cluster for the module: a prefill instance at TP=2 and two decode instances behind the real
+router, with the TP group's collective timeout and the KV deadlines shortened to 2 s, so that an
+idle pause longer than them shows what a 2-minute pause shows with the defaults.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import replace
+
+import grpc
+import pytest
+from pdserve_proto.v1 import generation_pb2 as pb
+
+from deploy.client import RouterClient
+from deploy.cluster_spec import ClusterSpec, build_cluster_spec
+from deploy.config import parse_config
+from deploy.local_cluster import LocalCluster
+from kv_transfer.config import KVTransferConfig
+from tests.router.tiny_tokenizer import add_tiny_tokenizer
+from tests.tiny_models import make_tiny_model
+
+SHORT_S = 2.0  # the TP collective timeout and both KV deadlines
+NUM_BLOCKS = 256
+
+
+def short_timeouts_spec(model_dir: str) -> ClusterSpec:
+    config = parse_config({
+        "model": model_dir, "prefill": {"instances": 1, "tensor_parallel_size": 2},
+        "decode": {"instances": 2}, "kv_cache": {"num_blocks": NUM_BLOCKS, "block_size": 8},
+        "router": {"port": 0}, "ray": {"enabled": False},
+    })  # fmt: skip
+    spec = build_cluster_spec(config)
+    assert spec.prefill is not None and spec.decode is not None
+    kv = KVTransferConfig(transfer_timeout_s=SHORT_S, start_timeout_s=SHORT_S)
+    prefill = replace(spec.prefill, engine=replace(spec.prefill.engine, tp_timeout_s=SHORT_S))
+    return replace(
+        spec, prefill=replace(prefill, kv_transfer=kv), decode=replace(spec.decode, kv_transfer=kv)
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    model_dir = add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("keep"), "llama"))
+    with LocalCluster(short_timeouts_spec(model_dir)) as cluster:
+        cluster.start()
+        yield cluster
+
+
+def generate(client: RouterClient, prompt: str, request_id: str, max_tokens: int = 6) -> list[int]:
+    request = pb.GenerateRequest(
+        prompt=prompt, max_tokens=max_tokens, ignore_eos=True, request_id=request_id
+    )
+    return [t for response in client.generate(request, timeout_s=60) for t in response.token_ids]
+
+
+def free_blocks(cluster: LocalCluster) -> dict[str, int]:
+    return {load.instance_id: load.num_free_blocks for load in cluster.status()}
+
+
+def test_idle_past_every_timeout_then_serves_the_same_tokens(cluster: LocalCluster) -> None:
+    with RouterClient(cluster.address) as client:
+        # one request per decode instance: both pairs' KV channels formed before the pause
+        before = [generate(client, "The quick brown fox", f"idle-a{i}") for i in range(2)]
+        time.sleep(3 * SHORT_S)
+        assert all(load.healthy for load in cluster.status())
+        after = [generate(client, "The quick brown fox", f"idle-b{i}") for i in range(2)]
+    assert after == before and len(before[0]) == 6
+
+
+def test_cancels_at_every_stage_give_every_block_back_within_seconds(
+    cluster: LocalCluster,
+) -> None:
+    start = {instance_id: NUM_BLOCKS for instance_id in ("prefill-0", "decode-0", "decode-1")}
+    rng = random.Random(5)
+    # 0 s: before the prefill; a few ms: reserving / prefilling / handing the KV off; 0.3 s:
+    # decoding (40 tokens take longer than that here). Some run to the end.
+    delays = [0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, None]
+    finished: list[int] = []
+
+    def one(client: RouterClient, index: int) -> None:
+        request = pb.GenerateRequest(
+            prompt="The quick brown fox " * rng.randint(1, 25), max_tokens=40, ignore_eos=True,
+            request_id=f"cancel-{index}",
+        )  # fmt: skip
+        call = client._generation.Generate(request, timeout=60)
+        delay = delays[index % len(delays)]
+        if delay is not None:
+            threading.Timer(delay, call.cancel).start()
+        try:
+            finished.append(sum(len(response.token_ids) for response in call))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.CANCELLED, exc  # noqa: PT017
+
+    with RouterClient(cluster.address) as client:
+        threads = [threading.Thread(target=one, args=(client, i)) for i in range(96)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        ended_at = time.monotonic()
+        free = free_blocks(cluster)
+        while free != start and time.monotonic() < ended_at + 3.0:
+            time.sleep(0.1)
+            free = free_blocks(cluster)
+    assert free == start, f"blocks still held {time.monotonic() - ended_at:.1f} s after the end"
+    assert finished and set(finished) == {40}
