@@ -176,7 +176,7 @@ class Simulator:
         elif kind == _KV_ARRIVED:
             rid, pipe = payload  # type: ignore[misc]
             self.sides[id(pipe)].waiting.append(rid)
-            self._try_start(pipe, now)
+            self._push(now, _STAGE0_FREE, pipe)
         elif kind == _DECODE_DONE:
             pipe, group = payload  # type: ignore[misc]
             self.sides[id(pipe)].advance(group, now)
@@ -190,7 +190,7 @@ class Simulator:
             self.table.first_ms[rid] = now
             target = min(self.decode, key=lambda p: self.sides[id(p)].load())
             self.sides[id(target)].waiting.append(rid)
-            self._try_start(target, now)
+            self._push(now, _STAGE0_FREE, target)
             return
         pool = self.colocated or self.prefill
         if self.colocated:
@@ -198,7 +198,8 @@ class Simulator:
         else:
             pipe = min(pool, key=lambda p: len(p.queue) + p.in_first_stage)
         pipe.queue.append(rid)
-        self._try_start(pipe, now)
+        # Start after every arrival of this instant has queued, so they share one batch.
+        self._push(now, _STAGE0_FREE, pipe)
 
     def _try_start(self, pipe: _Pipeline, now: float) -> None:
         if pipe.free[0] > now:
@@ -248,7 +249,7 @@ class Simulator:
         target = min(self.decode, key=lambda p: self.sides[id(p)].load())
         if not self.link.enabled:
             self.sides[id(target)].waiting.append(rid)
-            self._try_start(target, now)
+            self._push(now, _STAGE0_FREE, target)  # after the rest of this batch has landed
             return
         link = self.link
         same_node = source.spec.node == target.spec.node

@@ -1,0 +1,81 @@
+"""The least-squares fit recovers known coefficients; profiles round-trip in DistServe's shape."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from planner.fit import fit_decode, fit_prefill, fit_transfer
+from planner.profile import (
+    TPProfile,
+    load_profile,
+    load_profiles,
+    save_profiles,
+    with_max_num_tokens,
+)
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "distserve"
+
+
+def test_fit_recovers_prefill_decode_and_transfer_coefficients() -> None:
+    rng = random.Random(0)
+    prefill = (14.7, 0.0686, 2.45e-6)
+    samples = []
+    for _ in range(40):
+        lens = [rng.randint(16, 2000) for _ in range(rng.randint(1, 6))]
+        exact = prefill[0] + prefill[1] * sum(lens) + prefill[2] * sum(x * x for x in lens)
+        samples.append((lens, exact * (1 + rng.uniform(-0.002, 0.002))))
+    a, b, c = fit_prefill(samples)
+    assert a == pytest.approx(prefill[0], rel=0.05)
+    assert b == pytest.approx(prefill[1], rel=0.02)
+    assert c == pytest.approx(prefill[2], rel=0.1)
+
+    small, large = (19.9, 6.3e-4, 0.0385), (7.17, 5.8e-4, 0.158)
+    decode = []
+    for batch in [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]:
+        for ctx in (100, 500, 1500):
+            a_, b_, c_ = small if batch < 95 else large
+            decode.append((batch, batch * ctx, a_ + b_ * batch * (ctx + 1) + c_ * batch))
+    got_small, got_large = fit_decode(decode, threshold=95)
+    assert got_small == pytest.approx(small, rel=1e-6)
+    assert got_large == pytest.approx(large, rel=1e-6)
+
+    sizes = [1 << k for k in range(16, 28)]
+    gbps, per_message = fit_transfer([(n, 0.3 + n / (12.5 * 1e6)) for n in sizes])
+    assert gbps == pytest.approx(12.5, rel=1e-6)
+    assert per_message == pytest.approx(0.3, rel=1e-6)
+
+
+def test_fit_refuses_too_few_samples() -> None:
+    with pytest.raises(ValueError, match=">= 3 samples"):
+        fit_prefill([([10], 1.0), ([20], 2.0)])
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/distserve")
+def test_distserve_profile_loads_and_our_extras_round_trip(tmp_path: Path) -> None:
+    profile = load_profile(SHARED / "profiler-a100-80g.distserve.json", "facebook/opt-13b")
+    assert sorted(profile.by_tp) == [1, 2, 4]
+    assert profile.tp(2).prefill[0] == pytest.approx(14.742973695171262)
+    assert profile.tp(1).threshold == 95
+    profile = with_max_num_tokens(profile, SHARED / "max_num_tokens.csv")
+    assert profile.max_tokens(1, 1) == 66144 and profile.max_tokens(2, 1) == 163008
+    assert profile.tp(1).kv_bytes_per_token == 2 * 40 * 5120 * 2
+
+    out = tmp_path / "ours.json"
+    extra = profile.with_updates(transfer_GBps=3.1, transfer_per_message_ms=0.2,
+                                 chunked_intercept=12.0)  # fmt: skip
+    save_profiles(out, {extra.model: extra})
+    raw = json.loads(out.read_text())
+    assert raw["facebook/opt-13b"]["2"]["prefill"] == list(profile.tp(2).prefill)
+    assert raw["facebook/opt-13b"]["2"]["transfer"]["bandwidth_GBps"] == 3.1
+    again = load_profiles(out)["facebook/opt-13b"]
+    assert again == extra
+
+
+def test_a_bad_triple_names_the_key() -> None:
+    with pytest.raises(ValueError, match="prefill must be a list of three numbers"):
+        TPProfile.from_json("x", {"prefill": [1, 2], "decoding_smallbs": [1, 2, 3],
+                                  "decoding_largebs": [1, 2, 3]})  # fmt: skip
