@@ -146,7 +146,9 @@ class RayCluster:
         # The router's process starts (and imports) while the workers load the model.
         self.router_actor = (
             ray.remote(RouterActor)
-            .options(name=actor_name("router"), num_cpus=0, max_restarts=0)
+            .options(
+                name=actor_name("router"), num_cpus=0, max_restarts=0, enable_task_events=False
+            )  # fmt: skip
             .remote(self.config.router_config())
         )
         remote = ray.remote(WorkerActor)
@@ -163,6 +165,9 @@ class RayCluster:
             self.worker_actors[placement.instance_id] = remote.options(
                 name=actor_name(placement.instance_id),
                 max_concurrency=64,
+                # Every request makes several calls (submit, reserve, polls, deliver) and the
+                # GCS would keep an event record of each: memory grew per request served.
+                enable_task_events=False,
                 max_restarts=self.config.max_restarts,
                 max_task_retries=0,
                 num_cpus=placement.num_cpus,

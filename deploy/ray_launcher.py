@@ -74,6 +74,7 @@ def start_rank_actors(
         remote_cls.options(
             name=rank_actor_name(placement.instance_id, rank) if named else None,
             max_concurrency=2, max_restarts=0, num_cpus=placement.num_cpus,
+            enable_task_events=False,  # see deploy/ray_node.py: the GCS keeps no per-call record
             num_gpus=placement.num_gpus, scheduling_strategy=placement.strategy(rank),
         ).remote(placement.worker_indices[rank], num_workers, pin_cores)
         for rank in range(1, placement.tp_size)

@@ -15,6 +15,9 @@
   stop, a terminal's Ctrl-C) then reaches only pdserve, which drains and stops Ray itself;
   otherwise the GCS and raylet die first and the driver cannot reach its own cluster to drain.
   They still die with this process (Ray sets PR_SET_PDEATHSIG on each of them).
+- The GCS keeps no record per actor call: pdserve's actors are created with
+  `enable_task_events=False` (a request makes several calls; with events on, the GCS grew by
+  tens of MB per thousand requests), and `_GCS_SYSTEM_CONFIG` caps what is still recorded.
 
 `LocalRay.stop()` runs `ray.shutdown()` and then makes sure every process that was a descendant
 of this one when Ray was up (GCS, raylet, agents, workers) is gone, killing stragglers by id.
@@ -38,6 +41,9 @@ import ray
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _OBJECT_STORE_BYTES = 128 * 1024 * 1024  # control messages only
+# Task events (actor creations, ray.get_actor lookups...) the GCS keeps: Ray's default, 100,000
+# tasks, is a memory ceiling of ~100 MB that a long-running server reaches.
+_GCS_SYSTEM_CONFIG = {"task_events_max_num_task_in_gcs": 2000}
 
 
 def use_loopback_node_address() -> None:
@@ -190,6 +196,7 @@ def _init_local_ray(namespace: str, num_cpus: int | None, temp_dir: str) -> None
             configure_logging=False,
             _node_ip_address="127.0.0.1",
             _temp_dir=temp_dir,
+            _system_config=_GCS_SYSTEM_CONFIG,
         )
 
 
