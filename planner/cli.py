@@ -1,0 +1,146 @@
+"""`pdserve profile` and `pdserve plan`. deploy/cli.py registers them with one call:
+
+    from planner.cli import add_subcommands
+    add_subcommands(commands)        # commands = parser.add_subparsers(...)
+
+Heavy parts load inside the handlers: `profile` measures with deploy/profile.py, `plan` only
+computes (numpy and the planner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_subcommands(commands: argparse._SubParsersAction) -> None:
+    _add_plan(commands)
+    _add_profile(commands)
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser("plan", help="search placements for a workload and SLOs")
+    plan.add_argument("--profile", required=True, help="profile JSON (DistServe's shape)")
+    plan.add_argument("--model", help="the model in the profile file (when it has several)")
+    plan.add_argument(
+        "--colocated-profile", help="profile for the colocated layout (default: --profile)"
+    )
+    plan.add_argument("--max-num-tokens", help="DistServe's max_num_tokens.csv (KV memory)")
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--gpus-per-node", type=int, default=1)
+    plan.add_argument("--workload", default="chatbot",
+                      help="chatbot | code | summarization, or a JSON list of [prompt, output]")  # fmt: skip
+    plan.add_argument("--num-requests", type=int, default=500)
+    plan.add_argument("--max-model-len", type=int, default=1024)
+    plan.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    plan.add_argument("--cv", type=float, default=1.0)
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--ttft-ms", type=float, required=True)
+    plan.add_argument("--tpot-ms", type=float, required=True)
+    plan.add_argument("--attainment", type=float, default=0.9)
+    plan.add_argument("--criterion", choices=("joint", "separate"), default="joint")
+    plan.add_argument("--pp", default=None, help="pipeline depths to try, e.g. 1,2,4 (default "
+                      "1,2,4,8; 1 with --write: pdserve serves pp=1)")  # fmt: skip
+    plan.add_argument("--cross-node-gbps", type=float, help="price KV transfer across nodes")
+    plan.add_argument("--intra-node-GBps", type=float, default=300.0)
+    plan.add_argument("--colocated-policy", choices=("vllm", "chunked"), default="chunked")
+    plan.add_argument("--write", help="write the best placement as a serve config (YAML)")
+    plan.add_argument("--base-config", help="serve config whose other keys the written one keeps")
+    plan.set_defaults(func=cmd_plan)
+
+
+def _add_profile(commands: argparse._SubParsersAction) -> None:
+    profile = commands.add_parser("profile", help="measure this deployment's latency model")
+    profile.add_argument("--config", help="serve config (model, dtype, device, KV cache)")
+    profile.add_argument("--out", required=True, help="profile JSON to write")
+    profile.add_argument("--tp", default="1", help="TP sizes to measure, e.g. 1,2")
+    profile.add_argument("--quick", action="store_true", help="a small grid (for tests)")
+    profile.set_defaults(func=cmd_profile)
+
+
+def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from planner.workload import make_workload, synthetic_workload
+
+    if args.workload.endswith(".json"):
+        with open(args.workload, encoding="utf-8") as handle:
+            pairs = [(int(p), int(o)) for p, o in json.load(handle)]
+        return make_workload(args.workload, pairs, args.num_requests, arrival=args.arrival,
+                             cv=args.cv, seed=args.seed)  # fmt: skip
+    return synthetic_workload(args.workload, args.num_requests, args.max_model_len,
+                              arrival=args.arrival, cv=args.cv, seed=args.seed)  # fmt: skip
+
+
+def _load(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
+    from planner.profile import load_profile, with_max_num_tokens
+
+    profile = load_profile(path, args.model)
+    return with_max_num_tokens(profile, args.max_num_tokens) if args.max_num_tokens else profile
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from planner.search import SLO, Cluster, SearchSettings, plan
+    from planner.simulator import LinkSpec, SimOptions
+
+    profile = _load(args, args.profile)
+    coloc = _load(args, args.colocated_profile) if args.colocated_profile else None
+    pp_text = args.pp or ("1" if args.write else "1,2,4,8")
+    link = None
+    kv = next(iter(profile.by_tp.values())).kv_bytes_per_token
+    if args.cross_node_gbps and kv:
+        link = LinkSpec(kv, args.intra_node_GBps, args.cross_node_gbps / 8.0)
+    settings = SearchSettings(
+        link=link, pp_choices=tuple(int(p) for p in pp_text.split(",")),
+        options=SimOptions(colocated_policy=args.colocated_policy),
+    )  # fmt: skip
+    slo = SLO(args.ttft_ms, args.tpot_ms, args.attainment, args.criterion)
+    cluster = Cluster(args.nodes, args.gpus_per_node)
+    result = plan(profile, _workload(args), slo, cluster, settings, colocated_profile=coloc)
+    summary = _summary(result)
+    if args.write:
+        _write(args, result.best.placement, summary)
+        summary["written"] = args.write
+    print(json.dumps(summary))
+    return 0
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    def one(scored: Any) -> dict[str, Any] | None:
+        if scored is None:
+            return None
+        return {"placement": scored.placement.describe(), "algorithm": scored.placement.algorithm,
+                "per_gpu_goodput": round(scored.per_gpu_rate, 4),
+                "gpus": scored.placement.num_gpus}  # fmt: skip
+
+    return {
+        "best": one(result.best),
+        "best_disaggregated": one(result.best_disaggregated),
+        "best_colocated": one(result.best_colocated),
+        "disaggregated_over_colocated": round(result.winner_ratio, 3),
+        "search_s": round(result.search_s, 2),
+    }
+
+
+def _write(args: argparse.Namespace, placement: Any, summary: dict[str, Any]) -> None:
+    import yaml
+
+    from planner.serve_config import write_serve_config
+
+    base = {}
+    if args.base_config:
+        with open(args.base_config, encoding="utf-8") as handle:
+            base = yaml.safe_load(handle) or {}
+    comment = f"written by pdserve plan: {json.dumps(summary['best'])}"
+    write_serve_config(args.write, placement, base, comment)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    try:
+        from deploy.profile import run_profile  # measurement lives with the deployment code
+    except ImportError:
+        print(
+            "pdserve profile: deploy/profile.py is not available in this install", file=sys.stderr
+        )
+        return 2
+    return run_profile(args)
