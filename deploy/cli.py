@@ -1,4 +1,4 @@
-"""The `pdserve` command line: serve, generate, status, demo, bench.
+"""The `pdserve` command line: serve, generate, status, demo, bench, plan, profile.
 
     pdserve serve --config deploy/local.yaml [--port 50051 --prefill-tp 2 ...]
     pdserve generate --address 127.0.0.1:50051 --prompt "Hello" --max-tokens 32
@@ -109,9 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_generate, _add_status, _add_demo, _add_bench):
+    for add in (_add_serve, _add_generate, _add_status, _add_demo, _add_bench, _add_planner):
         add(commands)
     return parser
+
+
+def _add_planner(commands: argparse._SubParsersAction) -> None:
+    """`pdserve plan` and `pdserve profile`: the planner registers its own options."""
+    from planner.cli import add_subcommands
+
+    add_subcommands(commands)
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
