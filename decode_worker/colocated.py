@@ -193,6 +193,9 @@ class ColocatedWorker(WorkerLoop):
             self.instance_id, Role.COLOCATED, self.engine.stats, self.error is None
         )
 
+    def check_liveness(self) -> None:
+        self.engine.executor.check_ranks()  # a dead TP rank: this instance must be replaced
+
     def fail_all(self, message: str) -> None:
         """The loop crashed: end every request it holds with an error event."""
         self._emit(

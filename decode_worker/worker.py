@@ -211,8 +211,12 @@ class DecodeWorker(WorkerLoop):
     def _load(self) -> InstanceLoad:
         num_receiving = sum(1 for entry in self._tracked.values() if entry.landed_at is None)
         return InstanceLoad.from_stats(
-            self.instance_id, Role.DECODE, self.engine.stats, self.healthy,
-            num_other_waiting=num_receiving, num_receiving=num_receiving,
+            self.instance_id,
+            Role.DECODE,
+            self.engine.stats,
+            self.healthy,
+            num_other_waiting=num_receiving,
+            num_receiving=num_receiving,
         )
 
     # --------------------------------------------------------------- the step
@@ -320,6 +324,9 @@ class DecodeWorker(WorkerLoop):
                 self._send_control(ticket.prefill_instance_id, message)
             except Exception:  # noqa: S110 - best effort: the prefill side has its deadline
                 pass
+
+    def check_liveness(self) -> None:
+        self.engine.executor.check_ranks()  # a dead TP rank: this instance must be replaced
 
     def fail_all(self, message: str) -> None:
         self._emit(

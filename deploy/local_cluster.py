@@ -14,6 +14,13 @@
 The same shape as the Ray runtime (deploy/ray_cluster.py), with a pipe where Ray has actor calls.
 Benchmarks use it for colocated layouts too (N ColocatedWorker replicas), optionally with each
 worker pinned to its own cores (`spec.pin_cpus`).
+
+Keeping serving: a watch thread restarts every worker process that died (killed, or exited
+because its loop failed, e.g. a TP rank died), with the same arguments, and swaps it into the
+router's handle. A restarted prefill instance first sends requests through its decode peers
+(deploy/ray_channels.settle_prefill_channels), so that they drop their channels to the dead
+process before the router uses it. A restarted decode instance has new channel endpoints, so
+its peers dial fresh channels. Until it is back, `status()` reports the instance down.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from router.server import Router
 
 Progress = Callable[[str], None]
 _LOOP_TIMEOUT_S = 60.0
+_WATCH_INTERVAL_S = 0.2
 
 
 class PinnedFactory:
@@ -76,6 +84,12 @@ class LocalCluster:
         self._relay: ControlRelay | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
+        self._plan: dict[str, tuple[Callable[..., Any], tuple, int]] = {}
+        self._handle_of: dict[str, ProcessHandle] = {}
+        self._restarting: set[str] = set()
+        self.num_restarts: dict[str, int] = {}
+        self._stopping = threading.Event()
+        self._watch: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, progress: Progress | None = None) -> str:
@@ -87,6 +101,10 @@ class LocalCluster:
             self._start_workers(say)
             say("starting the router")
             self._start_router()
+            self._watch = threading.Thread(
+                target=self._keep_alive, name="worker-watch", daemon=True
+            )
+            self._watch.start()
         except BaseException:
             self.shutdown()
             raise
@@ -97,14 +115,15 @@ class LocalCluster:
         plan = self._worker_plan()
         pins = cpu_sets([tp for _, _, _, tp in plan], sorted(os.sched_getaffinity(0)))
 
+        for index, (instance_id, factory, args, tp_size) in enumerate(plan):
+            pinned = PinnedFactory(factory, pins[index] if self.spec.pin_cpus else None)
+            self._plan[instance_id] = (pinned, args, tp_size)
+
         def start_one(index: int) -> tuple[str, ProcessWorker]:
-            instance_id, factory, args, tp_size = plan[index]
+            instance_id, _, _, tp_size = plan[index]
             say(f"starting {instance_id} (TP={tp_size}): loading {self.spec.model_dir}")
             began = time.monotonic()
-            pinned = PinnedFactory(factory, pins[index] if self.spec.pin_cpus else None)
-            worker = ProcessWorker(
-                pinned, *args, name=instance_id, start_timeout_s=self.start_timeout_s
-            )
+            worker = self._new_worker(instance_id)
             say(f"{instance_id} ready ({time.monotonic() - began:.1f} s)")
             return instance_id, worker
 
@@ -155,6 +174,7 @@ class LocalCluster:
                 role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
                 front.append(ProcessHandle(instance_id, role, worker, call_timeout_s=timeout_s))
         self._handles = [*front, *back]
+        self._handle_of = {handle.instance_id: handle for handle in self._handles}
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
             target=self._loop.run_forever, name="router-loop", daemon=True
@@ -164,12 +184,17 @@ class LocalCluster:
         self._run(self.router.start())
         freeze_startup_heap()
 
-    def shutdown(self) -> None:
-        """Stop admitting, drain the router, stop every worker and its ranks; idempotent."""
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop admitting, let in-flight streams finish for `grace_s` (default: the router's
+        `shutdown_grace_s`), abort the rest, then stop every worker and its ranks; idempotent."""
+        self._stopping.set()  # no restarts from here on
+        if self._watch is not None:
+            self._watch.join(self.start_timeout_s)
+            self._watch = None
         if self._loop is not None:
             try:
                 if self.router is not None:
-                    self._run(self.router.stop())
+                    self._run(self.router.stop(grace_s), timeout_s=_LOOP_TIMEOUT_S + (grace_s or 0))
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 if self._loop_thread is not None:
@@ -183,6 +208,14 @@ class LocalCluster:
             self._relay.stop()
             self._relay = None
         unfreeze_heap()  # this process outlives the cluster (a test, a benchmark's sweep)
+
+    def kill(self) -> None:
+        """Stop at once, without draining (a second signal): every worker process is killed;
+        their TP ranks follow within seconds (their driver's store is gone). Then shutdown()."""
+        self._stopping.set()
+        for worker in list(self.workers.values()):
+            worker.kill()
+        self.shutdown(grace_s=0)
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -201,10 +234,13 @@ class LocalCluster:
         return None if self.router is None else self.router.metrics_port
 
     def status(self) -> list[InstanceLoad]:
-        """Every worker's load report (healthy=False for one that does not answer)."""
+        """Every worker's load report; one that is down or restarting reports healthy=False and
+        nothing running (never its last load)."""
         loads = []
-        for instance_id, worker in self.workers.items():
+        for instance_id, worker in list(self.workers.items()):
             try:
+                if instance_id in self._restarting:
+                    raise WorkerUnavailable(f"{instance_id} is restarting")
                 loads.append(worker.call("load", timeout_s=10.0))
             except WorkerUnavailable:
                 role = Role.DECODE if instance_id.startswith("decode") else Role.PREFILL
@@ -222,7 +258,67 @@ class LocalCluster:
         return ids
 
     # ------------------------------------------------------------------ internals
-    def _run(self, coroutine: Any) -> Any:
+    def _run(self, coroutine: Any, timeout_s: float = _LOOP_TIMEOUT_S) -> Any:
         assert self._loop is not None
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        return future.result(_LOOP_TIMEOUT_S)
+        return future.result(timeout_s)
+
+    def _new_worker(self, instance_id: str) -> ProcessWorker:
+        factory, args, _ = self._plan[instance_id]
+        return ProcessWorker(factory, *args, name=instance_id, start_timeout_s=self.start_timeout_s)
+
+    def _keep_alive(self) -> None:
+        """The watch thread: restart each worker process that died, one at a time."""
+        while not self._stopping.wait(_WATCH_INTERVAL_S):
+            for instance_id, worker in list(self.workers.items()):
+                if not worker.is_alive() and not self._stopping.is_set():
+                    try:
+                        self._restart(instance_id, worker)
+                    except Exception as exc:  # tried again at the next tick
+                        print(f"restarting {instance_id} failed: {exc!r}", flush=True)
+
+    def _restart(self, instance_id: str, dead: ProcessWorker) -> None:
+        self._restarting.add(instance_id)
+        try:
+            dead.kill()  # reap it
+            print(f"{instance_id} died (exit code {dead.exitcode}); restarting it", flush=True)
+            worker = self._new_worker(instance_id)
+            self.workers[instance_id] = worker  # the relay delivers the peers' acks to it now
+            if instance_id.startswith("prefill"):
+                self._settle_prefill(instance_id, worker)
+            self._handle_of[instance_id].worker = worker  # the router reaches it from here on
+            self.num_restarts[instance_id] = self.num_restarts.get(instance_id, 0) + 1
+        finally:
+            self._restarting.discard(instance_id)
+
+    def _settle_prefill(self, instance_id: str, worker: ProcessWorker) -> None:
+        from deploy.ray_channels import settle_prefill_channels  # imports ray: only when needed
+
+        decode_ids = [i for i in self.workers if i.startswith("decode")]
+        _, _, tp_size = self._plan[instance_id]
+        timeout_s = self.spec.router.worker_timeout_s
+
+        def reserve(peer_id: str, request: Any, prefill_id: str, tp: int) -> Any:
+            return self.workers[peer_id].call(
+                "reserve", request, prefill_id, tp, timeout_s=timeout_s
+            )
+
+        settle_prefill_channels(
+            _Remote(worker, timeout_s), instance_id, tp_size, dict.fromkeys(decode_ids, 1), "",
+            timeout_s, reserve,
+        )  # fmt: skip
+
+
+class _Remote:
+    """A ProcessWorker as the worker object deploy/ray_channels drives (submit, load)."""
+
+    def __init__(self, worker: ProcessWorker, timeout_s: float) -> None:
+        self.worker = worker
+        self.timeout_s = timeout_s
+
+    def submit(self, request: Any, ticket: Any) -> None:
+        self.worker.call("submit", request, ticket, timeout_s=self.timeout_s)
+
+    def load(self) -> InstanceLoad:
+        load: InstanceLoad = self.worker.call("load", timeout_s=self.timeout_s)
+        return load

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -27,6 +28,8 @@ from typing import Any
 from engine.child_signals import ignore_terminal_signals, terminal_signals_blocked
 from engine.gc_tuning import freeze_startup_heap
 from engine.messages import WorkerUnavailable
+
+_FAILED_EXIT_DELAY_S = 1.0
 
 
 def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
@@ -50,6 +53,8 @@ def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwar
         return
     freeze_startup_heap()
     reply(0, "ok", os.getpid())
+    if isinstance(getattr(worker, "failed", None), threading.Event):
+        threading.Thread(target=_exit_when_failed, args=(worker,), daemon=True).start()
 
     def serve(call_id: int, method: str, call_args: tuple, call_kwargs: dict) -> None:
         try:
@@ -85,6 +90,19 @@ def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwar
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _exit_when_failed(worker: Any) -> None:
+    """A worker whose loop died (a dead TP rank, a failed step) cannot serve again: exit, so the
+    parent sees a dead process and starts a new one (rank group and all)."""
+    worker.failed.wait()
+    time.sleep(_FAILED_EXIT_DELAY_S)  # the router's next poll takes the requests' error events
+    try:
+        worker.shutdown()  # reaps the TP ranks that are left
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 class ProcessWorker:
@@ -126,6 +144,10 @@ class ProcessWorker:
 
     def is_alive(self) -> bool:
         return self._process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._process.exitcode
 
     def call(self, method: str, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> Any:
         with self._lock:

@@ -8,14 +8,18 @@ that thread through `call`, between two steps, so none of them needs a lock:
     caller threads ◀──poll_events(timeout)── event list ◀── _emit(events) (one list per step)
 
 When a step has nothing to do, the loop sleeps until a command arrives (or `idle_wait_s`, so
-that deadlines are still checked). A step that raises marks the worker unhealthy and stops the
-loop; `fail_all` lets the subclass end every request it holds with an error event first.
+that deadlines are still checked), and every `liveness_interval_s` calls `check_liveness` (a
+worker checks its TP ranks there, so a dead rank is noticed with no traffic too). A step or
+check that raises marks the worker unhealthy, sets `failed` and stops the loop; `fail_all` lets
+the subclass end every request it holds with an error event first. The worker's host then
+replaces it (deploy/: a process that exits, an actor that dies).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -30,9 +34,13 @@ T = TypeVar("T")
 class WorkerLoop:
     """Subclasses implement `step() -> bool` (True if it did work) and may override `fail_all`."""
 
-    def __init__(self, instance_id: str, idle_wait_s: float = 0.005) -> None:
+    def __init__(
+        self, instance_id: str, idle_wait_s: float = 0.005, liveness_interval_s: float = 0.25
+    ) -> None:
         self.instance_id = instance_id
         self.idle_wait_s = idle_wait_s
+        self.liveness_interval_s = liveness_interval_s
+        self.failed = threading.Event()  # set with `error` when the loop died
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._events: list[TokenEvent] = []
         self._events_ready = threading.Condition()
@@ -89,6 +97,9 @@ class WorkerLoop:
     def fail_all(self, message: str) -> None:
         """End every request the worker holds with an error event (loop thread, on a crash)."""
 
+    def check_liveness(self) -> None:
+        """Raise if the worker can no longer serve (loop thread, while idle)."""
+
     def _emit(self, events: list[TokenEvent]) -> None:
         if events:
             with self._events_ready:
@@ -97,12 +108,16 @@ class WorkerLoop:
 
     # --------------------------------------------------------------- the loop
     def _run(self) -> None:
+        next_check = time.monotonic() + self.liveness_interval_s
         try:
             while not self._stop.is_set():
                 self._run_commands()
                 if self._stop.is_set():
                     break
                 if not self.step():
+                    if time.monotonic() >= next_check:
+                        self.check_liveness()
+                        next_check = time.monotonic() + self.liveness_interval_s
                     self._wait_for_command()
         except BaseException as exc:  # the loop must report, never vanish silently
             self.error = f"{type(exc).__name__}: {exc}"
@@ -111,6 +126,7 @@ class WorkerLoop:
                 self.fail_all(f"worker {self.instance_id} failed: {self.error}")
             finally:
                 self._fail_pending_commands()
+                self.failed.set()
         finally:
             with self._events_ready:
                 self._events_ready.notify_all()

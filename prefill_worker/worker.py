@@ -368,6 +368,9 @@ class PrefillWorker(WorkerLoop):
             except Exception:  # noqa: S110 - best effort: the receive also ends at its deadline
                 pass
 
+    def check_liveness(self) -> None:
+        self.engine.executor.check_ranks()  # a dead TP rank: this instance must be replaced
+
     def fail_all(self, message: str) -> None:
         self._emit(
             [

@@ -1,5 +1,6 @@
 """The plain-process cluster keeps serving (issue 12): it outlives idle time past every timeout,
-and cancelled requests give back every KV block at once.
+cancelled requests give back every KV block at once, and a worker that dies (or loses a TP rank)
+is reported down, restarted, and serves again.
 
 One cluster for the module: a prefill instance at TP=2 and two decode instances behind the real
 router, with the TP group's collective timeout and the KV deadlines shortened to 2 s, so that an
@@ -8,9 +9,12 @@ idle pause longer than them shows what a 2-minute pause shows with the defaults.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -110,3 +114,53 @@ def test_cancels_at_every_stage_give_every_block_back_within_seconds(
             free = free_blocks(cluster)
     assert free == start, f"blocks still held {time.monotonic() - ended_at:.1f} s after the end"
     assert finished and set(finished) == {40}
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Seconds it took; fails the test past `timeout_s`."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def healthy(cluster: LocalCluster) -> dict[str, bool]:
+    return {load.instance_id: load.healthy for load in cluster.status()}
+
+
+def routable(cluster: LocalCluster) -> set[str]:
+    """The instances the router would pick now (read from the test thread: a snapshot)."""
+    assert cluster.router is not None
+    pool = cluster.router.pool
+    return {state.instance_id for state in [*pool.prefill_candidates(), *pool.decode_candidates()]}
+
+
+@pytest.mark.parametrize("instance_id", ["prefill-0", "decode-0"])
+def test_a_killed_process_is_reported_down_restarted_and_serves_again(
+    cluster: LocalCluster, instance_id: str
+) -> None:
+    """prefill-0: its TP rank 1 is killed (the driver notices and its process exits);
+    decode-0: the worker process itself is killed."""
+    with RouterClient(cluster.address) as client:
+        expected = generate(client, "The quick brown fox", f"{instance_id}-before")
+        pids = cluster.workers[instance_id].call("process_ids")
+        os.kill(pids[-1], signal.SIGKILL)  # prefill: TP rank 1; decode (TP=1): the process
+        wait_until(lambda: not healthy(cluster)[instance_id], 5, f"{instance_id} reported down")
+        assert {i for i, ok in healthy(cluster).items() if not ok} == {instance_id}
+        wait_until(lambda: cluster.num_restarts.get(instance_id) == 1, 90, "the restart")
+        assert all(healthy(cluster).values())
+        wait_until(lambda: instance_id in routable(cluster), 10, "the router using it again")
+        assert not any(_running(pid) for pid in pids), "a process of the dead instance is left"
+        for n in range(4):  # both decode instances, through the restarted instance
+            assert generate(client, "The quick brown fox", f"{instance_id}-after{n}") == expected
+    assert free_blocks(cluster) == dict.fromkeys(("prefill-0", "decode-0", "decode-1"), NUM_BLOCKS)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
