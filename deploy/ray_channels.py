@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -134,6 +135,10 @@ def form_all_channels(
                 pending.discard(event.request_id)
 
 
+# reserve(decode peer id, request, prefill instance id, prefill TP size) -> the peer's ticket
+PeerReserve = Callable[[str, WorkerRequest, str, int], Any]
+
+
 def settle_prefill_channels(
     worker: Any,
     instance_id: str,
@@ -141,17 +146,24 @@ def settle_prefill_channels(
     peers: dict[str, int],
     namespace: str,
     timeout_s: float,
+    reserve: PeerReserve | None = None,
 ) -> None:
     """A restarted prefill instance: two rounds of a request to every decode peer, each round
     until no hand-off is in flight. The first round meets the peers' stale channels and makes
-    them rebuild; the second builds the new ones. Its events go to the router, which drops them."""
+    them rebuild; the second builds the new ones. Its events go to the router, which drops them.
+    `reserve` reaches a peer (default: its actor in `namespace`; the plain-process runtime
+    passes its own)."""
+
+    def reserve_on_actor(peer_id: str, request: WorkerRequest, prefill_id: str, tp: int) -> Any:
+        peer = ray.get_actor(actor_name(peer_id), namespace)
+        return ray.get(peer.reserve.remote(request, prefill_id, tp), timeout=timeout_s)
+
+    reserve = reserve or reserve_on_actor
     for _ in range(2):
         for peer_id in peers:
             try:
-                peer = ray.get_actor(actor_name(peer_id), namespace)
                 request = warmup_request(instance_id, peer_id)
-                reserve = peer.reserve.remote(request, instance_id, tp_size)
-                worker.submit(request, ray.get(reserve, timeout=timeout_s))
+                worker.submit(request, reserve(peer_id, request, instance_id, tp_size))
             except Exception as exc:  # a peer that is down: the router's health covers it
                 logger.warning("forming KV channels %s -> %s: %r", instance_id, peer_id, exc)
         deadline = time.monotonic() + timeout_s
