@@ -15,6 +15,10 @@ class RouterConfig:
 
     `port=0` (and `metrics_port=0`) bind a free port; the server reports the one it got.
     `metrics_port=None` serves no metrics over HTTP (they are still collected).
+    `http_port` serves the OpenAI-compatible HTTP API (router/http_api) on `http_host`, beside
+    gRPC and over the same admission, dispatch and metrics; None turns it off. It takes the same
+    bearer token and TLS files as gRPC. Its models list names the model `served_model_name`
+    (None: the model folder's name).
     Admission: at most `max_running_requests` are dispatched to workers at once and at most
     `max_queued_requests` more wait in the router; past that a request gets RESOURCE_EXHAUSTED
     at once. `max_model_len` must match the workers' (None: the model's max_position_embeddings).
@@ -29,6 +33,9 @@ class RouterConfig:
     port: int = 0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    served_model_name: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     auth_token: str | None = None
@@ -51,10 +58,14 @@ class RouterConfig:
             raise ValueError(
                 f"model_dir {self.model_dir!r} is not a folder (it holds the tokenizer)"
             )
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= 65535):
                 raise ValueError(f"{name} must be an integer in [0, 65535], got {value!r}")
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ValueError(f"http_port {self.http_port} is also the gRPC or metrics port")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty; use None for the folder's name")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file (or neither)")
         for name in ("tls_cert_file", "tls_key_file"):
@@ -110,3 +121,8 @@ class RouterConfig:
     @property
     def uses_tls(self) -> bool:
         return self.tls_cert_file is not None
+
+    @property
+    def model_name(self) -> str:
+        """The name the HTTP API lists and expects in a request's `model` field."""
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model_dir))

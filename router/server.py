@@ -6,6 +6,9 @@
     ...
     await router.stop()             # NOT_SERVING, drain for shutdown_grace_s, abort the rest
 
+With `config.http_port` set, the OpenAI-compatible HTTP API (router/http_api) listens too, on
+the same event loop and over the same runner; `router.http_port` is the port it got.
+
 Health: the overall status ("") and "pdserve.v1.Generation" are SERVING while the workers can
 take requests (a healthy prefill or colocated instance, plus a decode instance when split), and
 NOT_SERVING otherwise; the status follows each load refresh.
@@ -29,6 +32,8 @@ from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.generation import GenerationRunner
+from router.http_api.app import OpenAIFrontDoor, build_app
+from router.http_api.server import HttpServer
 from router.metrics import RouterMetrics
 from router.policies import make_decode_policy, make_prefill_policy
 from router.servicer import SERVICE_NAME, GenerationServicer
@@ -77,11 +82,15 @@ class Router:
         )
         self._validator = RequestValidator(config, self.tokenizer, self.limits)
         self._servicer = GenerationServicer(self._validator, runner, self.metrics)
+        self._runner = runner
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._http: HttpServer | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._stopping = False
         self.port = 0
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -109,7 +118,24 @@ class Router:
             self.metrics_port = self.metrics.serve(
                 self.config.metrics_host, self.config.metrics_port
             )
-        logger.info("router listening on %s (metrics port %s)", self.address, self.metrics_port)
+        if self.config.http_port is not None:
+            await self._start_http()
+        logger.info(
+            "router listening on %s (metrics port %s, HTTP port %s)",
+            self.address, self.metrics_port, self.http_port,
+        )  # fmt: skip
+
+    async def _start_http(self) -> None:
+        front = OpenAIFrontDoor(
+            self.config, self.limits, self._validator, self._runner, self.metrics,
+            is_serving=lambda: not self._stopping and self.pool.healthy(),
+        )  # fmt: skip
+        config = self.config
+        self._http = HttpServer(
+            build_app(front), config.http_host, config.http_port or 0, config.shutdown_grace_s,
+            ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file,
+        )  # fmt: skip
+        self.http_port = await self._http.start()
 
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self.config.host}:{self.config.port}"
@@ -138,18 +164,27 @@ class Router:
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop admitting, give in-flight requests `grace_s` to finish, then cancel them (their
         cleanup aborts them on the workers) and stop the background tasks."""
+        self._stopping = True
         await self._health.enter_graceful_shutdown()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        if self._server is not None:
-            grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-            await self._server.stop(grace)
-            self._server = None
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        await asyncio.gather(self._stop_grpc(grace), self._stop_http(grace))
         await self.pool.stop()
         self._validator.close()
         self.metrics.close()
+
+    async def _stop_grpc(self, grace_s: float) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+
+    async def _stop_http(self, grace_s: float) -> None:
+        if self._http is not None:
+            await self._http.stop(grace_s)
+            self._http = None
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

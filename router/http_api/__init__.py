@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front door (FastAPI on uvicorn), served by the router beside gRPC."""

@@ -1,0 +1,208 @@
+"""The OpenAI-compatible HTTP API as an ASGI app (FastAPI), over the router's generation path.
+
+    GET  /v1/models             the one model this router serves
+    POST /v1/completions        prompt as text or token ids
+    POST /v1/chat/completions   messages through the model's chat template
+    GET  /health                200 while the workers can take requests, 503 otherwise
+    GET  /metrics               the router's Prometheus registry
+
+A request becomes the gRPC API's GenerateRequest and goes through the same validator and the
+same runner (admission, dispatch, streaming, cancellation, metrics) as a gRPC call does. The
+/v1 routes need `Authorization: Bearer <token>` when the router has a token (the gRPC one);
+/health and /metrics answer anyone, like the separate metrics port.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pdserve_proto.v1 import generation_pb2 as pb
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from router.config import RouterConfig
+from router.generation import GenerationRunner
+from router.http_api import errors
+from router.http_api.errors import ApiError
+from router.http_api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from router.http_api.streaming import ClientGone, stream_response, whole_response
+from router.http_api.translate import ResponseShape, chat_to_proto, completion_to_proto
+from router.metrics import RouterMetrics
+from router.tokenizer import ModelLimits
+from router.validation import InvalidRequest, RequestValidator, ValidatedRequest
+
+# Request fields the validator's messages may begin with (see errors.invalid_request).
+_VALIDATED_FIELDS = frozenset(
+    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+     "token_ids", "messages", "request_id", "prompt"}
+)  # fmt: skip
+_CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on; nobody reads it
+
+
+class OpenAIFrontDoor:
+    """What the routes need from the router, and the steps they share."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        limits: ModelLimits,
+        validator: RequestValidator,
+        runner: GenerationRunner,
+        metrics: RouterMetrics,
+        is_serving: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.limits = limits
+        self.validator = validator
+        self.runner = runner
+        self.metrics = metrics
+        self.is_serving = is_serving
+        self.model_name = config.model_name
+        self.created = int(time.time())
+        self._token = None if config.auth_token is None else config.auth_token.encode()
+
+    def authorize(self, request: Request) -> None:
+        if self._token is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").encode().partition(b" ")
+        # Compare the token even when the scheme is wrong: the time taken says nothing.
+        token_matches = hmac.compare_digest(token.strip(b" "), self._token)
+        if not (scheme.lower() == b"bearer" and token_matches):
+            raise errors.unauthorized()
+
+    async def generate(
+        self, http_request: Request, body: SamplingFields, grpc_request: pb.GenerateRequest
+    ) -> Response:
+        if body.model != self.model_name:
+            raise errors.model_not_found(body.model, self.model_name)
+        unsupported = body.unsupported_field()
+        if unsupported is not None:
+            raise errors.bad_request(unsupported[1], unsupported[0])
+        chat = isinstance(body, ChatCompletionRequest)
+        validated = await self._validate(grpc_request, body, chat)
+        options = body.stream_options
+        shape = ResponseShape(
+            chat=chat,
+            response_id=("chatcmpl-" if chat else "cmpl-") + validated.request_id,
+            model=self.model_name,
+            created=int(time.time()),
+            num_prompt_tokens=len(validated.prompt_token_ids),
+            include_usage=bool(body.stream and options and options.include_usage),
+            continuous_usage=bool(body.stream and options and options.continuous_usage_stats),
+        )
+        chunks = self.runner.generate(validated)
+        if body.stream:
+            return await stream_response(http_request, chunks, shape, self.metrics)
+        return await whole_response(http_request, chunks, shape)
+
+    async def _validate(
+        self, request: pb.GenerateRequest, body: SamplingFields, chat: bool
+    ) -> ValidatedRequest:
+        try:
+            return await self.validator.validate(request)
+        except InvalidRequest as exc:
+            error = errors.invalid_request(
+                str(exc), "messages" if chat else "prompt", _VALIDATED_FIELDS
+            )
+            uses_new_name = isinstance(body, ChatCompletionRequest) and (
+                body.max_completion_tokens is not None
+            )
+            if error.body.param == "max_tokens" and uses_new_name:
+                error.body.param = "max_completion_tokens"
+            raise error from exc
+
+
+def build_app(front: OpenAIFrontDoor) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app, front.metrics)
+    authorized = [Depends(front.authorize)]
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=front.model_name, created=front.created, max_model_len=front.limits.max_model_len
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        request_id = body.request_id or uuid.uuid4().hex
+        return await front.generate(request, body, completion_to_proto(body, request_id))
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        request_id = body.request_id or uuid.uuid4().hex
+        return await front.generate(request, body, chat_to_proto(body, request_id))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not front.is_serving():
+            raise errors.unavailable("no healthy worker can take requests (or the router stops)")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
+    async def api_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        if exc.failure_label is not None:
+            metrics.request_failure.labels(exc.failure_label).inc()
+        return exc.response()
+
+    async def invalid_body(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        metrics.request_failure.labels("INVALID_ARGUMENT").inc()
+        return _body_error(exc.errors()).response()
+
+    async def http_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return ApiError(exc.status_code, str(exc.detail), code=None).response()
+
+    async def client_gone(_request: Request, _exc: Exception) -> Response:
+        return Response(status_code=_CLIENT_CLOSED)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(ClientGone, client_gone)
+
+
+def _body_error(problems: Any) -> ApiError:
+    """A 400 for the first problem pydantic found, naming its field ("messages[0].content")."""
+    if not problems:
+        return errors.bad_request("the request body is not valid", None)
+    problem = problems[0]
+    location = [part for part in problem.get("loc", ()) if part != "body"]
+    if problem.get("type") == "json_invalid":
+        return errors.bad_request(f"the body is not valid JSON: {problem.get('msg')}", None)
+    param = ""
+    for part in location:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif not param:
+            param = str(part)
+        elif part in ("str", "int", "list[str]", "list[int]") or "[" in str(part):
+            break  # the union member pydantic tried: not a field name
+        else:
+            param += f".{part}"
+    message = f"{param or 'body'}: {problem.get('msg', 'invalid value')}"
+    return errors.bad_request(message, param or None)
