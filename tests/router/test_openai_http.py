@@ -268,13 +268,19 @@ def test_overload_is_429_where_grpc_says_resource_exhausted(tiny_model_dir: str)
 
 
 class _DeadWorker(SyntheticWorker):
-    """A worker whose process is gone: every call fails at once."""
+    """A worker whose process is gone (once `dead`): every call fails at once."""
+
+    dead = True
 
     async def load(self) -> InstanceLoad:
-        raise WorkerUnavailable(f"{self.instance_id} exited")
+        if self.dead:
+            raise WorkerUnavailable(f"{self.instance_id} exited")
+        return await super().load()
 
     async def poll_events(self, timeout_s: float) -> list[TokenEvent]:
-        raise WorkerUnavailable(f"{self.instance_id} exited")
+        if self.dead:
+            raise WorkerUnavailable(f"{self.instance_id} exited")
+        return await super().poll_events(timeout_s)
 
 
 def test_no_healthy_worker_is_503_for_health_and_requests(tiny_model_dir: str) -> None:
@@ -289,3 +295,41 @@ def test_no_healthy_worker_is_503_for_health_and_requests(tiny_model_dir: str) -
             assert caught.value.status_code == 503
             assert isinstance(caught.value.body, dict)
             assert "no healthy worker" in caught.value.body["message"]
+
+
+def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event(tiny_model_dir: str) -> None:
+    worker = _DeadWorker("colocated-0", Role.COLOCATED, step_interval_s=0.01)
+    worker.dead = False
+    config = RouterConfig(model_dir=tiny_model_dir, http_port=0, load_refresh_interval_s=0.05)
+    with RouterThread(config, lambda: ([worker], [])) as server:
+        body = {"model": _model(server), "prompt": "hi", "max_tokens": 400, "stream": True}
+        assert server.router is not None
+        url = f"http://127.0.0.1:{server.router.http_port}/v1/completions"
+        request = urllib.request.Request(
+            url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=20) as response:
+            assert response.readline().startswith(b"data: {")  # streaming: headers are out
+            worker.dead = True
+            events = [e for e in response.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "unavailable" and "colocated-0" in error["message"]
+
+
+def test_stopping_the_router_ends_an_http_stream_and_frees_its_blocks(
+    tiny_model_dir: str,
+) -> None:
+    config = RouterConfig(model_dir=tiny_model_dir, http_port=0)
+    server = RouterThread(config, lambda: synthetic_cluster(1, 1, step_interval_s=0.01))
+    with server:
+        stream = _client(server).completions.create(
+            model=_model(server), prompt="hi", max_tokens=400, stream=True
+        )
+        next(iter(stream))
+        assert server.router is not None
+        server.run(server.router.stop(grace_s=0.2))  # far shorter than the 4 s the stream needs
+        with pytest.raises(openai.APIError):
+            list(stream)  # cut off: the body ends without [DONE]
+        loads = server.loads()
+    assert all(load.num_free_blocks == load.num_total_blocks for load in loads)
