@@ -333,3 +333,15 @@ def test_stopping_the_router_ends_an_http_stream_and_frees_its_blocks(
             list(stream)  # cut off: the body ends without [DONE]
         loads = server.loads()
     assert all(load.num_free_blocks == load.num_total_blocks for load in loads)
+
+
+def test_http_config_is_checked(tiny_model_dir: str) -> None:
+    with pytest.raises(ValueError, match="http_port must be an integer"):
+        RouterConfig(model_dir=tiny_model_dir, http_port=70000)
+    with pytest.raises(ValueError, match="also the gRPC or metrics port"):
+        RouterConfig(model_dir=tiny_model_dir, port=8000, http_port=8000)
+    with pytest.raises(ValueError, match="served_model_name"):
+        RouterConfig(model_dir=tiny_model_dir, served_model_name=" ")
+    named = RouterConfig(model_dir=tiny_model_dir, served_model_name="tiny")
+    assert named.model_name == "tiny"
+    assert RouterConfig(model_dir=tiny_model_dir + "/").model_name == Path(tiny_model_dir).name
