@@ -54,7 +54,7 @@ def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwar
     freeze_startup_heap()
     reply(0, "ok", os.getpid())
     if isinstance(getattr(worker, "failed", None), threading.Event):
-        threading.Thread(target=_exit_when_failed, args=(worker,), daemon=True).start()
+        threading.Thread(target=exit_when_failed, args=(worker,), daemon=True).start()
 
     def serve(call_id: int, method: str, call_args: tuple, call_kwargs: dict) -> None:
         try:
@@ -92,9 +92,10 @@ def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwar
     os._exit(0)
 
 
-def _exit_when_failed(worker: Any) -> None:
-    """A worker whose loop died (a dead TP rank, a failed step) cannot serve again: exit, so the
-    parent sees a dead process and starts a new one (rank group and all)."""
+def exit_when_failed(worker: Any) -> None:
+    """A worker whose loop died (a dead TP rank, a failed step) cannot serve again: exit, so its
+    runtime sees a dead process and starts a new one, rank group and all (the process host's
+    parent, or Ray for a restartable actor)."""
     worker.failed.wait()
     time.sleep(_FAILED_EXIT_DELAY_S)  # the router's next poll takes the requests' error events
     try:

@@ -7,8 +7,8 @@
 A WorkerActor is threaded (many concurrent calls: a long `poll_events` never blocks `submit` or
 `abort`; the worker object serialises them on its own loop thread). Its constructor builds the
 whole worker (model, KV pool, TP group), so "the actor is up" means "the worker is ready", and a
-restart (Ray's max_restarts, after the process died) builds a fresh worker behind the same
-name and handle. The RouterActor is an asyncio actor: the gRPC server runs on the actor's loop.
+restart (Ray's max_restarts, after the process died, or after it exited because its worker loop
+failed) builds a fresh worker behind the same name and handle. The RouterActor is an asyncio actor: the gRPC server runs on the actor's loop.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from deploy.process_host import exit_when_failed
 from deploy.ray_channels import form_channels, settle_prefill_channels
 from deploy.ray_handles import ActorControl, RayHandle
 from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
@@ -61,11 +62,11 @@ class WorkerActor:
             # decode ranks listen where prefill ranks on other nodes can reach them
             config = replace(config, kv_transfer=replace(config.kv_transfer, host=self.node_ip))
         # By name, not handle: handles in the arguments of a restartable actor pin objects.
-        rank_actors = [ray.get_actor(name) for name in rank_actor_names or []]
-        if rank_actors and ray.get_runtime_context().was_current_actor_reconstructed:
-            for stale in rank_actors:  # they belonged to the TP group of the process that died
-                ray.kill(stale, no_restart=True)
-            rank_actors = []
+        rank_actors = []
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            _kill_stale_ranks(rank_actor_names or [])
+        else:
+            rank_actors = [ray.get_actor(name) for name in rank_actor_names or []]
         launcher = None
         if placement.tp_size > 1:
             launcher = RayRankLauncher(placement, num_workers, pin_cores, rank_actors)
@@ -101,6 +102,9 @@ class WorkerActor:
             "build_s": built_at - imported_at,
             "channels_s": time.time() - built_at,
         }
+        # A worker whose loop died (say, a TP rank was killed) exits, so Ray restarts the actor;
+        # alive but broken, it would report unhealthy for good.
+        threading.Thread(target=exit_when_failed, args=(self.worker,), daemon=True).start()
         freeze_startup_heap()
 
     # The worker's API, one actor method each (see router/worker_api.py).
@@ -142,6 +146,19 @@ class WorkerActor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+def _kill_stale_ranks(names: list[str]) -> None:
+    """The rank actors of a TP group whose driver died belong to that group: end those still
+    alive. One may be gone already (its death is what failed the driver), so a name that no
+    longer resolves is fine."""
+    import ray
+
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name), no_restart=True)
+        except ValueError:  # a dead named actor no longer resolves
+            pass
 
 
 class RouterActor:

@@ -16,9 +16,12 @@ import grpc
 import pytest
 import ray
 
+from deploy.client import fetch_metrics
+from deploy.launch import cluster_metrics_port
 from deploy.ray_cluster import RayCluster
 from deploy.ray_config import RayClusterConfig
 from deploy.ray_node import process_is_running
+from deploy.status import format_status, parse_metrics
 from engine.messages import Role
 from tests.deploy.ray_support import (
     hf_greedy,
@@ -53,7 +56,7 @@ def cluster(model_dir: str) -> Iterator[RayCluster]:
     config = RayClusterConfig(
         model_dir=model_dir, dtype="float64", prefill_tp_size=2, num_decode_instances=2,
         block_size=8, num_kv_blocks=256, max_num_batched_tokens=256, chunk_size=32,
-        kv_transfer_timeout_s=5.0, worker_timeout_s=5.0, shutdown_grace_s=1.0,
+        kv_transfer_timeout_s=5.0, worker_timeout_s=5.0, shutdown_grace_s=1.0, metrics_port=0,
     )  # fmt: skip
     ray_cluster = RayCluster(config)
     progress: list[str] = []
@@ -173,6 +176,49 @@ def test_killed_prefill_driver_is_restarted_with_a_fresh_tp_group(
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(0.5)
+    results = stream_all(cluster.address, PROMPTS[:16], MAX_TOKENS)
+    assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * 16
+    assert [r.token_ids for r in results] == reference["short"][:16]
+    deadline = time.monotonic() + 10
+    while any(process_is_running(pid) for pid in before.pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in before.pids if process_is_running(pid)] == []
+
+
+def _router_says_healthy(metrics_address: str, instance_id: str) -> bool:
+    status = parse_metrics(fetch_metrics(metrics_address))
+    return any(w.instance_id == instance_id and w.healthy >= 1.0 for w in status.workers)
+
+
+def test_killed_tp_rank_shows_its_instance_down_and_ray_restarts_it(
+    cluster: RayCluster, reference
+) -> None:
+    """Issue 12, defects 2 and 7: the driver notices its dead rank, exits so that Ray restarts it
+    (alive but broken it would stay down for good), and the router's metrics (what `pdserve
+    status` shows) say down at once and healthy again after the restart."""
+    metrics = f"127.0.0.1:{cluster_metrics_port(cluster)}"
+    deadline = time.monotonic() + 30
+    while not _router_says_healthy(metrics, "prefill-0"):
+        assert time.monotonic() < deadline, "prefill-0 never healthy before the kill"
+        time.sleep(0.1)
+    before = next(w for w in cluster.status().workers if w.instance_id == "prefill-0")
+    os.kill(before.pids[1], signal.SIGKILL)  # TP rank 1's actor, not the driver
+    killed_at = time.monotonic()
+    while _router_says_healthy(metrics, "prefill-0"):
+        assert time.monotonic() - killed_at < 5, "the router still shows prefill-0 healthy"
+        time.sleep(0.05)
+    table = format_status(cluster.address, "NOT_SERVING", parse_metrics(fetch_metrics(metrics)))
+    assert any(row.startswith("prefill-0") and "UNHEALTHY" in row for row in table.splitlines())
+    deadline = killed_at + 90
+    while True:
+        after = next(w for w in cluster.status().workers if w.instance_id == "prefill-0")
+        if after.healthy and len(after.pids) == 2 and not set(after.pids) & set(before.pids):
+            break
+        assert time.monotonic() < deadline, f"prefill-0 not back: {after}"
+        time.sleep(0.2)
+    while not (cluster.serving() and _router_says_healthy(metrics, "prefill-0")):
+        assert time.monotonic() < deadline, "the router never showed prefill-0 healthy again"
+        time.sleep(0.1)
     results = stream_all(cluster.address, PROMPTS[:16], MAX_TOKENS)
     assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * 16
     assert [r.token_ids for r in results] == reference["short"][:16]
