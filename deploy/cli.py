@@ -27,7 +27,7 @@ from deploy.config import ConfigError, ServeConfig, apply_overrides, load_config
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _OVERRIDES = (
-    "model", "host", "port", "metrics_port", "prefill_instances", "prefill_tp",
+    "model", "host", "port", "metrics_port", "http_port", "prefill_instances", "prefill_tp",
     "decode_instances", "decode_tp", "colocated_instances", "colocated_tp", "mode",
 )  # fmt: skip
 
@@ -39,6 +39,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", help="address the router listens on")
     serve.add_argument("--port", type=int, help="router port (0: a free one)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (0: a free one)")
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        help="OpenAI-compatible HTTP API port (0: a free one; on router.http_host, 127.0.0.1)",
+    )
     for role in ("prefill", "decode", "colocated"):
         serve.add_argument(f"--{role}-instances", type=int, help=f"number of {role} instances")
         serve.add_argument(f"--{role}-tp", type=int, help=f"TP ranks per {role} instance")
@@ -182,7 +187,7 @@ class _ServeSignals:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.demo import resolve_demo_model
-    from deploy.launch import cluster_metrics_port, open_cluster
+    from deploy.launch import cluster_http_port, cluster_metrics_port, open_cluster
 
     config = serve_config(args)
     signals = _ServeSignals()
@@ -197,6 +202,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = (
             f", metrics http://{config.router.host}:{metrics_port}/metrics" if metrics_port else ""
         )
+        http_port = cluster_http_port(cluster)
+        if http_port is not None:
+            metrics += f", OpenAI API http://{config.router.http_host}:{http_port}/v1"
         say(f"serving on {address}{metrics}; Ctrl-C to stop")
         signals.serving.set()
         while not signals.stop.wait(0.5):

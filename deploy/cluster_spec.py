@@ -103,6 +103,8 @@ def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:
         port=router.port,
         metrics_host=router.host,
         metrics_port=router.metrics_port,
+        http_host=router.http_host,
+        http_port=router.http_port,
         tls_cert_file=router.tls_cert_file,
         tls_key_file=router.tls_key_file,
         auth_token=router.resolved_auth_token(),

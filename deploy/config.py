@@ -17,7 +17,8 @@ so a typo fails at start-up instead of silently keeping a default. The schema, w
     colocated: {instances: 1, tensor_parallel_size: 1, policy: least_tokens}
     kv_cache:  {block_size: 16, memory_mb: 256, num_blocks: null}
     scheduler: {chunk_size: 512, max_num_seqs: 64, max_num_batched_tokens: 2048}
-    router:    {host: 127.0.0.1, port: 50051, metrics_port: null, auth_token: null,
+    router:    {host: 127.0.0.1, port: 50051, metrics_port: null, http_port: null,
+                http_host: 127.0.0.1, auth_token: null,
                 auth_token_file: null, tls_cert_file: null, tls_key_file: null,
                 max_running_requests: 256, max_queued_requests: 256, max_model_len: null,
                 worker_timeout_s: 10, shutdown_grace_s: 30}
@@ -155,6 +156,8 @@ class RouterSection:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
+    http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP API, when http_port is set
+    http_port: int | None = None
     auth_token: str | None = None
     auth_token_file: str | None = None
     tls_cert_file: str | None = None
@@ -177,7 +180,7 @@ class RouterSection:
             raise ConfigError(
                 f"router.host must be an address such as 127.0.0.1, got {self.host!r}"
             )
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
@@ -318,7 +321,7 @@ _SECTIONS: dict[str, type] = {
 def apply_overrides(config: ServeConfig, **overrides: Any) -> ServeConfig:
     """The command line's flags over the file; a None value leaves the file's setting.
 
-    Keys: model, host, port, metrics_port, prefill_instances, prefill_tp, decode_instances, decode_tp,
+    Keys: model, host, port, metrics_port, http_port, prefill_instances, prefill_tp, decode_instances, decode_tp,
     colocated_instances, colocated_tp, no_ray (True turns Ray off), mode.
     """
     given = {key: value for key, value in overrides.items() if value is not None}
@@ -326,7 +329,7 @@ def apply_overrides(config: ServeConfig, **overrides: Any) -> ServeConfig:
     router: dict[str, Any] = {}
     top: dict[str, Any] = {}
     for key, value in given.items():
-        if key in ("host", "port", "metrics_port"):
+        if key in ("host", "port", "metrics_port", "http_port"):
             router[key] = value
         elif key.endswith("_instances") and key.split("_")[0] in sections:
             sections[key.split("_")[0]]["instances"] = value

@@ -61,6 +61,17 @@ def open_cluster(
     return LocalCluster(build_cluster_spec(config, model_dir=model_dir))
 
 
+def cluster_http_port(cluster: Cluster) -> int | None:
+    """The port of the router's OpenAI-compatible HTTP API (None: it is off)."""
+    port = getattr(cluster, "http_port", None)
+    router_actor = getattr(cluster, "router_actor", None)
+    if port is None and router_actor is not None:  # RayCluster: ask the router's actor
+        import ray
+
+        port = ray.get(router_actor.http_port.remote(), timeout=30)
+    return port
+
+
 def cluster_metrics_port(cluster: Cluster) -> int | None:
     """The port the router serves /metrics on (None: metrics are off)."""
     port = getattr(cluster, "metrics_port", None)

@@ -233,6 +233,10 @@ class LocalCluster:
     def metrics_port(self) -> int | None:
         return None if self.router is None else self.router.metrics_port
 
+    @property
+    def http_port(self) -> int | None:
+        return None if self.router is None else self.router.http_port
+
     def status(self) -> list[InstanceLoad]:
         """Every worker's load report; one that is down or restarting reports healthy=False and
         nothing running (never its last load)."""

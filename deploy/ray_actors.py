@@ -199,6 +199,9 @@ class RouterActor:
     async def metrics_port(self) -> int | None:
         return None if self.router is None else self.router.metrics_port
 
+    async def http_port(self) -> int | None:
+        return None if self.router is None else self.router.http_port
+
     async def pid(self) -> int:
         return os.getpid()
 

@@ -165,13 +165,14 @@ def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
     """One builder: the limits a user sets reach the router whether Ray runs it or not."""
     router = {
         "port": 0, "max_running_requests": 3, "max_queued_requests": 2, "max_model_len": 300,
-        "worker_timeout_s": 7.5, "shutdown_grace_s": 12,
+        "worker_timeout_s": 7.5, "shutdown_grace_s": 12, "http_port": 0,
     }  # fmt: skip
     config = parse_config({"model": model_dir, "router": router})
     plain = build_cluster_spec(config).router
     assert plain == ray_cluster_config(config, model_dir).router_config()
     assert (plain.max_running_requests, plain.max_queued_requests) == (3, 2)
     assert (plain.max_model_len, plain.worker_timeout_s, plain.shutdown_grace_s) == (300, 7.5, 12)
+    assert (plain.http_host, plain.http_port) == ("127.0.0.1", 0)  # the HTTP API, on loopback
     spec = build_cluster_spec(config)
     assert spec.prefill is not None and spec.prefill.engine.max_model_len == 300
     # the defaults agree too, and the drain outlasts a typical stream
@@ -180,6 +181,7 @@ def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
     assert plain == ray_cluster_config(default, model_dir).router_config()
     assert (plain.max_running_requests, plain.max_queued_requests) == (256, 256)
     assert plain.shutdown_grace_s == 30
+    assert plain.http_port is None  # the HTTP API is opt-in
 
 
 @pytest.mark.parametrize(
