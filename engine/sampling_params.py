@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Below this a temperature means greedy, as in vLLM: dividing logits by a tinier one overflows
+# them (1e-45 is 0 in float32, and every token came out as id 0).
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1.0 disable those filters.
+    A temperature below MIN_TEMPERATURE (0 included) means greedy. top_k <= 0 and top_p == 1.0 disable those filters.
     `seed` makes sampling reproducible per request (same seed, same prompt: same output).
     `stop_token_ids` end a sequence in addition to the model's EOS ids (unless `ignore_eos`).
     """
@@ -40,4 +44,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE

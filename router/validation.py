@@ -20,16 +20,13 @@ from typing import TypeVar
 
 from pdserve_proto.v1 import generation_pb2 as pb
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 from router.config import RouterConfig
 from router.tokenizer import ChatTemplateError, ModelLimits, RouterTokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_CHARS = 128
 MAX_TEMPERATURE = 100.0
-# Below this a temperature means greedy, as in vLLM: dividing logits by a tinier one overflows
-# them (1e-45 is 0 in float32, and every token came out as id 0).
-MIN_TEMPERATURE = 1e-5
 # A smaller top_p is 0 in float32 or close to it: it means greedy, so ask for that instead.
 MIN_TOP_P = 1e-6
 # Shorter prompts are tokenized on the event loop: a hop to a thread costs more than they do.

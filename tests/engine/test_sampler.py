@@ -146,3 +146,13 @@ def test_shape_mismatch_is_rejected() -> None:
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 9.9e-6])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    """Dividing by 1e-45 (0 in float32) overflowed every logit, and every token came out as 0."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=temperature, top_p=0.9)
+    assert params.greedy
+    assert Sampler()(logits, _rows(params, 6)) == logits.argmax(-1).tolist()
+    assert not SamplingParams(temperature=1e-5).greedy
