@@ -74,6 +74,9 @@ class SearchSettings:
     options: SimOptions = field(default_factory=SimOptions)
     alg1_candidates: int = 3
     pp_choices: tuple[int, ...] = (1, 2, 4, 8)
+    # Drop a candidate that fails at the best rate so far. DistServe bisects each candidate
+    # from [0, max] whole; pruning starts at another point and so ends on another grid.
+    prune: bool = True
 
 
 @dataclass
@@ -114,7 +117,7 @@ def max_per_gpu_rate(
     while True:
         width = hi - lo
         if settings.absolute_eps is not None:
-            if width < settings.absolute_eps:
+            if width <= settings.absolute_eps:  # DistServe: while hi - lo > esp
                 return lo
         elif width < settings.eps * max(lo, 0.1):
             return lo
@@ -142,7 +145,9 @@ def _score(
         )  # fmt: skip
         return slo.met(result, phase)
 
-    return max_per_gpu_rate(passes, settings.max_per_gpu_rate, settings, floor)
+    return max_per_gpu_rate(
+        passes, settings.max_per_gpu_rate, settings, floor if settings.prune else 0.0
+    )
 
 
 def search_colocated(

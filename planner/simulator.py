@@ -15,6 +15,8 @@ Colocated, two policies:
   "chunked"  our ColocatedWorker (engine/scheduler.py): each step runs every running decode and
              fills the rest of `max_num_batched_tokens` with prompt chunks of <= `chunk_size`.
 
+With `decode_batch_tokens` a decode instance is DistServe's (planner/fifo_decode.py): one FIFO,
+each step as many requests from its head as fit the token cap, no KV-memory limit.
 With `distserve_compat` a request decodes `output_len` steps after its prefill and its TPOT is
 the decode span over `output_len`, as DistServe's simulator counts; otherwise the prefill makes
 the first token, decode the other `output_len - 1`, and TPOT is the span over those.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.decode_group import DecodeSide, Group, RequestTable
+from planner.fifo_decode import FifoDecodeSide
 from planner.latency import StepModel, transfer_ms
 
 COLOCATED_POLICIES = ("vllm", "chunked")
@@ -65,10 +68,17 @@ class SimOptions:
     max_num_batched_tokens: int = 2048  # chunked policy
     chunk_size: int = 512  # chunked policy
     max_num_seqs: int | None = None
+    # DistServe's decode model: a FIFO whose step takes Σ(ctx + 1) <= this (None: ours, groups
+    # under the KV memory with preemption).
+    decode_batch_tokens: int | None = None
+    # The serving path's own latency to a first token (router and gRPC hops), added to TTFT.
+    ttft_path_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.colocated_policy not in COLOCATED_POLICIES:
             raise ValueError(f"colocated_policy must be one of {COLOCATED_POLICIES}")
+        if self.decode_batch_tokens is not None and self.colocated_policy == "chunked":
+            raise ValueError("decode_batch_tokens (DistServe's decode) needs the vllm policy")
         if self.chunk_size < 1 or self.max_num_batched_tokens < self.chunk_size:
             raise ValueError("need 1 <= chunk_size <= max_num_batched_tokens")
 
@@ -138,15 +148,16 @@ class Simulator:
         self.colocated = [_Pipeline(s) for s in colocated or []]
         self.prefill = [_Pipeline(s) for s in prefill or []]
         self.decode = [_Pipeline(s) for s in decode or []]
-        max_seqs = self.opts.max_num_seqs
-        self.sides = {
-            id(p): DecodeSide(self.table, p.spec.kv_capacity, max_seqs)
-            for p in self.colocated + self.decode
-        }
+        self.sides = {id(p): self._side(p.spec) for p in self.colocated + self.decode}
         self.link_free: dict[tuple[int, int], float] = {}
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.transfer_total = 0.0
+
+    def _side(self, spec: InstanceSpec) -> DecodeSide | FifoDecodeSide:
+        if self.opts.decode_batch_tokens is not None:
+            return FifoDecodeSide(self.table, self.opts.decode_batch_tokens)
+        return DecodeSide(self.table, spec.kv_capacity, self.opts.max_num_seqs)
 
     # ------------------------------------------------------------------ loop
     def _push(self, when: float, kind: int, payload: object) -> None:
@@ -353,4 +364,5 @@ class Simulator:
         span = last - first
         tpot = np.divide(span, steps, out=np.zeros_like(span), where=steps > 0)
         preemptions = sum(side.num_preemptions for side in self.sides.values())
-        return SimResult(first - arrivals, tpot, preemptions, end, self.transfer_total)
+        ttft = first - arrivals + self.opts.ttft_path_ms
+        return SimResult(ttft, tpot, preemptions, end, self.transfer_total)

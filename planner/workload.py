@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.goodput.workloads import SHAPES, synthetic_lengths, unit_rate_gaps
 
 
@@ -70,6 +72,28 @@ def make_workload(
         tuple(p for p, _ in chosen),
         tuple(o for _, o in chosen),
         tuple(offsets),
+    )
+
+
+def distserve_workload(
+    name: str, pairs: list[tuple[int, int]], num_requests: int, *, cv: float = 1.0, seed: int = 0
+) -> Workload:
+    """The requests DistServe's simulator draws for one run: `random.seed(seed)` then
+    `random.sample(pairs, n)`, and gamma gaps from numpy's legacy generator seeded with `seed`
+    (shape 1/cv², first request at 0). The gaps are drawn at rate 1 and scale as 1/rate, as
+    numpy's gamma(shape, scale) does, so every rate replays one sequence as DistServe's does.
+    """
+    if cv <= 0:
+        raise ValueError(f"the coefficient of variation must be > 0, got {cv}")
+    chosen = random.Random(seed).sample(pairs, num_requests)
+    shape = 1.0 / (cv * cv)
+    gaps = np.random.RandomState(seed).gamma(shape, cv * cv, size=num_requests - 1)
+    offsets = np.concatenate(([0.0], np.cumsum(gaps)))
+    return Workload(
+        name,
+        tuple(p for p, _ in chosen),
+        tuple(o for _, o in chosen),
+        tuple(float(t) for t in offsets),
     )
 
 
