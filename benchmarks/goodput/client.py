@@ -94,12 +94,16 @@ def run_shard(
     address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
     request_timeout_s: float = 300.0,
 ) -> dict[str, Any]:
-    """`run_shard_async` in a fresh event loop, as JSON (picklable anywhere: a spawned process
+    """`run_shard_async` (or, for an http:// address, http_client's) in a fresh event loop, as JSON (picklable anywhere: a spawned process
     or a Ray task): {"records": [...], "clock": this process's host, pid and clock anchors}."""
     clock = WallClock()
-    records = asyncio.run(
-        run_shard_async(address, requests, start_wall_time, shard, request_timeout_s, clock)
-    )
+    if address.startswith(("http://", "https://")):  # any OpenAI-compatible server
+        from benchmarks.goodput.http_client import run_http_shard_async
+
+        run = run_http_shard_async
+    else:
+        run = run_shard_async
+    records = asyncio.run(run(address, requests, start_wall_time, shard, request_timeout_s, clock))
     return {
         "records": [record.to_json() for record in records],
         "clock": {

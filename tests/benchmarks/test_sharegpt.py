@@ -34,7 +34,7 @@ def test_prompts_are_tokenized_and_filtered_like_vllm() -> None:
     prompts = sharegpt_prompts(pairs, word_encoder, num_requests=6, max_model_len=40, seed=0)
     # (prompt tokens incl. BOS, answer tokens): conv-0 (13, 22), conv-1 (11, 16), conv-3 (23, 7);
     # conv-4 ("Hi"/"Hi": 2 and 1) is shorter than MIN_TOKENS.
-    assert [(len(ids), out) for ids, out in prompts] == [(13, 22), (23, 7), (11, 16)] * 2
+    assert [(len(ids), out) for ids, out in prompts] == [(23, 7), (13, 22), (11, 16)] * 2
     assert all(ids[0] == 1 for ids, _ in prompts)
     # With 30 tokens of context conv-0 (13 + 22 = 35) no longer fits.
     tight = sharegpt_prompts(pairs, word_encoder, num_requests=2, max_model_len=30, seed=0)
