@@ -12,7 +12,8 @@ machine; TP=1 keeps the demo to 3 (one prefill, two decodes), which still shows 
 
 Every generation goes through the public gRPC API (deploy/client.RouterClient), greedy, one after
 another so each streams readably; the table comes from each request's last GenerateResponse
-(usage and timings) and the cluster's record of which instances served it.
+(usage and timings) and the cluster's record of which instances served it. One more question
+then goes through the router's OpenAI-compatible HTTP API with the official `openai` SDK.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from deploy.client import RouterClient
 from deploy.config import KVCacheConfig, RaySection, RouterSection, ServeConfig, parse_config
 from deploy.demo_model import DEMO_PROMPTS, default_cache_dir, ensure_demo_model
-from deploy.launch import open_cluster
+from deploy.launch import cluster_http_port, open_cluster
 from deploy.models import SMOLLM2, ModelUnavailable, allowed_tp_sizes, smollm2_dir
 from deploy.status import format_table
 
@@ -52,6 +53,9 @@ CHAT_QUESTIONS = [
     "What is the boiling point of water in Celsius?",
     "Write a haiku about the sea.",
 ]
+
+
+OPENAI_QUESTION = "What is the capital of Japan?"
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ def demo_config(model: str, use_ray: bool = True) -> ServeConfig:
     return dataclasses.replace(
         config,
         kv_cache=KVCacheConfig(memory_mb=64),
-        router=RouterSection(host="127.0.0.1", port=0),
+        router=RouterSection(host="127.0.0.1", port=0, http_port=0),
         ray=RaySection(enabled=use_ray),
     )
 
@@ -126,6 +130,9 @@ def run_demo(
             client.wait_until_serving(timeout_s=60)
             for prompt, request in zip(model.prompts, requests, strict=True):
                 results.append(_stream_one(client, prompt, request, out))
+        http_port = cluster_http_port(cluster)
+        if http_port is not None:
+            _openai_call(http_port, model, out)
         _say(out, "shutting down")
     out.write("\n" + format_results(results) + "\n")
     out.flush()
@@ -151,6 +158,35 @@ def _requests(model: DemoModel) -> list[pb.GenerateRequest]:
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         request.token_ids.extend(_token_ids(encoded))
     return requests
+
+
+def _openai_call(http_port: int, model: DemoModel, out: TextIO) -> None:
+    """The same cluster through its OpenAI-compatible HTTP API, with the official SDK."""
+    import openai
+
+    base_url = f"http://127.0.0.1:{http_port}/v1"
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    _say(out, f"the same cluster through the openai SDK at {base_url}:")
+    if model.chat:
+        question = OPENAI_QUESTION
+        out.write(f"\n> client.chat.completions.create(messages=[{question!r}], stream=True)\n")
+        stream = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": question}],
+            max_tokens=model.max_tokens, temperature=0.0, stream=True,
+        )  # fmt: skip
+        pieces = (chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    else:
+        prompt = model.prompts[0]
+        out.write(f"\n> client.completions.create(prompt={prompt!r}, stream=True)\n")
+        stream = client.completions.create(
+            model=name, prompt=prompt, max_tokens=model.max_tokens, temperature=0.0, stream=True
+        )
+        pieces = (chunk.choices[0].text for chunk in stream if chunk.choices)
+    for piece in pieces:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
 
 
 def _token_ids(encoded: object) -> list[int]:

@@ -135,7 +135,8 @@ def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
 
 def test_demo_answers_through_the_disaggregated_path() -> None:
     """`pdserve demo` with no model flag: SmolLM2's chat answers stream through prefill ->
-    decode, the table follows, and nothing is left running."""
+    decode, one more through the HTTP API and the openai SDK, the table follows, and nothing is
+    left running."""
     from tests.deploy.test_cli import Child, processes_with_marker
 
     child = Child.start("demo", "--no-ray", "--max-tokens", "12")
@@ -146,6 +147,8 @@ def test_demo_answers_through_the_disaggregated_path() -> None:
     lines = child.lines
     question = lines.index("> What is the capital of France?")
     assert "Paris" in lines[question + 1]
+    sdk_call = next(i for i, line in enumerate(lines) if "chat.completions.create" in line)
+    assert "Tokyo" in lines[sdk_call + 1]  # the same cluster through the openai SDK
     header = next(i for i, line in enumerate(lines) if line.startswith("request  prompt tok"))
     rows = [line.split() for line in lines[header + 1 :] if line.startswith("demo-")]
     assert [row[0] for row in rows] == [f"demo-{i}" for i in range(len(QUESTIONS))]
