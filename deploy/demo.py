@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -168,21 +169,22 @@ def _openai_call(http_port: int, model: DemoModel, out: TextIO) -> None:
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
     name = client.models.list().data[0].id
     _say(out, f"the same cluster through the openai SDK at {base_url}:")
+    pieces: Iterator[str]
     if model.chat:
         question = OPENAI_QUESTION
         out.write(f"\n> client.chat.completions.create(messages=[{question!r}], stream=True)\n")
-        stream = client.chat.completions.create(
+        chat = client.chat.completions.create(
             model=name, messages=[{"role": "user", "content": question}],
             max_tokens=model.max_tokens, temperature=0.0, stream=True,
         )  # fmt: skip
-        pieces = (chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        pieces = (chunk.choices[0].delta.content or "" for chunk in chat if chunk.choices)
     else:
         prompt = model.prompts[0]
         out.write(f"\n> client.completions.create(prompt={prompt!r}, stream=True)\n")
-        stream = client.completions.create(
+        completion = client.completions.create(
             model=name, prompt=prompt, max_tokens=model.max_tokens, temperature=0.0, stream=True
         )
-        pieces = (chunk.choices[0].text for chunk in stream if chunk.choices)
+        pieces = (chunk.choices[0].text for chunk in completion if chunk.choices)
     for piece in pieces:
         out.write(piece)
         out.flush()

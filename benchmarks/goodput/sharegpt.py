@@ -177,7 +177,7 @@ def sharegpt_prompts(
     """
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
-    usable = []
+    usable: list[tuple[list[int], int]] = []
     for index in order:
         if len(usable) == num_requests:
             break
