@@ -5,7 +5,9 @@
       -> detokenize, cut at stop strings -> chunks to the servicer
 
 Workers know the request by its channel's id, unique to this attempt; the client's request_id
-appears only in what goes back to the client (two attempts may share it).
+appears only in what goes back to the client (two attempts may share it). The error or loss of
+an instance that no longer holds anything for the request (the prefill once the decode instance
+is decoding) is dropped.
 Whatever ends the request (finish, stop string, client cancel or deadline, error), `finally`
 frees its admission slot and tells every instance that may hold state for it to abort, except
 the one whose finish event ended it (that one freed its state itself). gRPC stays out of this
@@ -144,8 +146,8 @@ class GenerationRunner:
             items = await channel.take_all()
             merged: GenerationChunk | None = None
             for item in items:
-                if isinstance(item, InstanceLost) and item.instance_id not in channel.holder_ids:
-                    continue  # an instance the request no longer depends on
+                if _is_stale(item, channel, progress):
+                    continue
                 for event in self._in_order(item, progress, prefill_id):
                     self._release_prefill_once_decoding(channel, progress, event, prefill_id)
                     chunk = self._on_event(request, progress, event)
@@ -276,6 +278,21 @@ class GenerationRunner:
         if timings.kv_transfer_s > 0:
             self._metrics.kv_transfer_time.observe(timings.kv_transfer_s)
         self._metrics.request_success.labels(finish_reason).inc()
+
+
+def _is_stale(
+    item: TokenEvent | InstanceLost, channel: RequestChannel, progress: _Progress
+) -> bool:
+    """An item the request must ignore: the loss of, or an error from, an instance it no longer
+    depends on (a prefill that failed after the decode instance took over: the KV has landed
+    there)."""
+    if isinstance(item, InstanceLost):
+        return item.instance_id not in channel.holder_ids
+    return (
+        bool(item.source)
+        and item.finish_reason == "error"
+        and (item.source not in channel.holder_ids)
+    )
 
 
 def _concat(earlier: GenerationChunk, later: GenerationChunk) -> GenerationChunk:

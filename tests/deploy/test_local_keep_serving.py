@@ -31,6 +31,7 @@ from tests.tiny_models import make_tiny_model
 
 SHORT_S = 2.0  # the TP collective timeout and both KV deadlines
 NUM_BLOCKS = 256
+LONG_TOKENS = 400  # long enough to kill a TP rank while these streams decode
 
 
 def short_timeouts_spec(model_dir: str) -> ClusterSpec:
@@ -137,6 +138,33 @@ def routable(cluster: LocalCluster) -> set[str]:
     return {state.instance_id for state in [*pool.prefill_candidates(), *pool.decode_candidates()]}
 
 
+def test_streams_already_decoding_survive_a_prefill_tp_rank_s_death(cluster: LocalCluster) -> None:
+    """The prefill driver notices its dead TP rank, errors what it still holds and exits; the
+    streams that are decoding on the decode instances finish with every token all the same."""
+    prompts = [f"The quick brown fox {word}" for word in ("jumps", "runs", "sleeps", "eats")]
+    with RouterClient(cluster.address) as client:
+        expected = [generate(client, p, f"long-ref{i}", LONG_TOKENS) for i, p in enumerate(prompts)]
+        calls = [
+            client.generate(_long_request(prompt, f"long-{i}"), timeout_s=120)
+            for i, prompt in enumerate(prompts)
+        ]
+        received = [[*next(call).token_ids, *next(call).token_ids] for call in calls]  # decoding
+        restarts = cluster.num_restarts.get("prefill-0", 0)
+        rank_pid = cluster.workers["prefill-0"].call("process_ids")[-1]
+        os.kill(rank_pid, signal.SIGKILL)
+        for tokens, call in zip(received, calls, strict=True):
+            tokens += [t for response in call for t in response.token_ids]
+        assert received == expected
+        wait_until(lambda: cluster.num_restarts.get("prefill-0") == restarts + 1, 90, "restart")
+        wait_until(lambda: "prefill-0" in routable(cluster), 10, "the router using it again")
+
+
+def _long_request(prompt: str, request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt=prompt, max_tokens=LONG_TOKENS, ignore_eos=True, request_id=request_id
+    )
+
+
 @pytest.mark.parametrize("instance_id", ["prefill-0", "decode-0"])
 def test_a_killed_process_is_reported_down_restarted_and_serves_again(
     cluster: LocalCluster, instance_id: str
@@ -145,11 +173,12 @@ def test_a_killed_process_is_reported_down_restarted_and_serves_again(
     decode-0: the worker process itself is killed."""
     with RouterClient(cluster.address) as client:
         expected = generate(client, "The quick brown fox", f"{instance_id}-before")
+        restarts = cluster.num_restarts.get(instance_id, 0)
         pids = cluster.workers[instance_id].call("process_ids")
         os.kill(pids[-1], signal.SIGKILL)  # prefill: TP rank 1; decode (TP=1): the process
         wait_until(lambda: not healthy(cluster)[instance_id], 5, f"{instance_id} reported down")
         assert {i for i, ok in healthy(cluster).items() if not ok} == {instance_id}
-        wait_until(lambda: cluster.num_restarts.get(instance_id) == 1, 90, "the restart")
+        wait_until(lambda: cluster.num_restarts.get(instance_id) == restarts + 1, 90, "the restart")
         assert all(healthy(cluster).values())
         wait_until(lambda: instance_id in routable(cluster), 10, "the router using it again")
         assert not any(_running(pid) for pid in pids), "a process of the dead instance is left"
