@@ -9,6 +9,10 @@ again among the rest; a refused prefill gives back the decode reservation first.
 candidate is left the request fails: RESOURCE_EXHAUSTED if some instance was merely full,
 UNAVAILABLE if none could be reached. Each instance is added to the request's holders before
 it is called, so an abort reaches it even when the call times out halfway.
+
+Each placement has a worker-side id of its own (WorkerPool.new_placement). A call that timed out
+may still land: the instance then runs a placement the router gave up on, under an id no stream
+listens to, and the aborts sent now and at the request's end free it.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class Dispatcher:
             if prefill_id is None or (self._pool.disaggregated and decode_id is None):
                 raise self._no_candidate_left(num_overloaded, len(refused))
             worker_request = WorkerRequest(
-                channel.request_id,  # the worker-side id of this attempt
+                self._pool.new_placement(channel),
                 request.prompt_token_ids,
                 request.params,
                 arrival_time,
@@ -72,6 +76,7 @@ class Dispatcher:
                 return Dispatch(prefill_id, decode_id, num_tokens)
             refused.add(failed_id)
             num_overloaded += int(overloaded)
+            self._abandon(channel)
 
     def release(self, dispatch: Dispatch, prefilled: bool) -> None:
         """Undo the dispatch's bookkeeping when the request ends."""
@@ -80,6 +85,13 @@ class Dispatcher:
         self._pool.note_done(dispatch.prefill_id)
         if dispatch.decode_id is not None:
             self._pool.note_done(dispatch.decode_id)
+
+    def _abandon(self, channel: RequestChannel) -> None:
+        """Give up on the current placement: abort it wherever it may have landed, now and
+        again when the request ends (a timed-out submit may land after this abort)."""
+        self._pool.abort_everywhere(channel.request_id, channel.holder_ids)
+        channel.abandoned.append((channel.request_id, set(channel.holder_ids)))
+        channel.holder_ids.clear()
 
     def _pick_decode(self, request: ValidatedRequest, refused: set[str]) -> str | None:
         if not self._pool.disaggregated:
@@ -116,8 +128,6 @@ class Dispatcher:
         try:
             await asyncio.wait_for(prefill.submit(request, ticket), self._timeout_s)  # type: ignore[attr-defined]
         except Exception as exc:
-            if decode_id is not None:
-                self._pool.abort_everywhere(request.request_id, {decode_id})
             return prefill_id, isinstance(exc, Overloaded)
         return None, False
 

@@ -4,10 +4,11 @@
       -> submit to prefill -> events: first token (prefill), then the rest (decode)
       -> detokenize, cut at stop strings -> chunks to the servicer
 
-Workers know the request by its channel's id, unique to this attempt; the client's request_id
-appears only in what goes back to the client (two attempts may share it). The error or loss of
-an instance that no longer holds anything for the request (the prefill once the decode instance
-is decoding) is dropped.
+Workers know the request by its channel's id, unique to this attempt and placement; the client's
+request_id appears only in what goes back to the client (two attempts may share it). Only the
+chosen instances speak for the request: an event from another one, or an error or loss of an
+instance that no longer holds anything for it (the prefill once the decode instance is decoding),
+is dropped.
 Whatever ends the request (finish, stop string, client cancel or deadline, error), `finally`
 frees its admission slot and tells every instance that may hold state for it to abort, except
 the one whose finish event ended it (that one freed its state itself). gRPC stays out of this
@@ -128,6 +129,8 @@ class GenerationRunner:
             self._pool.abort_everywhere(
                 channel.request_id, channel.holder_ids - {progress.finished_by}
             )
+            for request_id, instance_ids in channel.abandoned:
+                self._pool.abort_everywhere(request_id, instance_ids)
 
     def _update_queue_gauges(self) -> None:
         self._metrics.num_requests_waiting.set(self._admission.num_waiting)
@@ -283,16 +286,19 @@ class GenerationRunner:
 def _is_stale(
     item: TokenEvent | InstanceLost, channel: RequestChannel, progress: _Progress
 ) -> bool:
-    """An item the request must ignore: the loss of, or an error from, an instance it no longer
-    depends on (a prefill that failed after the decode instance took over: the KV has landed
-    there)."""
+    """An item the request must ignore: the loss of an instance it no longer depends on, an
+    event of an abandoned placement or from an instance it was not placed on, or an error from
+    an instance it no longer depends on (a prefill that failed after the decode instance took
+    over: the KV has landed there)."""
     if isinstance(item, InstanceLost):
         return item.instance_id not in channel.holder_ids
-    return (
-        bool(item.source)
-        and item.finish_reason == "error"
-        and (item.source not in channel.holder_ids)
-    )
+    if item.request_id != channel.request_id:
+        return True  # queued before the dispatcher gave up on that placement
+    if not item.source:
+        return False  # a worker that does not say who it is (tests' in-process handles)
+    if item.source not in (progress.prefill_instance, progress.decode_instance):
+        return True
+    return item.finish_reason == "error" and item.source not in channel.holder_ids
 
 
 def _concat(earlier: GenerationChunk, later: GenerationChunk) -> GenerationChunk:

@@ -4,11 +4,14 @@ One background task per handle long-polls `poll_events` and routes each TokenEve
 request_id to that request's `RequestChannel` (events for a request that is gone are dropped:
 it was aborted, and the abort reached the worker).
 
-Workers never see the client's request_id: each attempt gets a worker-side id of its own,
-`<client id>@<router run>-<n>`, used for every worker call, event, abort and KV ticket. A client
-that reuses an id (right after cancelling it, or concurrently) can then never receive another
-attempt's tokens, nor have its new attempt hit by the abort of the old one. Another task refreshes every load each
-`load_refresh_interval_s` for the policies and the metrics.
+Workers never see the client's request_id: each placement of an attempt (the dispatcher may try
+several instances) gets a worker-side id of its own, `<client id>@<router run>-<n>.<k>`, used for
+every worker call, event, abort and KV ticket, and only the current placement's id is routed to
+the channel. A client that reuses an id (right after cancelling it, or concurrently) can then
+never receive another attempt's tokens, nor have its new attempt hit by the abort of the old one;
+and an instance that took a placement the router gave up on (a submit that timed out but landed)
+cannot feed the retry's stream. Another task refreshes every load each `load_refresh_interval_s`
+for the policies and the metrics.
 
 A handle that fails (WorkerUnavailable, a timeout, any error) is marked unhealthy: policies
 stop choosing it, and every request holding state on it gets an `InstanceLost` in its channel.
@@ -64,9 +67,13 @@ class RequestChannel:
     and several objects per item.
     """
 
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id  # the worker-side id, unique to this attempt
-        self.holder_ids: set[str] = set()
+    def __init__(self, attempt_id: str) -> None:
+        self.attempt_id = attempt_id  # unique to this attempt
+        self.request_id = attempt_id  # the worker-side id of the current placement
+        self.num_placements = 0
+        self.holder_ids: set[str] = set()  # instances that may hold state under `request_id`
+        # earlier placements given up on: (worker-side id, the instances that may hold it)
+        self.abandoned: list[tuple[str, set[str]]] = []
         self._loop = asyncio.get_running_loop()
         self._items: deque[TokenEvent | InstanceLost] = deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -156,11 +163,20 @@ class WorkerPool:
 
     def open_channel(self, client_request_id: str) -> RequestChannel:
         """A channel for one attempt at a request, under a worker-side id no other has had.
-        (The digits after the last '@' are the attempt number, so no two attempts, whatever
-        their client ids, share a worker-side id.)"""
-        request_id = f"{client_request_id}@{self._id_prefix}-{next(self._attempt_numbers)}"
-        channel = self._channels[request_id] = RequestChannel(request_id)
+        (What follows the last '@' is the attempt number, so no two attempts, whatever their
+        client ids, share a worker-side id.)"""
+        attempt_id = f"{client_request_id}@{self._id_prefix}-{next(self._attempt_numbers)}"
+        channel = self._channels[attempt_id] = RequestChannel(attempt_id)
         return channel
+
+    def new_placement(self, channel: RequestChannel) -> str:
+        """A fresh worker-side id for the channel's next placement; from now on only its events
+        reach the channel (an earlier placement's are dropped: the router gave up on it)."""
+        self._channels.pop(channel.request_id, None)
+        channel.request_id = f"{channel.attempt_id}.{channel.num_placements}"
+        channel.num_placements += 1
+        self._channels[channel.request_id] = channel
+        return channel.request_id
 
     def close_channel(self, channel: RequestChannel) -> None:
         self._channels.pop(channel.request_id, None)

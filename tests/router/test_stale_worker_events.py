@@ -3,6 +3,9 @@
 - A prefill instance that fails after the decode instance has started decoding (its TP rank died,
   or it never heard the decode side's ack) sends error events for requests it no longer holds:
   the stream goes on to its end.
+- A submit that times out but lands all the same leaves the first prefill instance running the
+  request while the router retries on another: that instance's first token, and the decode steps
+  it leads to, never reach the retry's stream.
 
 Real router on 127.0.0.1 over synthetic workers (router/synthetic.py), so each case is forced
 deterministically.
@@ -19,7 +22,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from router.config import RouterConfig
-from router.synthetic import SyntheticWorker
+from router.synthetic import SyntheticWorker, synthetic_cluster
 from router.worker_api import Role, TokenEvent, WorkerRequest
 from tests.router.harness import RouterThread
 
@@ -87,4 +90,32 @@ def test_a_prefill_error_after_decoding_started_does_not_end_the_stream(
     config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
     with RouterThread(config, lambda: ([prefill], [decode])) as server:
         assert _generate(server.address) == (_expected_tokens(), pb.FINISH_REASON_LENGTH)
+        _wait_for_free_blocks(server)
+
+
+class LateAnswerPrefill(SyntheticWorker):
+    """A prefill instance that takes the request but answers the submit only after the router's
+    worker timeout (a slow pipe, a busy process): the router retries elsewhere while this one
+    prefills, emits its first token and hands the KV to the decode instance all the same."""
+
+    answer_after_s = 1.0
+
+    async def submit(self, request: WorkerRequest, ticket: object | None) -> None:
+        await super().submit(request, ticket)
+        await asyncio.sleep(self.answer_after_s)
+
+
+def test_a_submit_that_lands_after_its_timeout_never_feeds_the_retry_s_stream(
+    tiny_model_dir: str,
+) -> None:
+    options = {"vocab_size": VOCAB_SIZE, "step_interval_s": 0.02}
+    prefills, decodes = synthetic_cluster(2, 1, **options)
+    late = LateAnswerPrefill("prefill-0", Role.PREFILL, peers=prefills[0].peers, **options)
+    prefills[0] = late  # the least-tokens policy picks prefill-0 first (ties go by id)
+    config = RouterConfig(
+        model_dir=tiny_model_dir, load_refresh_interval_s=0.02, worker_timeout_s=0.3
+    )
+    with RouterThread(config, lambda: (prefills, decodes)) as server:
+        for _ in range(3):
+            assert _generate(server.address) == (_expected_tokens(), pb.FINISH_REASON_LENGTH)
         _wait_for_free_blocks(server)
