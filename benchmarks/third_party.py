@@ -84,6 +84,9 @@ def aiperf(url: str, args: argparse.Namespace, model_dir: Path, model_name: str)
         "--request-count", str(args.num_requests), "--warmup-request-count", "4",
         "--extra-inputs", "ignore_eos:true", "--random-seed", str(args.seed),
         "--artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics",
+        # One worker and one record processor: on a small machine AIPerf's services would
+        # otherwise take the cores the server runs on.
+        "--workers-max", "1", "--record-processors", "1",
     ]  # fmt: skip
     subprocess.run(command, check=True, timeout=args.timeout_s)
     summary_file = out / "profile_export_aiperf.json"
