@@ -46,6 +46,11 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--cross-node-gbps", type=float, help="price KV transfer across nodes")
     plan.add_argument("--intra-node-GBps", type=float, default=300.0)
     plan.add_argument("--colocated-policy", choices=("vllm", "chunked"), default="chunked")
+    plan.add_argument(
+        "--colocated-fill",
+        action="store_true",
+        help="the colocated layout as replicas filling the cluster (default: one)",
+    )
     plan.add_argument("--write", help="write the best placement as a serve config (YAML)")
     plan.add_argument("--base-config", help="serve config whose other keys the written one keeps")
     plan.set_defaults(func=cmd_plan)
@@ -56,7 +61,23 @@ def _add_profile(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--config", help="serve config (model, dtype, device, KV cache)")
     profile.add_argument("--out", required=True, help="profile JSON to write")
     profile.add_argument("--tp", default="1", help="TP sizes to measure, e.g. 1,2")
-    profile.add_argument("--quick", action="store_true", help="a small grid (for tests)")
+    profile.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
+    profile.add_argument("--bench-model", metavar="DIR",
+                         help="profile `pdserve bench`'s model (built in DIR) with its engine "
+                         "settings instead of --config's")  # fmt: skip
+    profile.add_argument(
+        "--clock",
+        choices=("auto", "cpu", "wall"),
+        default="auto",
+        help="auto: the process's CPU time for TP=1 on CPU, else wall time",
+    )
+    profile.add_argument(
+        "--path",
+        action="store_true",
+        help="also measure the serving path (router, gRPC, client) at TP=1",
+    )
+    profile.add_argument("--no-transfer", action="store_true", help="skip the KV transfer")
+    profile.add_argument("--raw-out", help="also write the measured points (JSON)")
     profile.set_defaults(func=cmd_profile)
 
 
@@ -81,19 +102,28 @@ def _load(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from planner.search import SLO, Cluster, SearchSettings, plan
+    from planner.serving_path import apply_serving_path, relay_ms, ttft_path_ms
     from planner.simulator import LinkSpec, SimOptions
 
     profile = _load(args, args.profile)
     coloc = _load(args, args.colocated_profile) if args.colocated_profile else None
     pp_text = args.pp or ("1" if args.write else "1,2,4,8")
     link = None
-    kv = next(iter(profile.by_tp.values())).kv_bytes_per_token
+    first = next(iter(profile.by_tp.values()))
+    kv = first.kv_bytes_per_token
     if args.cross_node_gbps and kv:
         link = LinkSpec(kv, args.intra_node_GBps, args.cross_node_gbps / 8.0)
+    elif first.transfer_GBps and kv:  # `pdserve profile` measured this deployment's channel
+        bandwidth = first.transfer_GBps
+        link = LinkSpec(kv, bandwidth, bandwidth, first.transfer_per_message_ms)
+    # A profile measured with `pdserve profile --path` carries the serving path's costs.
+    options = SimOptions(colocated_policy=args.colocated_policy, ttft_path_ms=ttft_path_ms(profile))
     settings = SearchSettings(
-        link=link, pp_choices=tuple(int(p) for p in pp_text.split(",")),
-        options=SimOptions(colocated_policy=args.colocated_policy),
+        link=link, pp_choices=tuple(int(p) for p in pp_text.split(",")), options=options,
+        relay_ms=relay_ms(profile), colocated_fill=args.colocated_fill,
     )  # fmt: skip
+    profile = apply_serving_path(profile)
+    coloc = apply_serving_path(coloc) if coloc else None
     slo = SLO(args.ttft_ms, args.tpot_ms, args.attainment, args.criterion)
     cluster = Cluster(args.nodes, args.gpus_per_node)
     result = plan(profile, _workload(args), slo, cluster, settings, colocated_profile=coloc)

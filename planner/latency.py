@@ -2,7 +2,7 @@
 
 prefill stage  (a + b*Σl + c*Σl²) / pp + pp          DistServe's simulator, per pipeline stage
 decode stage   (a + b*Σ(ctx+1) + c*B) / pp            small- or large-batch triple by B
-overhead       base + per_token * Σctx                 added once per step (first stage)
+overhead       base + per_token*Σctx + per_seq*B        added once per step (first stage)
 mixed step     a' + b_p*Σm + c_p*Σ(m² + 2*m*p) + b_d*Σ(ctx+1) + c_d*B
                one colocated step: chunks m after p cached tokens, plus a decode batch.
                Chunking a prompt of l into pieces keeps Σ(m² + 2mp) = l², so the chunks
@@ -37,9 +37,9 @@ class StepModel:
         a, b, c = self.profile.decode_triple(batch_size)
         return (a + b * (sum_ctx + batch_size) + c * batch_size) / self.pp
 
-    def overhead_ms(self, num_tokens: float) -> float:
+    def overhead_ms(self, num_tokens: float, num_seqs: int = 0) -> float:
         base, per_token = self.profile.overhead
-        return base + per_token * num_tokens
+        return base + per_token * num_tokens + self.profile.overhead_per_seq * num_seqs
 
     def mixed_ms(
         self, batch_size: int, sum_ctx: float, sum_chunk: float, sum_chunk_attn: float

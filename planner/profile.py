@@ -10,7 +10,8 @@ DistServe's file (../shared/distserve/README.md) maps model -> TP size -> coeffi
 Ours has the same shape and adds, per TP entry, optional keys DistServe's reader ignores:
 "chunked" (a fitted mixed-step intercept, ms), "kv_bytes_per_token" (the whole model's KV per
 token), "max_num_tokens" ({pp: KV tokens that fit on the instance}), "overhead" ([base ms, ms per
-token] added to every step) and "transfer" ({"bandwidth_GBps", "per_message_ms"}).
+token] added to every step), "overhead_per_seq" (ms per sequence of a step), "transfer"
+({"bandwidth_GBps", "per_message_ms"}) and "serving_path" (deploy/profile_path.py's terms).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class TPProfile:
     overhead: tuple[float, float] = DISTSERVE_OVERHEAD
     transfer_GBps: float | None = None  # measured KV link bandwidth, GB/s
     transfer_per_message_ms: float = 0.0
+    overhead_per_seq: float = 0.0  # ms per sequence in a step (its token leaving the worker)
+    # The serving path measured by `pdserve profile --path` (deploy/profile_path.py), in ms.
+    serving_path: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.threshold < 1:
@@ -77,6 +81,10 @@ class TPProfile:
             out["kv_bytes_per_token"] = self.kv_bytes_per_token
         if self.max_num_tokens:
             out["max_num_tokens"] = {str(pp): n for pp, n in sorted(self.max_num_tokens.items())}
+        if self.overhead_per_seq:
+            out["overhead_per_seq"] = self.overhead_per_seq
+        if self.serving_path:
+            out["serving_path"] = dict(self.serving_path)
         if self.transfer_GBps is not None:
             out["transfer"] = {
                 "bandwidth_GBps": self.transfer_GBps,
@@ -98,6 +106,8 @@ class TPProfile:
             overhead=tuple(data.get("overhead", DISTSERVE_OVERHEAD)),  # type: ignore[arg-type]
             transfer_GBps=transfer.get("bandwidth_GBps"),
             transfer_per_message_ms=float(transfer.get("per_message_ms", 0.0)),
+            overhead_per_seq=float(data.get("overhead_per_seq", 0.0)),
+            serving_path={k: float(v) for k, v in (data.get("serving_path") or {}).items()},
         )
 
 

@@ -23,6 +23,7 @@ from itertools import product
 from planner.attainment import joint_attainment, separate_ok
 from planner.placement import Parallel, Placement, simulate
 from planner.profile import ModelProfile
+from planner.serving_path import relay_scale
 from planner.simulator import LinkSpec, SimOptions, SimResult
 from planner.workload import Workload
 
@@ -77,6 +78,11 @@ class SearchSettings:
     # Drop a candidate that fails at the best rate so far. DistServe bisects each candidate
     # from [0, max] whole; pruning starts at another point and so ends on another grid.
     prune: bool = True
+    # Router + client CPU (ms per request, per token) sharing the instances' cores
+    # (planner/serving_path.py); (0, 0): they have cores of their own.
+    relay_ms: tuple[float, float] = (0.0, 0.0)
+    # The colocated layout as replicas filling the cluster (False: one instance, as DistServe).
+    colocated_fill: bool = False
 
 
 @dataclass
@@ -137,11 +143,16 @@ def _score(
     settings: SearchSettings, floor: float, phase: str = "both",
 ) -> float:  # fmt: skip
     gpus = placement.num_gpus
+    mean_output = sum(workload.output_lens) / len(workload)
 
     def passes(per_gpu: float) -> bool:
+        options = settings.options
+        if any(settings.relay_ms):
+            scale = relay_scale(settings.relay_ms, per_gpu * gpus, mean_output, gpus)
+            options = replace(options, step_scale=scale)
         result = simulate(
             placement, profile, workload, per_gpu * gpus, link=settings.link,
-            options=settings.options, memory=settings.memory, phase=phase,
+            options=options, memory=settings.memory, phase=phase,
         )  # fmt: skip
         return slo.met(result, phase)
 
@@ -160,7 +171,8 @@ def search_colocated(
     for tp, pp in product(sorted(profile.by_tp), settings.pp_choices):
         if tp * pp > cluster.num_gpus or not _runnable(profile, tp, pp):
             continue
-        placement = Placement("colocated", colocated=Parallel(tp, pp), algorithm="colocated")
+        count = cluster.num_gpus // (tp * pp) if settings.colocated_fill else 1
+        placement = Placement("colocated", colocated=Parallel(tp, pp, count), algorithm="colocated")
         rate = _score(placement, profile, workload, slo, settings, best)
         scored.append(Scored(placement, rate))
         best = max(best, rate)

@@ -73,10 +73,15 @@ class SimOptions:
     decode_batch_tokens: int | None = None
     # The serving path's own latency to a first token (router and gRPC hops), added to TTFT.
     ttft_path_ms: float = 0.0
+    # Every step takes this many times its modelled time: the share of the instances' cores
+    # that other processes (router, client) take at this load (1: the cores are theirs alone).
+    step_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.colocated_policy not in COLOCATED_POLICIES:
             raise ValueError(f"colocated_policy must be one of {COLOCATED_POLICIES}")
+        if self.step_scale <= 0:
+            raise ValueError(f"step_scale must be > 0, got {self.step_scale}")
         if self.decode_batch_tokens is not None and self.colocated_policy == "chunked":
             raise ValueError("decode_batch_tokens (DistServe's decode) needs the vllm policy")
         if self.chunk_size < 1 or self.max_num_batched_tokens < self.chunk_size:
@@ -239,7 +244,9 @@ class Simulator:
             sum_sq += prompt[rid] * prompt[rid]
         model = pipe.spec.model
         stage = model.prefill_stage_ms(sum_len, sum_sq)
-        done = pipe.run(now, stage + model.overhead_ms(sum_len), stage)
+        scale = self.opts.step_scale
+        first = (stage + model.overhead_ms(sum_len, len(batch))) * scale
+        done = pipe.run(now, first, stage * scale)
         pipe.in_first_stage = len(batch)
         self._push(done, _PREFILL_DONE, (pipe, batch))
         self._after_first_stage(pipe, now)
@@ -284,7 +291,9 @@ class Simulator:
         stage = model.decode_stage_ms(group.n, sum_ctx)
         if recomputed:
             stage += model.prefill_stage_ms(recomputed, recomputed_sq) - model.pp
-        done = pipe.run(now, stage + model.overhead_ms(sum_ctx), stage)
+        scale = self.opts.step_scale
+        first = (stage + model.overhead_ms(sum_ctx, group.n)) * scale
+        done = pipe.run(now, first, stage * scale)
         self._push(done, _DECODE_DONE, (pipe, group))
         self._after_first_stage(pipe, now)
 
@@ -301,7 +310,9 @@ class Simulator:
         model = pipe.spec.model
         sum_ctx = group.sum_ctx
         step = model.mixed_ms(group.n, sum_ctx, sum_chunk, sum_attn)
-        done = pipe.run(now, step + model.overhead_ms(sum_ctx + sum_chunk), step)
+        seqs = group.n + len(chunks)
+        first = (step + model.overhead_ms(sum_ctx + sum_chunk, seqs)) * self.opts.step_scale
+        done = pipe.run(now, first, step * self.opts.step_scale)
         self._push(done, _CHUNK_DONE, (pipe, group, chunks))
 
     def _pick_chunks(

@@ -1,0 +1,230 @@
+"""Predict this machine: `pdserve profile`'s coefficients through the simulator, against the
+goodputs that `pdserve bench --compare` measured, per regime and layout.
+
+A measured run (benchmarks/results/goodput-2core/full/ by default) gives, per regime, its
+exact requests (prompt and output lengths, unit-rate gaps), its SLOs, its engine settings and
+its measured goodput for both layouts. The simulator replays the same requests at a grid of rates
+through both layouts as the benchmark runs them on this machine:
+  disaggregated  1 prefill + 1 decode instance, TP=1 each, the KV over the measured channel
+  colocated      2 replicas, chunked prefill (chunk 512, 2048-token budget, 64 sequences)
+and goodput comes from benchmarks/goodput/metrics.goodput on (rate, attainment) points, as the
+benchmark computes its own.
+
+Terms the engine profile alone lacks, each measured by `pdserve profile --path` on a real
+instance behind the real router (deploy/profile_path.py), none fitted to a goodput:
+  path_ttft_ms                  the hops to a first token (client -> router -> worker -> back)
+  worker_step_ms, worker_seq_ms the worker's CPU per step and per sequence beyond the engine:
+                                its loop, and the gRPC stream that carries each token out
+  relay_token_ms, relay_request_ms  the router's and the client's CPU per token and request; they
+                                are not pinned, so under load they take that share of the
+                                workers' cores (planner/serving_path.py)
+A profile without them falls back on the run's own unloaded calibration (raw/*.json).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.goodput import metrics
+from planner.latency import StepModel
+from planner.placement import Parallel, Placement, simulate
+from planner.profile import ModelProfile
+from planner.search import SLO, Cluster, SearchSettings, plan
+from planner.serving_path import apply_serving_path, relay_ms, relay_scale, ttft_path_ms
+from planner.simulator import LinkSpec, SimOptions
+from planner.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full"
+LAYOUTS = {
+    "disaggregated": Placement("disaggregated", Parallel(1, 1, 1), Parallel(1, 1, 1)),
+    "colocated": Placement("colocated", colocated=Parallel(1, 1, 2)),
+}
+NUM_DEVICES = 2
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    workload: Workload
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    calibration: dict[str, float]
+    measured: dict[str, float]  # layout -> goodput per device
+    config: dict[str, Any]
+
+
+def _open(path: Path) -> Any:
+    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def load_measured(directory: str | Path = MEASURED) -> list[Regime]:
+    """Every regime of a `pdserve bench --compare` output folder (summary.json + raw/)."""
+    directory = Path(directory)
+    summary = json.loads((directory / "summary.json").read_text())
+    regimes = []
+    for name, entry in summary["regimes"].items():
+        raw_path = next((directory / "raw").glob(f"{name}.json*"))
+        with _open(raw_path) as handle:
+            raw = json.load(handle)
+        requests = raw["requests"]
+        offsets, now = [], 0.0
+        for index, request in enumerate(requests):
+            if index:  # the benchmark's arrival_offsets: the first request at 0
+                now += request["unit_gap_s"]
+            offsets.append(now)
+        workload = Workload(
+            name, tuple(r["prompt_len"] for r in requests),
+            tuple(r["output_len"] for r in requests), tuple(offsets),
+        )  # fmt: skip
+        regimes.append(Regime(
+            name, workload, 1e3 * raw["slo"]["ttft_s"], 1e3 * raw["slo"]["tpot_s"],
+            raw["slo"]["calibration"],
+            {"disaggregated": entry["goodput_disaggregated"],
+             "colocated": entry["goodput_colocated"]},
+            raw["config"],
+        ))  # fmt: skip
+    return regimes
+
+
+def with_terms(profile: ModelProfile, regimes: list[Regime]) -> ModelProfile:
+    """The profile with its serving-path terms: measured by `pdserve profile --path` when it
+    has them, else the run's unloaded calibrations less the engine's own times (TTFT, step)."""
+    if profile.tp(1).serving_path:
+        return profile
+    model = StepModel(profile.tp(1))
+    ttft, step = [], []
+    for regime in regimes:
+        length = regime.calibration["prompt_len"]
+        engine_prefill = model.prefill_stage_ms(length, length * length) - 1  # no pp constant
+        ttft.append(1e3 * regime.calibration["prefill_s"] - engine_prefill)
+        step.append(1e3 * regime.calibration["decode_step_s"] - model.decode_stage_ms(1, length))
+    path = {"path_ttft_ms": statistics.median(ttft), "worker_step_wall_ms": statistics.median(step)}
+    return profile.with_updates(serving_path=path)
+
+
+def sim_options(profile: ModelProfile, regime: Regime) -> tuple[SimOptions, LinkSpec | None]:
+    """The benchmark's engine settings, the TTFT path term and the measured KV channel."""
+    config, tp1 = regime.config, profile.tp(1)
+    budget = config.get("max_num_batched_tokens", 2048)
+    options = SimOptions(
+        colocated_policy="chunked", chunk_size=config.get("chunk_size", 512),
+        max_num_batched_tokens=budget, max_num_seqs=64, prefill_max_tokens=budget,
+        ttft_path_ms=ttft_path_ms(profile),
+    )  # fmt: skip
+    link = None
+    if tp1.transfer_GBps and tp1.kv_bytes_per_token:
+        link = LinkSpec(tp1.kv_bytes_per_token, tp1.transfer_GBps, tp1.transfer_GBps,
+                        tp1.transfer_per_message_ms)  # fmt: skip
+    return options, link
+
+
+def predict(profile: ModelProfile, regime: Regime, *, rates: list[float]) -> dict[str, float]:
+    """Predicted goodput per device of each layout, from (rate, attainment) over `rates`."""
+    options, link = sim_options(profile, regime)
+    relay = relay_ms(profile)
+    mean_output = statistics.mean(regime.workload.output_lens)
+    profile = apply_serving_path(profile)
+    out = {}
+    for layout, placement in LAYOUTS.items():
+        points = []
+        for rate in rates:
+            total = rate * NUM_DEVICES
+            scale = relay_scale(relay, total, mean_output, NUM_DEVICES)
+            result = simulate(placement, profile, regime.workload, total, link=link,
+                              options=replace(options, step_scale=scale))  # fmt: skip
+            met = (result.ttft_ms <= regime.ttft_slo_ms) & (result.tpot_ms <= regime.tpot_slo_ms)
+            points.append((rate, float(met.mean())))
+        out[layout] = metrics.goodput(points).rate
+    return out
+
+
+def plan_regime(profile: ModelProfile, regime: Regime) -> dict[str, Any]:
+    """What `pdserve plan` picks on this machine (1 node x 2 cores) for the regime."""
+    options, link = sim_options(profile, regime)
+    settings = SearchSettings(max_per_gpu_rate=20.0, link=link, options=options, pp_choices=(1,),
+                              relay_ms=relay_ms(profile), colocated_fill=True)  # fmt: skip
+    slo = SLO(regime.ttft_slo_ms, regime.tpot_slo_ms, 0.9)
+    result = plan(apply_serving_path(profile), regime.workload, slo, Cluster(1, NUM_DEVICES),
+                  settings, algorithms=("low",))  # fmt: skip
+    return {"best": result.best.placement.describe(), "layout": result.best.placement.layout,
+            "ratio": round(result.winner_ratio, 3)}  # fmt: skip
+
+
+def rate_grid(low: float = 0.1, high: float = 20.0, step: float = 1.03) -> list[float]:
+    rates, rate = [], low
+    while rate <= high:
+        rates.append(rate)
+        rate *= step
+    return rates
+
+
+def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str, Any]:
+    """Predicted vs measured for every regime and layout, the plan per regime, the worst
+    relative error; `engine_only` is the same without the serving-path terms."""
+    regimes = load_measured(directory)
+    full = with_terms(profile, regimes)
+    bare = profile.with_updates(serving_path={})
+    rows, plans, rates = [], {}, rate_grid()
+    for regime in regimes:
+        predicted = predict(full, regime, rates=rates)
+        engine_only = predict(bare, regime, rates=rates)
+        for layout, measured in regime.measured.items():
+            rows.append({
+                "regime": regime.name, "layout": layout, "measured": round(measured, 3),
+                "predicted": round(predicted[layout], 3),
+                "predicted_engine_only": round(engine_only[layout], 3),
+                "error": round(predicted[layout] / measured - 1, 3) if measured else None,
+            })  # fmt: skip
+        chosen = plan_regime(full, regime)
+        best_measured = max(regime.measured, key=lambda k: regime.measured[k])
+        plans[regime.name] = {**chosen, "measured_best": best_measured,
+                              "agrees": chosen["layout"] == best_measured}  # fmt: skip
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    return {"serving_path": {k: round(v, 3) for k, v in full.tp(1).serving_path.items()},
+            "rows": rows, "plans": plans,
+            "cpu_prediction_error": round(max(errors), 3) if errors else None}  # fmt: skip
+
+
+def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
+    """prediction.md (predicted vs measured, per regime and layout) and prediction.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    lines = ["| regime | layout | measured (req/s/core) | predicted | error | engine only |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for row in result["rows"]:
+        lines.append(f"| {row['regime']} | {row['layout']} | {row['measured']:.2f} | "
+                     f"{row['predicted']:.2f} | {100 * row['error']:+.0f}% | "
+                     f"{row['predicted_engine_only']:.2f} |")  # fmt: skip
+    lines += ["", "| regime | `pdserve plan` picks | measured best | agrees |",
+              "| --- | --- | --- | --- |"]  # fmt: skip
+    for name, entry in result["plans"].items():
+        lines.append(f"| {name} | {entry['best']} | {entry['measured_best']} | "
+                     f"{'yes' if entry['agrees'] else 'no'} |")  # fmt: skip
+    table = out_dir / "prediction.md"
+    table.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    figure, axis = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['regime']}\n{r['layout'][:6]}" for r in result["rows"]]
+    xs = range(len(labels))
+    axis.bar([x - 0.2 for x in xs], [r["measured"] for r in result["rows"]], 0.4,
+             label="measured (pdserve bench --compare)")  # fmt: skip
+    axis.bar([x + 0.2 for x in xs], [r["predicted"] for r in result["rows"]], 0.4,
+             label="predicted (pdserve profile + simulator)")  # fmt: skip
+    axis.set_xticks(list(xs), labels, fontsize=8)
+    axis.set_ylabel("goodput, requests/s per core")
+    axis.set_title(f"This machine: worst error {100 * result['cpu_prediction_error']:.0f}%")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    plot = out_dir / "prediction.png"
+    figure.savefig(plot, dpi=120)
+    plt.close(figure)
+    return table, plot

@@ -1,0 +1,243 @@
+"""`pdserve profile`: this deployment's latency model, measured with the real engine and fitted.
+
+For each TP size asked for, one LLMEngine with the serve config's engine settings (prefix cache
+off, so a repeated prompt is computed again) runs on one torch thread per rank, as a pinned worker
+does. Each figure is the least of a few repeats (the least disturbed), after a warm-up. On CPU at
+TP=1 the clock is the process's CPU time: a pinned worker owns its core, so CPU time is what its
+step takes there, even while other work shares this machine (`--clock wall` for wall time):
+  prefill   a batch of B prompts of length L, from queueing to every first token (all the
+            engine's chunked steps): a + b*Σl + c*Σl²
+  decode    one step of B running sequences with context C (the largest batch is prefilled once
+            and shrunk by aborts, as benchmarks/decode_step.py does): a + b*Σ(ctx+1) + c*B
+  transfer  one request's KV from a prefill rank process to a decode rank process over the real
+            kv_transfer channel (deploy/profile_transfer.py): per-message ms + bytes / bandwidth
+  path      (--path) the serving path around a TP=1 engine: deploy/profile_path.py
+planner/fit.py fits them; the file has DistServe's shape plus our keys (planner/profile.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from planner.fit import fit_decode, fit_prefill
+from planner.profile import ModelProfile, TPProfile, save_profiles
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to measure. `quick` is a small grid that runs in about a minute on one core."""
+
+    prefill_lens: tuple[int, ...]
+    prefill_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    transfer_tokens: tuple[int, ...]
+    repeats: int
+    decode_steps: int
+
+    def __post_init__(self) -> None:
+        if min(self.repeats, self.decode_steps) < 1:
+            raise ValueError("repeats and decode_steps must be >= 1")
+
+
+QUICK = Grid((32, 128, 384, 768), (1, 2, 4), (64, 384), (1, 8, 32), (64, 512, 2048), 2, 4)
+FULL = Grid(
+    (16, 64, 128, 256, 512, 768, 1024), (1, 2, 4, 8), (32, 128, 384, 768), (1, 4, 8, 16, 32, 64),
+    (64, 256, 1024, 4096), 3, 8,
+)  # fmt: skip
+
+
+def _params(max_tokens: int) -> Any:
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+class EngineProbe:
+    """One engine and random prompts; each method returns measured times in ms."""
+
+    def __init__(self, config: Any, clock: Any = time.perf_counter) -> None:
+        from engine.llm import LLMEngine
+
+        self.engine = LLMEngine(config)
+        self.vocab = self.engine.executor.model_config.vocab_size
+        self.max_len = self.engine.max_model_len
+        self.rng = random.Random(0)
+        self.count = 0
+        self.clock = clock
+
+    def _add(self, length: int, max_tokens: int) -> str:
+        self.count += 1
+        rid = f"profile-{self.count}"
+        prompt = [self.rng.randrange(3, self.vocab) for _ in range(length)]
+        self.engine.add_request(rid, prompt, _params(max_tokens))
+        return rid
+
+    def prefill_ms(self, lens: Sequence[int]) -> float:
+        """Queue the prompts, step until each has its first token; abort them."""
+        rids = [self._add(n, 2) for n in lens]
+        started, pending = self.clock(), set(rids)
+        while pending:
+            for out in self.engine.step():
+                if out.new_token_ids:
+                    pending.discard(out.request_id)
+        elapsed = (self.clock() - started) * 1e3
+        for rid in rids:
+            self.engine.abort(rid)
+        self.engine.step()  # reports the aborts; frees the blocks
+        return elapsed
+
+    def decode_ms(
+        self, context: int, batches: Sequence[int], steps: int
+    ) -> list[tuple[int, int, float]]:
+        """(B, Σctx, ms per step) for each batch size, from one prefill of the largest."""
+        largest = max(batches)
+        max_tokens = min(self.max_len - context, 4 * steps * len(batches) + 8)
+        rids = [self._add(context, max_tokens) for _ in range(largest)]
+        scheduler = self.engine.scheduler
+        while scheduler.waiting or any(
+            r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running
+        ):
+            self.engine.step()
+        samples = []
+        for batch in sorted(batches, reverse=True):
+            for request in list(scheduler.running[batch:]):
+                self.engine.abort(request.request_id)
+            self.engine.step()
+            times = []
+            for _ in range(steps):
+                sum_ctx = sum(r.num_tokens - 1 for r in scheduler.running)
+                began = self.clock()
+                self.engine.step()
+                times.append(((self.clock() - began) * 1e3, sum_ctx))
+            ms, sum_ctx = min(times)  # the least disturbed step on a shared machine
+            samples.append((len(scheduler.running), sum_ctx, ms))
+        for rid in rids:
+            self.engine.abort(rid)
+        self.engine.step()
+        return samples
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def measure_prefill(probe: EngineProbe, grid: Grid, budget: int) -> list[tuple[list[int], float]]:
+    samples = []
+    probe.prefill_ms([grid.prefill_lens[0]])  # warm-up
+    for length in grid.prefill_lens:
+        for batch in grid.prefill_batches:
+            if length * batch > budget or length >= probe.max_len:
+                continue
+            lens = [length] * batch
+            times = [probe.prefill_ms(lens) for _ in range(grid.repeats)]
+            samples.append((lens, min(times)))
+    return samples
+
+
+def measure_decode(probe: EngineProbe, grid: Grid) -> list[tuple[int, int, float]]:
+    samples: list[tuple[int, int, float]] = []
+    for context in grid.decode_contexts:
+        if context + 16 >= probe.max_len:
+            continue
+        samples += probe.decode_ms(context, grid.decode_batches, grid.decode_steps)
+    return samples
+
+
+def pick_clock(name: str, config: Any) -> Any:
+    """CPU time for one CPU rank in this process (see the module docstring), else wall time."""
+    if name not in ("auto", "cpu", "wall"):
+        raise ValueError(f"--clock must be auto, cpu or wall, got {name!r}")
+    if name == "auto":
+        name = "cpu" if config.device == "cpu" and config.tensor_parallel_size == 1 else "wall"
+    return time.process_time if name == "cpu" else time.perf_counter
+
+
+def profile_tp(
+    config: Any, grid: Grid, log: Any, clock: str = "auto"
+) -> tuple[TPProfile, dict[str, Any]]:
+    """Measure and fit one TP size; returns the profile entry and the raw samples."""
+    import torch
+
+    torch.set_num_threads(1)
+    probe = EngineProbe(config, pick_clock(clock, config))
+    try:
+        started = time.perf_counter()
+        prefill = measure_prefill(probe, grid, config.max_num_batched_tokens)
+        log(f"tp={config.tensor_parallel_size}: {len(prefill)} prefill points "
+            f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
+        decode = measure_decode(probe, grid)
+        log(f"tp={config.tensor_parallel_size}: {len(decode)} decode points "
+            f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
+        model = probe.engine.executor.model_config
+        blocks = probe.engine.executor.num_kv_blocks * probe.engine.executor.block_size
+    finally:
+        probe.shutdown()
+    small, large = fit_decode(decode)
+    dtype_bytes = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    kv_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+    entry = TPProfile(
+        prefill=fit_prefill(prefill), decode_small=small, decode_large=large,
+        kv_bytes_per_token=float(kv_bytes), max_num_tokens={1: blocks}, overhead=(0.0, 0.0),
+    )  # fmt: skip
+    raw = {"prefill": [[lens, ms] for lens, ms in prefill], "decode": [list(s) for s in decode]}
+    return entry, raw
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """The `pdserve profile` handler (planner/cli.py registers the flags)."""
+    configs, model_name = engine_configs(args)
+    grid = QUICK if args.quick else FULL
+    profiles, raw = {}, {}
+
+    def log(line: str) -> None:
+        print(f"pdserve profile: {line}", file=sys.stderr, flush=True)
+
+    for tp, config in configs.items():
+        entry, raw[str(tp)] = profile_tp(config, grid, log, getattr(args, "clock", "auto"))
+        if not getattr(args, "no_transfer", False):
+            from deploy.profile_transfer import measure_transfer
+
+            bandwidth, per_message, points = measure_transfer(config, tp, grid, log)
+            entry = replace(entry, transfer_GBps=bandwidth, transfer_per_message_ms=per_message)
+            raw[str(tp)]["transfer"] = points
+        if getattr(args, "path", False) and tp == 1:
+            from deploy.profile_path import measure_path
+            from planner.latency import StepModel
+
+            terms = measure_path(config.model_dir, config, StepModel(entry), log)
+            entry = replace(entry, serving_path=terms)
+            log("serving path: " + ", ".join(f"{k} {v:.3f}" for k, v in terms.items()))
+        profiles[tp] = entry
+    save_profiles(args.out, {model_name: ModelProfile(model_name, profiles)})
+    if getattr(args, "raw_out", None):
+        Path(args.raw_out).write_text(json.dumps(raw) + "\n", encoding="utf-8")
+    print(json.dumps({"profile": args.out, "tp": sorted(profiles), "model": model_name}))
+    return 0
+
+
+def engine_configs(args: argparse.Namespace) -> tuple[dict[int, Any], str]:
+    """One EngineConfig per TP size from the serve config (or the goodput benchmark's model)."""
+    from deploy.cluster_spec import engine_config, resolve_model_dir
+    from deploy.config import ServeConfig, load_config
+
+    tps = sorted({int(t) for t in str(args.tp).split(",")})
+    if getattr(args, "bench_model", None):
+        from benchmarks.goodput.layouts import engine_config as bench_config
+        from benchmarks.goodput.layouts import ensure_bench_model
+
+        model_dir = str(ensure_bench_model(args.bench_model))
+        return {t: bench_config(model_dir, tensor_parallel_size=t) for t in tps}, model_dir
+    serve = load_config(args.config) if args.config else ServeConfig()
+    model_dir = resolve_model_dir(serve.model)
+    configs = {
+        t: replace(engine_config(serve, model_dir, t), enable_prefix_caching=False) for t in tps
+    }
+    return configs, serve.model
