@@ -1,68 +1,97 @@
 """Control messages between process-hosted workers (the no-Ray control plane).
 
-A worker's `send_control(instance_id, message)` is a `QueueControl`: it puts the pair on one
-queue shared by the cluster, and returns at once (a worker's loop thread must never block on
-another worker). The relay's thread takes each pair off the queue and calls `deliver` on the
-addressed worker. Under Ray, actor calls do the same job (deploy/ray_actors.py).
+A worker's `send_control(instance_id, message)` is a `PipeControl` (deploy/process_host.py): it
+pickles the message and writes it up the worker's OWN pipe to this process, so a worker killed
+mid-write (SIGKILL is a normal path: tests, a failed worker's os._exit) breaks only its own
+pipe, never another worker's messages. The worker's ProcessWorker reads it there and hands it to
+the relay, which delivers it with `deliver` on the addressed worker:
+
+    worker A ──A's pipe──▶ ProcessWorker A's reader ──▶ ControlRelay.deliver("B", data)
+                                                         └─▶ B's queue ─▶ B's delivery thread
+                                                              ─▶ workers["B"].call("deliver", msg)
+
+One delivery thread per addressed instance keeps each peer's messages in order, and a slow or
+hung peer delays only the messages addressed to it. Under Ray, actor calls do the same job
+(deploy/ray_actors.py).
 """
 
 from __future__ import annotations
 
+import logging
+import pickle
 import queue
 import threading
 from collections.abc import Mapping
-from typing import Any
 
-import torch.multiprocessing as mp
-
-from deploy.process_host import ProcessWorker
+from deploy.process_host import PipeControl, ProcessWorker
 from engine.messages import WorkerUnavailable
 
-
-class QueueControl:
-    """A worker's `send_control`: (instance_id, message) onto the cluster's control queue.
-    Picklable, so it travels to the worker process with the factory's arguments."""
-
-    def __init__(self, control_queue: Any) -> None:
-        self.queue = control_queue
-
-    def __call__(self, instance_id: str, message: Any) -> None:
-        self.queue.put((instance_id, message))
+logger = logging.getLogger(__name__)
+_STOP = object()
 
 
 class ControlRelay:
-    """Delivers queued control messages to the workers in `workers` (looked up at delivery, so
-    workers may be added after the relay starts)."""
+    """Delivers control messages to the workers in `workers` (looked up at delivery, so workers
+    may be added, or replaced by a restart, after the relay starts)."""
 
     def __init__(self, workers: Mapping[str, ProcessWorker], call_timeout_s: float = 10.0) -> None:
         self.workers = workers
         self.call_timeout_s = call_timeout_s
         self.num_forwarded = 0
-        self._queue = mp.get_context("spawn").Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._forward, name="control-relay", daemon=True)
-        self._thread.start()
+        self.num_failed = 0  # messages that could not be read or delivered (logged)
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.SimpleQueue[object]] = {}
+        self._threads: list[threading.Thread] = []
+        self._stopped = False
 
-    def sender(self) -> QueueControl:
-        return QueueControl(self._queue)
+    def sender(self) -> PipeControl:
+        """A worker's `send_control`: pass it among the worker factory's arguments."""
+        return PipeControl(self.deliver)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._queue.close()
-        self._queue.join_thread()
+    def deliver(self, instance_id: str, data: bytes) -> None:
+        """Queue a pickled message for `instance_id`; never blocks (a worker's pipe reader)."""
+        with self._lock:
+            if self._stopped:
+                return
+            inbox = self._queues.get(instance_id)
+            if inbox is None:
+                inbox = self._queues[instance_id] = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=self._forward, args=(instance_id, inbox), daemon=True,
+                    name=f"control-to-{instance_id}",
+                )  # fmt: skip
+                self._threads.append(thread)
+                thread.start()
+        inbox.put(data)
 
-    def _forward(self) -> None:
-        while not self._stop.is_set():
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            self._stopped = True
+            inboxes, threads = list(self._queues.values()), list(self._threads)
+        for inbox in inboxes:
+            inbox.put(_STOP)
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _forward(self, instance_id: str, inbox: queue.SimpleQueue[object]) -> None:
+        """One addressee's messages, in order. Nothing a message does may end this thread:
+        without it no ack or abort reaches the peer, and every hand-off to it would fail."""
+        while True:
+            data = inbox.get()
+            if data is _STOP:
+                return
             try:
-                instance_id, message = self._queue.get(timeout=0.05)
-            except (queue.Empty, OSError, EOFError):
-                continue
-            worker = self.workers.get(instance_id)
-            if worker is None:
-                continue
-            try:
-                worker.call("deliver", message, timeout_s=self.call_timeout_s)
-                self.num_forwarded += 1
+                self._deliver_one(instance_id, data)  # type: ignore[arg-type]
             except WorkerUnavailable:
                 pass  # a dead or stopped instance: its peer's transfer deadline covers it
+            except Exception:
+                self.num_failed += 1
+                logger.exception("a control message for %s could not be delivered", instance_id)
+
+    def _deliver_one(self, instance_id: str, data: bytes) -> None:
+        worker = self.workers.get(instance_id)
+        if worker is None:
+            return
+        message = pickle.loads(data)  # noqa: S301 - from our own worker processes
+        worker.call("deliver", message, timeout_s=self.call_timeout_s)
+        self.num_forwarded += 1

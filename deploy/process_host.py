@@ -8,13 +8,20 @@ own thread, so a long poll (`poll_events`) never blocks a `submit` or an `abort`
             ◀── ("ok", result) | ("error", exception) ──
 
 Every call has a timeout; a dead child turns every pending and later call into WorkerUnavailable.
+
+Control messages between workers (deploy/control_relay.py) come up the same pipe: a
+`PipeControl` among the factory's arguments is the worker's `send_control`; in the child it
+writes `(CONTROL, "control", (instance_id, pickled message))`, and the parent's reader hands the
+pair to the relay. Each worker has a pipe of its own, so one killed mid-write breaks only its own.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing as mp
 import os
+import pickle
 import sys
 import threading
 import time
@@ -29,7 +36,30 @@ from engine.child_signals import ignore_terminal_signals, terminal_signals_block
 from engine.gc_tuning import freeze_startup_heap
 from engine.messages import WorkerUnavailable
 
+logger = logging.getLogger(__name__)
+
 _FAILED_EXIT_DELAY_S = 1.0
+CONTROL = -1  # the call id of a control message going up the pipe (call ids start at 0)
+# In a worker process: sends a control message up its pipe (set by _child_main).
+_send_up: Callable[[str, bytes], None] | None = None
+
+
+class PipeControl:
+    """A worker's `send_control(instance_id, message)` when it is hosted by ProcessWorker.
+
+    Picklable: it travels with the factory's arguments. In the parent it carries `sink` (the
+    relay's `deliver`), which ProcessWorker's reader calls; in the child it writes to the pipe."""
+
+    def __init__(self, sink: Callable[[str, bytes], None] | None = None) -> None:
+        self.sink = sink
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"sink": None}  # the sink lives in the parent
+
+    def __call__(self, instance_id: str, message: Any) -> None:
+        if _send_up is None:
+            raise RuntimeError("PipeControl works only inside a ProcessWorker's process")
+        _send_up(instance_id, pickle.dumps(message))
 
 
 def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
@@ -46,6 +76,12 @@ def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwar
             except Exception as exc:  # an unpicklable result or error: say so, as text
                 conn.send((call_id, "error", RuntimeError(f"{type(value).__name__}: {exc}")))
 
+    def send_up(instance_id: str, data: bytes) -> None:
+        with send_lock:
+            conn.send((CONTROL, "control", (instance_id, data)))
+
+    global _send_up
+    _send_up = send_up
     try:
         worker = factory(*args, **kwargs)
     except BaseException as exc:
@@ -115,9 +151,15 @@ class ProcessWorker:
         *args: Any,
         name: str = "pdserve-worker",
         start_timeout_s: float = 180.0,
+        on_spawn: Callable[[ProcessWorker], None] | None = None,
         **kwargs: Any,
     ) -> None:
+        """Blocks until the worker is built. `on_spawn(self)` runs as soon as the process
+        exists, so that a caller may kill a start that is no longer wanted (a cluster stopping
+        while a restart loads the model)."""
         self.name = name
+        controls = [a for a in (*args, *kwargs.values()) if isinstance(a, PipeControl)]
+        self._control_sink = controls[0].sink if controls else None
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._process = ctx.Process(
@@ -135,6 +177,8 @@ class ProcessWorker:
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()
         try:
+            if on_spawn is not None:
+                on_spawn(self)
             self.pid: int = started.result(timeout=start_timeout_s)
         except FutureTimeout:
             self.kill()
@@ -199,6 +243,13 @@ class ProcessWorker:
                 call_id, status, value = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # a garbled message: this pipe cannot be trusted any more
+                logger.exception("%s: unreadable message on its pipe; stopping it", self.name)
+                self._process.kill()
+                break
+            if call_id == CONTROL:
+                self._forward_control(*value)
+                continue
             with self._lock:
                 future = self._pending.get(call_id)
             if future is not None and not future.done():
@@ -211,3 +262,11 @@ class ProcessWorker:
         for future in pending:
             if not future.done():
                 future.set_exception(WorkerUnavailable(f"{self.name} exited"))
+
+    def _forward_control(self, instance_id: str, data: bytes) -> None:
+        if self._control_sink is None:
+            return  # a worker without peers (a colocated one) sends none
+        try:
+            self._control_sink(instance_id, data)
+        except Exception:  # never let a message stop this worker's reader
+            logger.exception("%s: a control message for %s was lost", self.name, instance_id)

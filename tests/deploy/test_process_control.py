@@ -1,0 +1,132 @@
+"""Control messages between process-hosted workers (deploy/control_relay.py) keep flowing when a
+worker is SIGKILLed in the middle of sending them, when a message cannot be read, and when one
+addressee is too slow to take its messages. Real child processes (ProcessWorker)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from deploy.control_relay import ControlRelay
+from deploy.process_host import PipeControl, ProcessWorker
+
+BIG = 1 << 20  # a message that takes a while to write: a kill lands mid-write or mid-lock
+
+
+class Unreadable:
+    """Pickles, but cannot be unpickled (the relay must log it and go on)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_refuse, ("this message cannot be read",))
+
+
+def _refuse(reason: str) -> None:
+    raise ValueError(reason)
+
+
+class Peer:
+    """A worker stand-in: sends control messages, and counts those delivered to it."""
+
+    def __init__(self, instance_id: str, send_control: PipeControl) -> None:
+        self.instance_id = instance_id
+        self.send_control = send_control
+        self.received: list[str] = []
+        self.lock = threading.Lock()
+        self.hold_s = 0.0
+
+    def deliver(self, message: Any) -> None:
+        time.sleep(self.hold_s)  # a slow peer
+        with self.lock:
+            self.received.append(message if isinstance(message, str) else "big")
+
+    def set_hold(self, seconds: float) -> None:
+        self.hold_s = seconds
+
+    def received_from(self, prefix: str) -> int:
+        with self.lock:
+            return sum(1 for message in self.received if message.startswith(prefix))
+
+    def send(self, to: str, prefix: str, count: int) -> None:
+        for n in range(count):
+            self.send_control(to, f"{prefix}{n}")
+
+    def send_unreadable(self, to: str) -> None:
+        self.send_control(to, Unreadable())
+
+    def flood(self, to: str) -> None:
+        """Big messages from a few threads, without end (until the process is killed)."""
+
+        def loop() -> None:
+            while True:
+                self.send_control(to, b"x" * BIG)
+
+        for _ in range(3):
+            threading.Thread(target=loop, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[tuple[ControlRelay, dict[str, ProcessWorker]]]:
+    """Three peers for the module (each process imports torch: slow on 2 cores); the last test
+    kills "c"."""
+    workers: dict[str, ProcessWorker] = {}
+    relay = ControlRelay(workers, call_timeout_s=10.0)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            started = pool.map(
+                lambda name: ProcessWorker(Peer, name, relay.sender(), name=name), "abc"
+            )
+            workers.update(zip("abc", started, strict=True))
+        yield relay, workers
+    finally:
+        for worker in workers.values():
+            worker.kill()
+        relay.stop()
+
+
+def _wait_for(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def test_an_unreadable_message_is_logged_and_the_next_ones_arrive(
+    peers: tuple[ControlRelay, dict[str, ProcessWorker]],
+) -> None:
+    relay, workers = peers
+    num_failed = relay.num_failed
+    workers["b"].call("send_unreadable", "a")
+    workers["b"].call("send", "a", "after-", 5)
+    _wait_for(lambda: workers["a"].call("received_from", "after-") == 5, 10, "later messages")
+    assert relay.num_failed == num_failed + 1
+
+
+def test_a_slow_peer_does_not_hold_up_messages_to_the_others(
+    peers: tuple[ControlRelay, dict[str, ProcessWorker]],
+) -> None:
+    _relay, workers = peers
+    workers["a"].call("set_hold", 2.0)
+    workers["c"].call("send", "a", "slow-", 5)  # 10 s of delivery to a
+    workers["c"].call("send", "b", "fast-", 5)
+    _wait_for(lambda: workers["b"].call("received_from", "fast-") == 5, 3, "b's messages")
+    workers["a"].call("set_hold", 0.0)
+
+
+def test_a_worker_killed_while_sending_does_not_stop_the_others_messages(
+    peers: tuple[ControlRelay, dict[str, ProcessWorker]],
+) -> None:
+    _relay, workers = peers
+    workers["c"].call("flood", "nobody")  # big messages, to an instance that does not exist
+    time.sleep(1.0)
+    os.kill(workers["c"].pid, signal.SIGKILL)  # most likely mid-write
+    for round_ in range(3):  # and it keeps flowing
+        workers["b"].call("send", "a", f"r{round_}-", 20)
+        prefix = f"r{round_}-"
+        _wait_for(lambda p=prefix: workers["a"].call("received_from", p) == 20, 10, "b's messages")
