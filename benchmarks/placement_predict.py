@@ -213,7 +213,8 @@ def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[P
     table = out_dir / "prediction.md"
     table.write_text("\n".join(lines) + "\n", encoding="utf-8")
     figure, axis = plt.subplots(figsize=(7, 4))
-    labels = [f"{r['regime']}\n{r['layout'][:6]}" for r in result["rows"]]
+    short = {"disaggregated": "1P+1D", "colocated": "2 colocated"}
+    labels = [f"{r['regime']}\n{short.get(r['layout'], r['layout'])}" for r in result["rows"]]
     xs = range(len(labels))
     axis.bar([x - 0.2 for x in xs], [r["measured"] for r in result["rows"]], 0.4,
              label="measured (pdserve bench --compare)")  # fmt: skip
