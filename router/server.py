@@ -46,14 +46,26 @@ logger = logging.getLogger(__name__)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # gRPC core holds calls that arrived before the server asked for them (the aio server accepts
-# one call per event-loop turn, so a burst waits there) and, past 1,000 such calls, cancels
-# them at random with a bare CANCELLED. Every call must reach admission control instead, which
-# answers the excess with RESOURCE_EXHAUSTED and a message; so these bounds are out of reach.
-_MAX_PENDING_CALLS = 1 << 20
-_SERVER_OPTIONS = (
-    ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
-    ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING_CALLS),
-)
+# one call per event-loop turn, so a burst waits there) and, past its default of 1,000 such
+# calls, cancels them at random with a bare CANCELLED. A refused call must get admission
+# control's RESOURCE_EXHAUSTED and message instead, so the bound sits a few times above what
+# admission holds; yet it is a bound: each waiting call may hold a message of up to 4 MB.
+_MIN_PENDING_CALLS = 2048  # twice gRPC core's default: a burst of a few thousand is normal
+_PENDING_CALLS_PER_ADMITTED = 4
+
+
+def max_pending_calls(config: RouterConfig) -> int:
+    """How many calls gRPC core may hold before the server takes them (past it: CANCELLED)."""
+    admitted = config.max_running_requests + config.max_queued_requests
+    return max(_MIN_PENDING_CALLS, _PENDING_CALLS_PER_ADMITTED * admitted)
+
+
+def _server_options(config: RouterConfig) -> tuple[tuple[str, int], ...]:
+    bound = max_pending_calls(config)
+    return (
+        ("grpc.server.max_pending_requests", bound),
+        ("grpc.server.max_pending_requests_hard_limit", bound),
+    )
 
 
 class Router:
@@ -101,7 +113,7 @@ class Router:
         interceptors = []
         if self.config.auth_token is not None:
             interceptors.append(BearerTokenInterceptor(self.config.auth_token))
-        server = grpc.aio.server(interceptors=interceptors, options=_SERVER_OPTIONS)
+        server = grpc.aio.server(interceptors=interceptors, options=_server_options(self.config))
         server.add_generic_rpc_handlers((self._servicer.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

@@ -12,6 +12,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from router.config import RouterConfig
+from router.server import max_pending_calls
 from router.synthetic import synthetic_cluster
 from tests.router.harness import RouterThread
 
@@ -40,6 +41,7 @@ def test_a_burst_past_the_bounds_is_refused_with_resource_exhausted_never_cancel
     tiny_model_dir: str,
 ) -> None:
     config = RouterConfig(model_dir=tiny_model_dir, max_running_requests=4, max_queued_requests=4)
+    assert max_pending_calls(config) >= NUM_CALLS  # the whole burst may wait in gRPC core
     make_handles = lambda: synthetic_cluster(1, 1, step_interval_s=0.05)  # noqa: E731
     with RouterThread(config, make_handles) as server:
         outcomes = asyncio.run(asyncio.wait_for(_burst(server.address, NUM_CALLS), 120))
@@ -52,3 +54,13 @@ def test_a_burst_past_the_bounds_is_refused_with_resource_exhausted_never_cancel
         outcomes["RESOURCE_EXHAUSTED", "the router is at capacity (4 r"]
         == codes["RESOURCE_EXHAUSTED"]
     )
+
+
+def test_the_calls_grpc_core_may_hold_are_bounded_by_admission_s_size(tiny_model_dir: str) -> None:
+    """A flood may not park a million calls (up to 4 MB each) in gRPC core: a few times what
+    admission holds, and never below gRPC core's own default."""
+    small = RouterConfig(model_dir=tiny_model_dir, max_running_requests=4, max_queued_requests=4)
+    large = RouterConfig(
+        model_dir=tiny_model_dir, max_running_requests=1000, max_queued_requests=500
+    )
+    assert (max_pending_calls(small), max_pending_calls(large)) == (2048, 6000)
