@@ -8,8 +8,8 @@
     this process                                         worker processes (ProcessWorker)
     Router (asyncio loop thread) ─ ProcessHandle ──────▶ PrefillWorker (TP=k spawns k-1 ranks)
                                  ─ ProcessHandle ──────▶ DecodeWorker  x N
-    control relay thread ◀── one queue ── send_control(instance_id, message) in every worker
-                         ──▶ workers[instance_id].call("deliver", message)
+    control relay ◀── each worker's own pipe ── send_control(instance_id, message) in a worker
+                  ──▶ workers[instance_id].call("deliver", message), one thread per addressee
 
 The same shape as the Ray runtime (deploy/ray_cluster.py), with a pipe where Ray has actor calls.
 Benchmarks use it for colocated layouts too (N ColocatedWorker replicas), optionally with each
@@ -20,7 +20,10 @@ because its loop failed, e.g. a TP rank died), with the same arguments, and swap
 router's handle. A restarted prefill instance first sends requests through its decode peers
 (deploy/ray_channels.settle_prefill_channels), so that they drop their channels to the dead
 process before the router uses it. A restarted decode instance has new channel endpoints, so
-its peers dial fresh channels. Until it is back, `status()` reports the instance down.
+its peers dial fresh channels. Until it is back, `status()` reports the instance down. A
+restart that fails is tried again after a backoff (1 s, doubling up to 30 s), so a worker that
+cannot start does not reload the model on every tick. Shutdown does not wait for a restart in
+progress: it kills the process being started.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from deploy.cluster_spec import ClusterSpec
 from deploy.control_relay import ControlRelay
 from deploy.handles import ProcessHandle
 from deploy.process_host import ProcessWorker
+from deploy.restart_backoff import RestartBackoff
 from engine.gc_tuning import freeze_startup_heap, unfreeze_heap
 from engine.messages import InstanceLoad, Role, WorkerUnavailable
 from prefill_worker.worker import PrefillWorker
@@ -47,6 +51,7 @@ from router.server import Router
 Progress = Callable[[str], None]
 _LOOP_TIMEOUT_S = 60.0
 _WATCH_INTERVAL_S = 0.2
+_WATCH_JOIN_S = 10.0  # the watch thread's calls are bounded by the workers' timeouts
 
 
 class PinnedFactory:
@@ -75,9 +80,12 @@ def cpu_sets(num_ranks_per_worker: list[int], cpu_ids: list[int]) -> list[list[i
 class LocalCluster:
     """Workers in plain processes, a control relay, and the gRPC router on a background loop."""
 
-    def __init__(self, spec: ClusterSpec, start_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self, spec: ClusterSpec, start_timeout_s: float = 180.0, restart_workers: bool = True
+    ) -> None:
         self.spec = spec
         self.start_timeout_s = start_timeout_s
+        self.restart_workers = restart_workers  # False: a dead worker stays down (tests)
         self.workers: dict[str, ProcessWorker] = {}
         self.router: Router | None = None
         self._handles: list[ProcessHandle] = []
@@ -90,6 +98,9 @@ class LocalCluster:
         self.num_restarts: dict[str, int] = {}
         self._stopping = threading.Event()
         self._watch: threading.Thread | None = None
+        self._lock = threading.Lock()  # _stopping vs. a restart's new worker joining `workers`
+        self._starting: dict[str, ProcessWorker] = {}  # processes of restarts in progress
+        self._backoff = RestartBackoff()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, progress: Progress | None = None) -> str:
@@ -101,10 +112,11 @@ class LocalCluster:
             self._start_workers(say)
             say("starting the router")
             self._start_router()
-            self._watch = threading.Thread(
-                target=self._keep_alive, name="worker-watch", daemon=True
-            )
-            self._watch.start()
+            if self.restart_workers:
+                self._watch = threading.Thread(
+                    target=self._keep_alive, name="worker-watch", daemon=True
+                )
+                self._watch.start()
         except BaseException:
             self.shutdown()
             raise
@@ -187,14 +199,12 @@ class LocalCluster:
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop admitting, let in-flight streams finish for `grace_s` (default: the router's
         `shutdown_grace_s`), abort the rest, then stop every worker and its ranks; idempotent."""
-        self._stopping.set()  # no restarts from here on
-        if self._watch is not None:
-            self._watch.join(self.start_timeout_s)
-            self._watch = None
+        self._stop_restarts()
         if self._loop is not None:
+            grace = self.spec.router.shutdown_grace_s if grace_s is None else grace_s
             try:
                 if self.router is not None:
-                    self._run(self.router.stop(grace_s), timeout_s=_LOOP_TIMEOUT_S + (grace_s or 0))
+                    self._run(self.router.stop(grace), timeout_s=_LOOP_TIMEOUT_S + grace)
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 if self._loop_thread is not None:
@@ -212,10 +222,22 @@ class LocalCluster:
     def kill(self) -> None:
         """Stop at once, without draining (a second signal): every worker process is killed;
         their TP ranks follow within seconds (their driver's store is gone). Then shutdown()."""
-        self._stopping.set()
+        self._stop_restarts()
         for worker in list(self.workers.values()):
             worker.kill()
         self.shutdown(grace_s=0)
+
+    def _stop_restarts(self) -> None:
+        """No restart from here on: one in progress has its process killed (a model load can
+        take minutes) and its worker never joins `workers`."""
+        with self._lock:
+            self._stopping.set()
+            starting = list(self._starting.values())
+        for worker in starting:
+            worker.kill()
+        if self._watch is not None and self._watch is not threading.current_thread():
+            self._watch.join(_WATCH_JOIN_S)
+            self._watch = None
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -267,27 +289,53 @@ class LocalCluster:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         return future.result(timeout_s)
 
-    def _new_worker(self, instance_id: str) -> ProcessWorker:
+    def _new_worker(self, instance_id: str, on_spawn: Any = None) -> ProcessWorker:
         factory, args, _ = self._plan[instance_id]
-        return ProcessWorker(factory, *args, name=instance_id, start_timeout_s=self.start_timeout_s)
+        return ProcessWorker(
+            factory, *args, name=instance_id, start_timeout_s=self.start_timeout_s,
+            on_spawn=on_spawn,
+        )  # fmt: skip
 
     def _keep_alive(self) -> None:
         """The watch thread: restart each worker process that died, one at a time."""
         while not self._stopping.wait(_WATCH_INTERVAL_S):
             for instance_id, worker in list(self.workers.items()):
-                if not worker.is_alive() and not self._stopping.is_set():
-                    try:
-                        self._restart(instance_id, worker)
-                    except Exception as exc:  # tried again at the next tick
-                        print(f"restarting {instance_id} failed: {exc!r}", flush=True)
+                if worker.is_alive() or self._stopping.is_set():
+                    continue
+                if not self._backoff.due(instance_id):
+                    continue
+                try:
+                    self._restart(instance_id, worker)
+                    self._backoff.succeeded(instance_id)
+                except Exception as exc:
+                    if self._stopping.is_set():
+                        return  # shutdown killed the process being started
+                    delay_s = self._backoff.failed(instance_id)
+                    print(f"restarting {instance_id} failed: {exc!r}; again in {delay_s:.0f} s",
+                          flush=True)  # fmt: skip
+
+    def _spawned(self, instance_id: str, worker: ProcessWorker) -> None:
+        with self._lock:
+            self._starting[instance_id] = worker
+            stopping = self._stopping.is_set()
+        if stopping:  # shutdown began before this process existed
+            worker.kill()
 
     def _restart(self, instance_id: str, dead: ProcessWorker) -> None:
         self._restarting.add(instance_id)
         try:
             dead.kill()  # reap it
             print(f"{instance_id} died (exit code {dead.exitcode}); restarting it", flush=True)
-            worker = self._new_worker(instance_id)
-            self.workers[instance_id] = worker  # the relay delivers the peers' acks to it now
+            try:
+                worker = self._new_worker(instance_id, lambda w: self._spawned(instance_id, w))
+            finally:
+                with self._lock:
+                    self._starting.pop(instance_id, None)
+            with self._lock:
+                if self._stopping.is_set():  # shutdown came during the start
+                    worker.kill()
+                    return
+                self.workers[instance_id] = worker  # the relay delivers the peers' acks to it
             if instance_id.startswith("prefill"):
                 self._settle_prefill(instance_id, worker)
             self._handle_of[instance_id].worker = worker  # the router reaches it from here on
