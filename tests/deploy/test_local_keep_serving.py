@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -84,37 +85,37 @@ def test_cancels_at_every_stage_give_every_block_back_within_seconds(
     start = {instance_id: NUM_BLOCKS for instance_id in ("prefill-0", "decode-0", "decode-1")}
     rng = random.Random(5)
     # 0 s: before the prefill; a few ms: reserving / prefilling / handing the KV off; 0.3 s:
-    # decoding (40 tokens take longer than that here). Some run to the end.
+    # decoding (40 tokens take longer than that here). Some run to the end. 16 at a time: the
+    # point is every stage, not load (2 cores, and KV deadlines of SHORT_S in this module).
     delays = [0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, None]
-    finished: list[int] = []
+    prompts = ["The quick brown fox " * rng.randint(1, 25) for _ in range(48)]
 
-    def one(client: RouterClient, index: int) -> None:
+    def one(client: RouterClient, index: int) -> int | str:
+        """The number of tokens of a stream that ended OK, or the status code's name."""
         request = pb.GenerateRequest(
-            prompt="The quick brown fox " * rng.randint(1, 25), max_tokens=40, ignore_eos=True,
-            request_id=f"cancel-{index}",
-        )  # fmt: skip
+            prompt=prompts[index], max_tokens=40, ignore_eos=True, request_id=f"cancel-{index}"
+        )
         call = client._generation.Generate(request, timeout=60)
         delay = delays[index % len(delays)]
         if delay is not None:
             threading.Timer(delay, call.cancel).start()
         try:
-            finished.append(sum(len(response.token_ids) for response in call))
+            return sum(len(response.token_ids) for response in call)
         except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.CANCELLED, exc  # noqa: PT017
+            return str(exc.code().name)  # type: ignore[attr-defined]
 
     with RouterClient(cluster.address) as client:
-        threads = [threading.Thread(target=one, args=(client, i)) for i in range(96)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        with ThreadPoolExecutor(16) as pool:
+            outcomes = list(pool.map(lambda index: one(client, index), range(len(prompts))))
         ended_at = time.monotonic()
         free = free_blocks(cluster)
         while free != start and time.monotonic() < ended_at + 3.0:
             time.sleep(0.1)
             free = free_blocks(cluster)
     assert free == start, f"blocks still held {time.monotonic() - ended_at:.1f} s after the end"
-    assert finished and set(finished) == {40}
+    never_cancelled = outcomes[len(delays) - 1 :: len(delays)]
+    assert never_cancelled == [40] * len(never_cancelled)
+    assert set(outcomes) <= {40, "CANCELLED"}, outcomes  # a cancel may come after the end
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> float:

@@ -63,7 +63,8 @@ def cluster(tiny_model_dir: str) -> Iterator[LocalCluster]:
         decode=DecodeConfig(_engine(tiny_model_dir), kv),
         num_decode_instances=1,
     )
-    with LocalCluster(spec) as running:
+    # No restarts: the last test kills the prefill and expects it to stay down.
+    with LocalCluster(spec, restart_workers=False) as running:
         running.start()
         yield running
 
