@@ -32,7 +32,8 @@ class RayClusterConfig:
     "ray://..." or "host:port"). `num_cpus_per_worker=None` shares the cluster's CPUs among the
     workers (at most 1 each). `prefill_resources` / `decode_resources` are custom Ray resources
     added to each worker's bundle (e.g. {"prefill_node": 0.01}) to pin roles to node groups.
-    `max_restarts`: how often Ray restarts a worker actor that died.
+    `max_restarts`: how often Ray restarts a worker actor that died; -1 (the default): always,
+    as the plain-process runtime does (a limit would leave the instance down for good).
     `router`, `prefill`, `decode`: when given (from_cluster_spec), used as they are in place of
     the configs the flat fields would build.
     """
@@ -72,7 +73,7 @@ class RayClusterConfig:
     pin_cpus: bool = True
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
-    max_restarts: int = 3
+    max_restarts: int = -1
     start_timeout_s: float = 180.0
     router: RouterConfig | None = None
     prefill: PrefillConfig | None = None

@@ -11,8 +11,9 @@ driver) travels as an actor-call argument: that is the process-group bootstrap o
 
 The RayCluster creates the rank actors together with the driver actor (`start_rank_actors`), so
 their processes start in parallel. A restarted driver actor kills those and starts its own,
-which Ray kills with it if it dies again (fate sharing). `stop` waits for each `run` to return
-after SHUTDOWN, then kills the rank actors.
+which Ray kills with it if it dies again (fate sharing). A rank actor exits when its `run`
+ends (SHUTDOWN, or its driver is gone), so one whose driver is never restarted does not linger.
+`stop` waits for each `run` to end, then kills what is left.
 """
 
 from __future__ import annotations
@@ -51,13 +52,26 @@ class RankActor:
             self._state = (state, detail)
             self._reported.set()
 
-        run_rank(spec, report)
+        try:
+            run_rank(spec, report)
+        finally:
+            # Never reused: a restarted driver kills its old rank actors and starts its own. And
+            # should no restart come (its node is gone), an idle actor would hold the model's
+            # memory until the cluster stops. run_rank ended: SHUTDOWN, or the driver is gone.
+            _leave()
 
     def wait_ready(self, timeout_s: float) -> tuple[str, str]:
         """("ready", "") | ("error", traceback) | ("timeout", "")."""
         if not self._reported.wait(timeout_s):
             return ("timeout", "")
         return self._state
+
+
+def _leave() -> None:
+    try:
+        ray.actor.exit_actor()
+    except Exception:  # noqa: BLE001 - not in an actor after all (or Ray refused): leave anyway
+        os._exit(0)
 
 
 def rank_actor_name(instance_id: str, rank: int) -> str:
