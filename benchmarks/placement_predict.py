@@ -120,7 +120,8 @@ def sim_options(profile: ModelProfile, regime: Regime) -> tuple[SimOptions, Link
     link = None
     if tp1.transfer_GBps and tp1.kv_bytes_per_token:
         link = LinkSpec(tp1.kv_bytes_per_token, tp1.transfer_GBps, tp1.transfer_GBps,
-                        tp1.transfer_per_message_ms)  # fmt: skip
+                        tp1.transfer_per_message_ms,
+                        handoff_ms=tp1.serving_path.get("handoff_ms", 0.0))  # fmt: skip
     return options, link
 
 

@@ -209,10 +209,16 @@ def run_profile(args: argparse.Namespace) -> int:
             entry = replace(entry, transfer_GBps=bandwidth, transfer_per_message_ms=per_message)
             raw[str(tp)]["transfer"] = points
         if getattr(args, "path", False) and tp == 1:
-            from deploy.profile_path import measure_path
+            from deploy.profile_path import measure_handoff, measure_path
             from planner.latency import StepModel
 
             terms = measure_path(config.model_dir, config, StepModel(entry), log)
+            channel = 0.0
+            if entry.transfer_GBps and entry.kv_bytes_per_token:  # 64 tokens over the channel
+                channel = entry.transfer_per_message_ms + 64 * entry.kv_bytes_per_token / (
+                    entry.transfer_GBps * 1e6
+                )
+            terms["handoff_ms"] = max(measure_handoff(config.model_dir, log) - channel, 0.0)
             entry = replace(entry, serving_path=terms)
             log("serving path: " + ", ".join(f"{k} {v:.3f}" for k, v in terms.items()))
         profiles[tp] = entry

@@ -12,6 +12,8 @@ count. From the batches:
                                   same cores as the workers, taken from them under load
   path_ttft_ms                    an unloaded request's TTFT beyond the worker's prefill, wall
                                   clock (the hops: client -> router -> worker -> router -> client)
+  handoff_ms                      (disaggregated) first token -> first decode step, unloaded, on a
+                                  real 1P+1D cluster, less the channel's own time
   worker_step_wall_ms             an unloaded request's TPOT beyond the engine step, wall clock:
                                   the step's fixed cost with the loop's waits, which use no CPU
 """
@@ -95,6 +97,33 @@ def measure_path(model_dir: str, engine: Any, model: StepModel, log: Any) -> dic
     step_wall = statistics.median(tpots) - model.decode_stage_ms(1, prompt_len + output_len // 2)
     terms["worker_step_wall_ms"] = max(step_wall - terms["worker_seq_ms"], 0.0)
     return terms
+
+
+def measure_handoff(model_dir: str, log: Any) -> float:
+    """The KV hand-off's latency beyond the channel, unloaded: on a real 1 prefill + 1 decode
+    cluster, from a request's first token to its first decode step (the breakdown's transfer
+    and decode queue: the reservation, the dial, the landing noticed by the decode loop)."""
+    from benchmarks.goodput.driver import LoadDriver
+    from benchmarks.goodput.layouts import cluster_spec, start_local_cluster
+    from benchmarks.goodput.metrics import breakdown
+    from benchmarks.goodput.workloads import build_requests
+
+    cluster = start_local_cluster(cluster_spec("disaggregated", model_dir, pin_cpus=True))
+    driver = LoadDriver(num_processes=1)
+    rng, vocab, waits = random.Random(1), engine_vocab(model_dir), []
+    try:
+        for index in range(5):  # the first warms the channel up
+            prompt = [rng.randrange(3, vocab) for _ in range(64)]
+            tag = f"handoff-{index}-{time.time():.0f}"
+            (record,) = driver.run(cluster.address, build_requests([(prompt, 8)], [0.0], tag))
+            parts = breakdown(record)
+            if index:
+                waits.append(1e3 * (parts["transfer"] + parts["decode_queue"]))
+    finally:
+        driver.close()
+        cluster.shutdown()
+    log(f"path: KV hand-off {statistics.median(waits):.1f} ms from first token to decode")
+    return statistics.median(waits)
 
 
 def fit_path(

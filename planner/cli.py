@@ -115,7 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         link = LinkSpec(kv, args.intra_node_GBps, args.cross_node_gbps / 8.0)
     elif first.transfer_GBps and kv:  # `pdserve profile` measured this deployment's channel
         bandwidth = first.transfer_GBps
-        link = LinkSpec(kv, bandwidth, bandwidth, first.transfer_per_message_ms)
+        handoff = first.serving_path.get("handoff_ms", 0.0)
+        link = LinkSpec(kv, bandwidth, bandwidth, first.transfer_per_message_ms, handoff_ms=handoff)
     # A profile measured with `pdserve profile --path` carries the serving path's costs.
     options = SimOptions(colocated_policy=args.colocated_policy, ttft_path_ms=ttft_path_ms(profile))
     settings = SearchSettings(

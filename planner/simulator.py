@@ -58,6 +58,9 @@ class LinkSpec:
     cross_node_GBps: float = 3.125
     per_message_ms: float = 0.0
     enabled: bool = True
+    # Latency of the hand-off beyond the wire (reservation, dial, the decode loop noticing the
+    # landed KV); it delays the request but does not hold the link.
+    handoff_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -278,7 +281,7 @@ class Simulator:
         start = max(now, self.link_free.get(key, 0.0))
         self.link_free[key] = start + cost
         self.transfer_total += cost
-        self._push(start + cost, _KV_ARRIVED, (rid, target))
+        self._push(start + cost + link.handoff_ms, _KV_ARRIVED, (rid, target))
 
     # ------------------------------------------------------------------ decode
     def _start_decode(self, pipe: _Pipeline, now: float) -> None:

@@ -46,3 +46,18 @@ def test_serving_path_round_trips_through_the_file(tmp_path) -> None:
     assert loaded.tp(1).serving_path == PATH
     assert loaded.tp(1).overhead_per_seq == 0.5
     assert relay_ms(loaded) == (1.0, 0.5)
+
+
+def test_handoff_delays_the_request_but_not_the_link() -> None:
+    # Two 1-token prompts prefill together (10 + 1 = 11). The wire takes 1 ms each over a FIFO
+    # link (11-12, 12-13); each lands 5 ms later (17, 18), so r0 steps 17-22 and r1 joins the
+    # next step 22-27: TPOT (one decode step each, counted from the first token at 11) 11, 16.
+    from planner.simulator import LinkSpec
+
+    entry = TPProfile((10.0, 0.0, 0.0), (5.0, 0.0, 0.0), (5.0, 0.0, 0.0), overhead=(0.0, 0.0))
+    spec = InstanceSpec(StepModel(entry), 1, None)
+    link = LinkSpec(1e6, 1.0, 1.0, 0.0, handoff_ms=5.0)  # 1 MB per token over 1 GB/s
+    result = Simulator([1, 1], [2, 2], [0.0, 0.0], prefill=[spec], decode=[spec],
+                       link=link).run()  # fmt: skip
+    assert result.ttft_ms.tolist() == [11.0, 11.0]
+    assert result.tpot_ms.tolist() == [11.0, 16.0]
