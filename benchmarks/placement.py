@@ -48,7 +48,7 @@ from planner.workload import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "distserve"
+SHARED = ROOT / "benchmarks" / "data" / "distserve"  # DistServe's profiles, vendored
 RESULTS = ROOT / "benchmarks" / "results" / "placement"
 LENGTHS = RESULTS / "sharegpt-lengths.json"
 MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full"

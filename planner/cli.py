@@ -86,7 +86,10 @@ def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     if args.workload.endswith(".json"):
         with open(args.workload, encoding="utf-8") as handle:
-            pairs = [(int(p), int(o)) for p, o in json.load(handle)]
+            data = json.load(handle)
+        # a list of [prompt, output] lengths, or a lengths file with them under "pairs"
+        # (benchmarks/results/placement/sharegpt-lengths.json)
+        pairs = [(int(p), int(o)) for p, o in (data["pairs"] if isinstance(data, dict) else data)]
         return make_workload(args.workload, pairs, args.num_requests, arrival=args.arrival,
                              cv=args.cv, seed=args.seed)  # fmt: skip
     return synthetic_workload(args.workload, args.num_requests, args.max_model_len,

@@ -1,6 +1,6 @@
 """Latency profiles: DistServe's JSON shape, read and written, plus the terms it lacks.
 
-DistServe's file (../shared/distserve/README.md) maps model -> TP size -> coefficients in ms:
+DistServe's file (benchmarks/data/distserve/README.md) maps model -> TP size -> coefficients in ms:
 
     {"facebook/opt-13b": {"2": {"prefill": [a, b, c],            # a + b*Σl + c*Σl²
                                 "decoding_smallbs": [a, b, c],   # a + b*Σ(ctx+1) + c*B, B < thr

@@ -165,10 +165,12 @@ def search_colocated(
     profile: ModelProfile, workload: Workload, slo: SLO, cluster: Cluster,
     settings: SearchSettings,
 ) -> list[Scored]:  # fmt: skip
-    """One colocated instance per (tp, pp) that fits the cluster, as DistServe's vLLM search."""
+    """One colocated instance per (tp, pp) that fits the cluster, as DistServe's vLLM search.
+    The chunked policy (our colocated worker) has no pipeline: it tries pp = 1 only."""
     scored: list[Scored] = []
     best = 0.0
-    for tp, pp in product(sorted(profile.by_tp), settings.pp_choices):
+    pps = settings.pp_choices if settings.options.colocated_policy != "chunked" else (1,)
+    for tp, pp in product(sorted(profile.by_tp), pps):
         if tp * pp > cluster.num_gpus or not _runnable(profile, tp, pp):
             continue
         count = cluster.num_gpus // (tp * pp) if settings.colocated_fill else 1

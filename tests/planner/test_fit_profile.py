@@ -17,7 +17,7 @@ from planner.profile import (
     with_max_num_tokens,
 )
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "distserve"
+SHARED = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "distserve"
 
 
 def test_fit_recovers_prefill_decode_and_transfer_coefficients() -> None:
@@ -54,7 +54,6 @@ def test_fit_refuses_too_few_samples() -> None:
         fit_prefill([([10], 1.0), ([20], 2.0)])
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/distserve")
 def test_distserve_profile_loads_and_our_extras_round_trip(tmp_path: Path) -> None:
     profile = load_profile(SHARED / "profiler-a100-80g.distserve.json", "facebook/opt-13b")
     assert sorted(profile.by_tp) == [1, 2, 4]

@@ -82,3 +82,25 @@ def test_written_config_starts_a_cluster_that_serves(tmp_path: Path) -> None:
         assert len(reply.token_ids) == 4
     finally:
         child.kill()
+
+
+def test_plan_takes_the_sharegpt_lengths_file_and_searches_chunked_colocated_at_pp_1(
+    tmp_path, capsys
+) -> None:
+    """The command line's defaults (pp 1,2,4,8; the chunked colocated policy) once failed with
+    'the chunked colocated policy models pp = 1 only'; a lengths file keeps its pairs under
+    "pairs"."""
+    from deploy.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps({"pairs": [[700, 90], [300, 200], [1200, 40]] * 20}))
+    code = main([
+        "plan", "--profile", str(root / "benchmarks/data/distserve/profiler-a100-80g.distserve.json"),
+        "--model", "facebook/opt-13b", "--gpus-per-node", "2", "--workload", str(lengths),
+        "--num-requests", "60", "--ttft-ms", "400", "--tpot-ms", "100",
+    ])  # fmt: skip
+    assert code in (0, None)
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["best_colocated"]["placement"].endswith("pp=1 x1")
+    assert plan["best"]["per_gpu_goodput"] > 0
