@@ -2,14 +2,15 @@
 
 The same requests as the gRPC client (client.py): `POST /v1/completions` with the prompt as token
 ids, `max_tokens` = the target, `ignore_eos` (vLLM's and SGLang's extension, which pdserve takes
-too), greedy, streamed as server-sent events with `stream_options.include_usage`. Sent through the
+too), greedy, streamed as server-sent events with usage (STREAM_OPTIONS). Sent through the
 official `openai` SDK, so what it measures is what an ordinary client sees.
 
-Token times: each streamed chunk that carries text is one arrival. A server may pack several
-tokens into one chunk (or send none for a token that ends mid-character), so the record is fitted
-to the usage's completion token count: the first and last arrival stay, the ones between are
-repeated or dropped. TTFT (first arrival) and TPOT ((last - first) / (tokens - 1), DistServe's
-definition) come out exact; only the spacing between would be invented, and no metric reads it.
+Token times: with per-chunk usage (STREAM_OPTIONS) every chunk's new completion tokens arrive at
+its time, exactly. A server without it sends text chunks only: each is one arrival, and since it
+may pack several tokens in one chunk (or send none for a token that ends mid-character) the
+record is fitted to the final usage's token count: the first and last arrival stay, the ones
+between are repeated or dropped, so TPOT ((last - first) / (tokens - 1), DistServe's definition)
+comes out right; TTFT is then the first visible text.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from benchmarks.goodput.metrics import RequestRecord
 from benchmarks.goodput.workloads import BenchRequest
 
 API_KEY_ENV = "OPENAI_API_KEY"  # sent as the bearer token when set (pdserve's auth_token)
+# continuous_usage_stats (vLLM's, SGLang's and pdserve's): a chunk for every step, with the
+# completion tokens so far, even when the detokenizer holds the step's text back (a token that
+# ends mid-character). Without it the first token of such a request shows up only with the
+# next text, one or more steps late.
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 
 
 def fit_arrivals(times: list[float], num_tokens: int) -> list[float]:
@@ -50,23 +56,28 @@ async def _one_request(
         request.request_id, len(request.prompt_token_ids), request.output_len, clock.now(),
         shard=shard,
     )  # fmt: skip
-    arrivals: list[float] = []
+    arrivals: list[float] = []  # one per token with per-chunk usage, else one per text chunk
+    counted = 0  # completion tokens the per-chunk usage has reported so far
     num_tokens = 0
     try:
         stream = await client.completions.create(
             model=model, prompt=list(request.prompt_token_ids), max_tokens=request.output_len,
-            temperature=0.0, stream=True, stream_options={"include_usage": True},
+            temperature=0.0, stream=True, stream_options=STREAM_OPTIONS,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         async for chunk in stream:
             now = clock.now()
+            usage = chunk.usage
             for choice in chunk.choices:
-                if choice.text:
+                if usage is not None:  # exact: every step's chunk, text or not, with its count
+                    arrivals.extend([now] * (usage.completion_tokens - counted))
+                    counted = usage.completion_tokens
+                elif choice.text:
                     arrivals.append(now)
                 if choice.finish_reason:
                     record.finish_reason = choice.finish_reason
-            if chunk.usage is not None:
-                num_tokens = chunk.usage.completion_tokens
+            if usage is not None:
+                num_tokens = usage.completion_tokens
     except openai.APIError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     if not record.error and not record.finish_reason:
