@@ -38,6 +38,7 @@ from typing import Any
 from benchmarks.goodput import layouts
 from benchmarks.goodput.compare import DEFAULT_MODEL_DIR
 from benchmarks.goodput.driver import LoadDriver
+from benchmarks.goodput.http_client import STREAM_OPTIONS
 from benchmarks.goodput.metrics import RequestRecord, ttft
 from benchmarks.goodput.sweep import warm_up
 from benchmarks.goodput.workloads import (
@@ -84,7 +85,10 @@ def aiperf(url: str, args: argparse.Namespace, model_dir: Path, model_name: str)
         "--request-rate", str(args.rate), "--request-rate-mode", "constant",
         "--use-server-token-count",
         "--request-count", str(args.num_requests), "--warmup-request-count", "4",
-        "--extra-inputs", "ignore_eos:true", "--random-seed", str(args.seed),
+        # The same stream options as pdserve bench's client (http_client.STREAM_OPTIONS): a
+        # chunk for every token. (--per-chunk-usage does this on AIPerf's chat endpoint only.)
+        "--extra-inputs", json.dumps({"ignore_eos": True, "stream_options": STREAM_OPTIONS}),
+        "--random-seed", str(args.seed),
         "--artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics",
         # One worker and one record processor: on a small machine AIPerf's services would
         # otherwise take the cores the server runs on.
