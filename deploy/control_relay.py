@@ -8,10 +8,12 @@ the relay, which delivers it with `deliver` on the addressed worker:
 
     worker A ──A's pipe──▶ ProcessWorker A's reader ──▶ ControlRelay.deliver("B", data)
                                                          └─▶ B's queue ─▶ B's delivery thread
-                                                              ─▶ workers["B"].call("deliver", msg)
+                                                              ─▶ workers["B"].post("deliver", msg)
 
-One delivery thread per addressed instance keeps each peer's messages in order, and a slow or
-hung peer delays only the messages addressed to it. Under Ray, actor calls do the same job
+One delivery thread per addressed instance posts what is queued for it as one batch and then waits
+for the answers, so a peer busy in a long step takes them all between two steps, and a slow or
+hung peer delays only the messages addressed to it. (Within a batch the peer may handle messages
+in any order, as a threaded Ray actor may; each concerns one transfer.) Under Ray, actor calls do the same job
 (deploy/ray_actors.py).
 """
 
@@ -21,13 +23,18 @@ import logging
 import pickle
 import queue
 import threading
+import time
 from collections.abc import Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from deploy.process_host import PipeControl, ProcessWorker
 from engine.messages import WorkerUnavailable
 
 logger = logging.getLogger(__name__)
 _STOP = object()
+_MAX_BATCH = 256  # messages posted to one peer before waiting for their answers
 
 
 class ControlRelay:
@@ -74,24 +81,48 @@ class ControlRelay:
             thread.join(timeout_s)
 
     def _forward(self, instance_id: str, inbox: queue.SimpleQueue[object]) -> None:
-        """One addressee's messages, in order. Nothing a message does may end this thread:
+        """One addressee's messages, in batches. Nothing a message does may end this thread:
         without it no ack or abort reaches the peer, and every hand-off to it would fail."""
         while True:
-            data = inbox.get()
-            if data is _STOP:
-                return
+            batch = [inbox.get()]
+            while len(batch) < _MAX_BATCH:
+                try:
+                    batch.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            messages = [data for data in batch if data is not _STOP]
             try:
-                self._deliver_one(instance_id, data)  # type: ignore[arg-type]
-            except WorkerUnavailable:
-                pass  # a dead or stopped instance: its peer's transfer deadline covers it
+                self._deliver_batch(instance_id, messages)  # type: ignore[arg-type]
             except Exception:
-                self.num_failed += 1
-                logger.exception("a control message for %s could not be delivered", instance_id)
+                self.num_failed += len(messages)
+                logger.exception("control messages for %s could not be delivered", instance_id)
+            if len(messages) < len(batch):
+                return
 
-    def _deliver_one(self, instance_id: str, data: bytes) -> None:
+    def _deliver_batch(self, instance_id: str, batch: list[bytes]) -> None:
+        """Post every message of the batch, then wait for all: a peer busy in a long step takes
+        them together between two steps, rather than one per step (acks then lagged the load
+        by seconds, and the prefill side held the blocks they free)."""
         worker = self.workers.get(instance_id)
         if worker is None:
             return
-        message = pickle.loads(data)  # noqa: S301 - from our own worker processes
-        worker.call("deliver", message, timeout_s=self.call_timeout_s)
-        self.num_forwarded += 1
+        futures: list[Future[Any]] = []
+        for data in batch:
+            try:
+                message = pickle.loads(data)  # noqa: S301 - from our own worker processes
+                futures.append(worker.post("deliver", message))
+            except WorkerUnavailable:
+                return  # a dead or stopped instance: its peer's transfer deadline covers it
+            except Exception:
+                self.num_failed += 1
+                logger.exception("a control message for %s could not be read", instance_id)
+        deadline = time.monotonic() + self.call_timeout_s
+        for future in futures:
+            try:
+                future.result(timeout=max(deadline - time.monotonic(), 0.0))
+                self.num_forwarded += 1
+            except (WorkerUnavailable, FutureTimeout):
+                pass  # dead, or too slow: the peer's transfer deadline covers it
+            except Exception:
+                self.num_failed += 1
+                logger.exception("a control message for %s failed in delivery", instance_id)

@@ -195,6 +195,26 @@ class ProcessWorker:
         return self._process.exitcode
 
     def call(self, method: str, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+        call_id, future = self._send(method, args, kwargs)
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise WorkerUnavailable(
+                f"{self.name} did not answer {method} within {timeout_s:.1f}s"
+            ) from None
+        finally:
+            with self._lock:
+                self._pending.pop(call_id, None)
+
+    def post(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Send a call without waiting for it: the child serves each call on a thread of its own,
+        so calls posted together run together. The future holds the answer, or WorkerUnavailable
+        if the child exits first."""
+        call_id, future = self._send(method, args, kwargs)
+        future.add_done_callback(lambda _: self._forget(call_id))
+        return future
+
+    def _send(self, method: str, args: tuple, kwargs: dict) -> tuple[int, Future[Any]]:
         with self._lock:
             if self._closed or not self._process.is_alive():
                 raise WorkerUnavailable(f"{self.name} is not running")
@@ -206,15 +226,11 @@ class ProcessWorker:
             except (OSError, ValueError) as exc:
                 self._pending.pop(call_id, None)
                 raise WorkerUnavailable(f"{self.name}: {exc}") from None
-        try:
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
-            raise WorkerUnavailable(
-                f"{self.name} did not answer {method} within {timeout_s:.1f}s"
-            ) from None
-        finally:
-            with self._lock:
-                self._pending.pop(call_id, None)
+        return call_id, future
+
+    def _forget(self, call_id: int) -> None:
+        with self._lock:
+            self._pending.pop(call_id, None)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Ask the worker to shut down, then make sure the process is gone."""

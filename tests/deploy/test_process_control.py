@@ -119,6 +119,20 @@ def test_a_slow_peer_does_not_hold_up_messages_to_the_others(
     workers["a"].call("set_hold", 0.0)
 
 
+def test_messages_queued_for_a_busy_peer_reach_it_together(
+    peers: tuple[ControlRelay, dict[str, ProcessWorker]],
+) -> None:
+    """A prefill busy in a step took one ack per step when the relay waited for each delivery:
+    under load the acks lagged by seconds, and the blocks they free stayed held."""
+    _relay, workers = peers
+    workers["a"].call("set_hold", 0.5)
+    try:
+        workers["b"].call("send", "a", "batch-", 10)  # 5 s one at a time
+        _wait_for(lambda: workers["a"].call("received_from", "batch-") == 10, 3, "the batch")
+    finally:
+        workers["a"].call("set_hold", 0.0)
+
+
 def test_a_worker_killed_while_sending_does_not_stop_the_others_messages(
     peers: tuple[ControlRelay, dict[str, ProcessWorker]],
 ) -> None:
