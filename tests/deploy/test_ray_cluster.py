@@ -116,14 +116,19 @@ def test_killed_decode_actor_fails_its_streams_and_is_restarted(
     while len(started) < len(LONG_PROMPTS) and time.monotonic() < deadline:
         time.sleep(0.005)
     # The router spreads streams by free KV blocks, so which decode instance holds the most is
-    # a matter of timing: kill the one that reports the most running streams.
+    # a matter of timing: kill the one that reports the most running streams. Read both loads in
+    # one round trip and kill at once: on a quiet machine the tiny model decodes a 400-token
+    # stream in about a second, and a slow read let a victim's streams finish before the kill.
+    decodes = [w for w in cluster.status().workers if w.role == Role.DECODE]
+    actors = [ray.get_actor(f"pdserve-{w.instance_id}", cluster.namespace) for w in decodes]
     while True:
-        decodes = [w for w in cluster.status().workers if w.role == Role.DECODE]
-        victim = max(decodes, key=lambda w: w.load.num_running if w.load is not None else 0)
-        if victim.load is not None and victim.load.num_running > 0:
+        loads = ray.get([actor.load.remote() for actor in actors], timeout=10)
+        running = [load.num_running for load in loads]
+        victim = decodes[running.index(max(running))]
+        if max(running) > 0:
             break
-        assert time.monotonic() < deadline, f"no decode instance reports a stream: {decodes}"
-        time.sleep(0.02)
+        assert time.monotonic() < deadline, f"no decode instance reports a stream: {loads}"
+        time.sleep(0.01)
     name = victim.instance_id
     os.kill(victim.pids[0], signal.SIGKILL)
     killed_at = time.monotonic()
