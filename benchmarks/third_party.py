@@ -1,7 +1,7 @@
 """A third-party benchmark tool against pdserve's OpenAI-compatible HTTP API, checked against
 `pdserve bench` on the same load.
 
-    python -m benchmarks.third_party [--aiperf PATH] [--rate 1] [--num-requests 40] \
+    python -m benchmarks.third_party [--aiperf PATH] [--rate 1] [--num-requests 100] \
         [--isl 128] [--osl 32] [--out DIR]
 
 The tool is NVIDIA's AIPerf (`pip install aiperf`, in a virtual environment of its own: it pins
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--aiperf", default="aiperf", help="the aiperf executable")
     parser.add_argument("--rate", type=float, default=1.0, help="requests/s (constant)")
-    parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--isl", type=int, default=128, help="prompt tokens")
     parser.add_argument("--osl", type=int, default=32, help="output tokens (ignore_eos)")
     parser.add_argument("--seed", type=int, default=0)
