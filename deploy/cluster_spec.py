@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from decode_worker.config import DecodeConfig
 from deploy.config import ServeConfig
-from deploy.demo_model import ensure_demo_model
+from deploy.models import resolve_model
 from engine.config import EngineConfig
 from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig
@@ -70,8 +70,8 @@ class ClusterSpec:
 
 
 def resolve_model_dir(model: str) -> str:
-    """A model folder: the given one, or the demo model (built on first use) for "demo"."""
-    return ensure_demo_model() if model == "demo" else model
+    """A model folder: the given one, or a named model ("demo", "smollm2"), built on first use."""
+    return resolve_model(model)
 
 
 def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int) -> EngineConfig:
