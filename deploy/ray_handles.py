@@ -1,8 +1,8 @@
 """The router's handles over worker actors, and the workers' control path to each other.
 
 `RayHandle` is the PrefillHandle / DecodeHandle of router/worker_api.py over a worker actor
-(deploy/ray_actors.WorkerActor): each method is one actor call, awaited on the router's event
-loop with its own timeout. Failures map onto what the router understands:
+(deploy/ray_actors.WorkerActor): each method is one actor call, made and waited for (with its own
+timeout) on a thread, and awaited from the router's event loop. Failures map onto what the router understands:
 
     the actor died / is restarting / did not answer in time  -> WorkerUnavailable
     the worker raised (Overloaded, ValueError, ...)           -> that same exception, unwrapped
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -28,6 +29,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from deploy.handles import HandleBase
 from engine.messages import Role, WorkerUnavailable
+
+# Actor calls run on these threads, submission and result alike, as ProcessHandle's pipe calls
+# do. Made on the router's event loop, submitting them and unpickling their results (poll_events'
+# token events) left the loop too busy to accept new gRPC calls faster than it finished old ones:
+# under a burst the excess waited inside gRPC core, where admission never sees a call, instead
+# of being refused. Enough threads for every instance's long poll plus a burst's calls.
+_CALLS = ThreadPoolExecutor(64, thread_name_prefix="ray-call")
 
 
 def actor_name(instance_id: str) -> str:
@@ -61,11 +69,19 @@ class RayHandle(HandleBase):
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
-        ref = getattr(self._resolve(), method).remote(*args)
+        actor = self._resolve()
+
+        def invoke() -> Any:
+            ref = getattr(actor, method).remote(*args)
+            try:
+                return ray.get(ref, timeout=timeout)
+            except GetTimeoutError:
+                ray.cancel(ref)
+                raise
+
         try:
-            return await asyncio.wait_for(ref, timeout)
+            return await asyncio.get_running_loop().run_in_executor(_CALLS, invoke)
         except (TimeoutError, asyncio.TimeoutError, GetTimeoutError):
-            ray.cancel(ref)
             raise WorkerUnavailable(
                 f"{self.instance_id} did not answer {method} within {timeout:.1f}s"
             ) from None
