@@ -1,17 +1,22 @@
 """Admission control: a bounded number of running requests and a bounded FIFO queue before them.
 
-    try_admit()  ->  running (a slot is free)  |  waiting (queue has room)  |  AdmissionFull
+    try_admit(deadline_s)  ->  running (a slot is free)  |  waiting (queue has room)  |  AdmissionFull
     wait_until_running(ticket)   FIFO; a cancelled waiter leaves the queue
     release(ticket)              frees the slot (or the queue place) and starts the next waiter
 
 Past both bounds a request is refused at once (the router answers RESOURCE_EXHAUSTED), so a
-burst can never grow an unbounded backlog. Single event loop, no locks: every method runs on it.
+burst can never grow an unbounded backlog. A request whose deadline would pass before its turn
+comes (the queue ahead of it, at the rate waiters have been starting) is refused at once too,
+rather than left to time out in the queue. Single event loop, no locks: every method runs on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+
+_RATE_SMOOTHING = 0.2  # weight of the newest interval between two waiters' starts
 
 
 class AdmissionFull(Exception):
@@ -33,12 +38,21 @@ class AdmissionController:
         self.max_queued = max_queued
         self.num_running = 0
         self._waiting: deque[AdmissionTicket] = deque()
+        self._start_interval_s: float | None = None  # smoothed time between waiters' starts
+        self._last_start: float | None = None
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def try_admit(self) -> AdmissionTicket:
+    def expected_wait_s(self) -> float | None:
+        """How long a request queued now would wait for its turn (None: no estimate yet)."""
+        if self._start_interval_s is None:
+            return None
+        return (len(self._waiting) + 1) * self._start_interval_s
+
+    def try_admit(self, deadline_s: float | None = None) -> AdmissionTicket:
+        """`deadline_s`: the time the caller has left (None: no deadline)."""
         if self.num_running < self.max_running and not self._waiting:
             self.num_running += 1
             return AdmissionTicket(running=True)
@@ -46,6 +60,13 @@ class AdmissionController:
             raise AdmissionFull(
                 f"the router is at capacity ({self.num_running} requests running, "
                 f"{len(self._waiting)} queued); retry later"
+            )
+        wait_s = self.expected_wait_s()
+        if deadline_s is not None and wait_s is not None and wait_s > deadline_s:
+            raise AdmissionFull(
+                f"the router is at capacity: {len(self._waiting)} requests queued ahead would "
+                f"take about {wait_s:.1f}s, past this request's deadline ({deadline_s:.1f}s "
+                "left); retry later, or with a longer deadline"
             )
         ticket = AdmissionTicket(running=False, future=asyncio.get_running_loop().create_future())
         self._waiting.append(ticket)
@@ -69,9 +90,22 @@ class AdmissionController:
 
     def _start_waiters(self) -> None:
         while self._waiting and self.num_running < self.max_running:
+            self._note_start(time.monotonic())
             ticket = self._waiting.popleft()
             ticket.running = True
             self.num_running += 1
             assert ticket._future is not None
             if not ticket._future.done():
                 ticket._future.set_result(None)
+
+    def _note_start(self, now: float) -> None:
+        """Track the rate at which the queue drains. An interval counts only while the queue was
+        not empty at both starts, so an idle spell is not taken for a slow drain."""
+        if self._last_start is not None:
+            interval = now - self._last_start
+            previous = self._start_interval_s
+            self._start_interval_s = (
+                interval if previous is None
+                else (1 - _RATE_SMOOTHING) * previous + _RATE_SMOOTHING * interval
+            )  # fmt: skip
+        self._last_start = now if len(self._waiting) > 1 else None

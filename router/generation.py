@@ -95,15 +95,19 @@ class GenerationRunner:
         self._tokenizer = tokenizer
         self._metrics = metrics
 
-    async def generate(self, request: ValidatedRequest) -> AsyncIterator[GenerationChunk]:
-        """Chunks of new tokens and text; the last has finish_reason. Raises GenerationFailed."""
+    async def generate(
+        self, request: ValidatedRequest, deadline_s: float | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        """Chunks of new tokens and text; the last has finish_reason. Raises GenerationFailed.
+        `deadline_s`: the time the client has left, if it set a deadline (admission refuses a
+        request that would spend it all in the queue)."""
         progress = _Progress(
             IncrementalDetokenizer(self._tokenizer),
             StopStringMatcher(request.stop_strings),
             accepted_at=time.perf_counter(),
         )
         try:
-            ticket = self._admission.try_admit()
+            ticket = self._admission.try_admit(deadline_s)
         except AdmissionFull as exc:
             raise GenerationFailed(FailureKind.OVERLOADED, str(exc)) from exc
         channel = self._pool.open_channel(request.request_id)

@@ -64,7 +64,8 @@ class GenerationServicer:
     ) -> AsyncIterator[pb.GenerateResponse]:
         validated = await self._validate(request, context)
         async with self._failures_as_status(context):
-            async with contextlib.aclosing(self._runner.generate(validated)) as chunks:
+            chunks = self._runner.generate(validated, context.time_remaining())
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk_to_response(chunk)
 
@@ -76,7 +77,8 @@ class GenerationServicer:
         texts: list[str] = []
         last: GenerationChunk | None = None
         async with self._failures_as_status(context):
-            async with contextlib.aclosing(self._runner.generate(validated)) as chunks:
+            chunks = self._runner.generate(validated, context.time_remaining())
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     token_ids += chunk.token_ids
                     texts.append(chunk.text)
