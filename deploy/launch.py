@@ -63,21 +63,20 @@ def open_cluster(
 
 def cluster_http_port(cluster: Cluster) -> int | None:
     """The port of the router's OpenAI-compatible HTTP API (None: it is off)."""
-    port = getattr(cluster, "http_port", None)
-    router_actor = getattr(cluster, "router_actor", None)
-    if port is None and router_actor is not None:  # RayCluster: ask the router's actor
-        import ray
-
-        port = ray.get(router_actor.http_port.remote(), timeout=30)
-    return port
+    return _router_port(cluster, "http_port")
 
 
 def cluster_metrics_port(cluster: Cluster) -> int | None:
     """The port the router serves /metrics on (None: metrics are off)."""
-    port = getattr(cluster, "metrics_port", None)
+    return _router_port(cluster, "metrics_port")
+
+
+def _router_port(cluster: Cluster, name: str) -> int | None:
+    """A port the router bound: an attribute of LocalCluster, or asked of RayCluster's router."""
+    port: int | None = getattr(cluster, name, None)
     router_actor = getattr(cluster, "router_actor", None)
-    if port is None and router_actor is not None:  # RayCluster: ask the router's actor
+    if port is None and router_actor is not None:
         import ray
 
-        port = ray.get(router_actor.metrics_port.remote(), timeout=30)
+        port = ray.get(getattr(router_actor, name).remote(), timeout=30)
     return port

@@ -19,7 +19,7 @@ import ray
 from deploy.client import fetch_metrics
 from deploy.launch import cluster_metrics_port
 from deploy.ray_cluster import RayCluster
-from deploy.ray_config import RayClusterConfig
+from deploy.ray_config import RayClusterConfig, WorkerStatus
 from deploy.ray_node import process_is_running
 from deploy.status import format_status, parse_metrics
 from engine.messages import Role
@@ -171,16 +171,27 @@ def test_killed_prefill_driver_is_restarted_with_a_fresh_tp_group(
     before = next(w for w in cluster.status().workers if w.instance_id == "prefill-0")
     os.kill(before.pids[0], signal.SIGKILL)  # rank 0; Ray restarts it, it replaces rank 1
     deadline = time.monotonic() + 90
-    while True:
-        after = next(w for w in cluster.status().workers if w.instance_id == "prefill-0")
-        if after.healthy and len(after.pids) == 2 and not set(after.pids) & set(before.pids):
-            break
-        assert time.monotonic() < deadline, f"prefill-0 not back: {after}"
-        time.sleep(0.2)
+    _wait_for_a_fresh_prefill(cluster, before, deadline)
     while not cluster.serving():
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(0.5)
+    _serves_exact_outputs_and_the_old_processes_are_gone(cluster, reference, before)
+
+
+def _wait_for_a_fresh_prefill(cluster: RayCluster, before: WorkerStatus, deadline: float) -> None:
+    """prefill-0 healthy again, with two processes none of which is the old group's."""
+    while True:
+        after = next(w for w in cluster.status().workers if w.instance_id == "prefill-0")
+        if after.healthy and len(after.pids) == 2 and not set(after.pids) & set(before.pids):
+            return
+        assert time.monotonic() < deadline, f"prefill-0 not back: {after}"
+        time.sleep(0.2)
+
+
+def _serves_exact_outputs_and_the_old_processes_are_gone(
+    cluster: RayCluster, reference: dict[str, list[list[int]]], before: WorkerStatus
+) -> None:
     results = stream_all(cluster.address, PROMPTS[:16], MAX_TOKENS)
     assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * 16
     assert [r.token_ids for r in results] == reference["short"][:16]
@@ -215,19 +226,8 @@ def test_killed_tp_rank_shows_its_instance_down_and_ray_restarts_it(
     table = format_status(cluster.address, "NOT_SERVING", parse_metrics(fetch_metrics(metrics)))
     assert any(row.startswith("prefill-0") and "UNHEALTHY" in row for row in table.splitlines())
     deadline = killed_at + 90
-    while True:
-        after = next(w for w in cluster.status().workers if w.instance_id == "prefill-0")
-        if after.healthy and len(after.pids) == 2 and not set(after.pids) & set(before.pids):
-            break
-        assert time.monotonic() < deadline, f"prefill-0 not back: {after}"
-        time.sleep(0.2)
+    _wait_for_a_fresh_prefill(cluster, before, deadline)
     while not (cluster.serving() and _router_says_healthy(metrics, "prefill-0")):
         assert time.monotonic() < deadline, "the router never showed prefill-0 healthy again"
         time.sleep(0.1)
-    results = stream_all(cluster.address, PROMPTS[:16], MAX_TOKENS)
-    assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * 16
-    assert [r.token_ids for r in results] == reference["short"][:16]
-    deadline = time.monotonic() + 10
-    while any(process_is_running(pid) for pid in before.pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [pid for pid in before.pids if process_is_running(pid)] == []
+    _serves_exact_outputs_and_the_old_processes_are_gone(cluster, reference, before)
