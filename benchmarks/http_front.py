@@ -41,8 +41,8 @@ from benchmarks.goodput.metrics import percentile  # noqa: E402
 from benchmarks.router import (  # noqa: E402
     _CLOCK_SPREAD,
     _client_process,
-    _default_model_dir,
     _workers,
+    run_cli,
 )
 from engine.gc_tuning import freeze_startup_heap, unfreeze_heap  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
@@ -197,27 +197,7 @@ async def _bench(args: argparse.Namespace, model_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per client stream")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per front door")
-    parser.add_argument("--instances", type=int, default=4, help="synthetic worker instances")
-    parser.add_argument("--step-interval-s", type=float, default=0.008, help="per-stream token gap")
-    parser.add_argument("--model-dir", help="folder with the tokenizer (default: the tiny one)")
-    parser.add_argument("--no-pin", action="store_true", help="leave processes unpinned")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    cores = sorted(os.sched_getaffinity(0))
-    args.server_core = args.client_core = None
-    if not args.no_pin and len(cores) >= 2:
-        args.server_core, args.client_core = cores[0], cores[1]
-        os.sched_setaffinity(0, {args.server_core})
-    result = asyncio.run(_bench(args, args.model_dir or _default_model_dir()))
-    line = json.dumps(result)
-    if args.out is not None:
-        args.out.write_text(line + "\n")
-    print(line)
-    return 0
+    return run_cli(__doc__.splitlines()[0], _bench, argv)
 
 
 if __name__ == "__main__":

@@ -260,11 +260,14 @@ def _default_model_dir() -> str:
     return add_tiny_tokenizer(model_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_cli(description: str, bench: Any, argv: list[str] | None = None) -> int:
+    """The command line both front-door benchmarks share (this one and benchmarks/http_front.py):
+    parse, pin the server and the clients to a core each, run `bench(args, model_dir)`, print
+    the result as one JSON line (and write it to --out)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per client stream")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per server")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per side")
     parser.add_argument("--instances", type=int, default=4, help="synthetic worker instances")
     parser.add_argument("--step-interval-s", type=float, default=0.008, help="per-stream token gap")
     parser.add_argument("--model-dir", help="folder with the tokenizer (default: the tiny one)")
@@ -276,12 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pin and len(cores) >= 2:
         args.server_core, args.client_core = cores[0], cores[1]
         os.sched_setaffinity(0, {args.server_core})
-    result = asyncio.run(_bench(args, args.model_dir or _default_model_dir()))
+    result = asyncio.run(bench(args, args.model_dir or _default_model_dir()))
     line = json.dumps(result)
     if args.out is not None:
         args.out.write_text(line + "\n")
     print(line)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(__doc__.splitlines()[0], _bench, argv)
 
 
 if __name__ == "__main__":
