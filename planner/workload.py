@@ -61,18 +61,7 @@ def make_workload(
         chosen = rng.sample(pairs, num_requests)
     else:
         chosen = [pairs[rng.randrange(len(pairs))] for _ in range(num_requests)]
-    gaps = unit_rate_gaps(num_requests, arrival, cv, seed)
-    offsets, now = [], 0.0
-    for index, gap in enumerate(gaps):
-        if index:
-            now += gap
-        offsets.append(now)
-    return Workload(
-        name,
-        tuple(p for p, _ in chosen),
-        tuple(o for _, o in chosen),
-        tuple(offsets),
-    )
+    return _workload(name, chosen, _offsets(unit_rate_gaps(num_requests, arrival, cv, seed)))
 
 
 def distserve_workload(
@@ -89,12 +78,7 @@ def distserve_workload(
     shape = 1.0 / (cv * cv)
     gaps = np.random.RandomState(seed).gamma(shape, cv * cv, size=num_requests - 1)
     offsets = np.concatenate(([0.0], np.cumsum(gaps)))
-    return Workload(
-        name,
-        tuple(p for p, _ in chosen),
-        tuple(o for _, o in chosen),
-        tuple(float(t) for t in offsets),
-    )
+    return _workload(name, chosen, [float(t) for t in offsets])
 
 
 def synthetic_workload(
@@ -105,13 +89,7 @@ def synthetic_workload(
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     pairs = synthetic_lengths(SHAPES[shape], num_requests, max_model_len, seed)
-    gaps = unit_rate_gaps(num_requests, arrival, cv, seed)
-    offsets, now = [], 0.0
-    for index, gap in enumerate(gaps):
-        if index:
-            now += gap
-        offsets.append(now)
-    return Workload(shape, tuple(p for p, _ in pairs), tuple(o for _, o in pairs), tuple(offsets))
+    return _workload(shape, pairs, _offsets(unit_rate_gaps(num_requests, arrival, cv, seed)))
 
 
 def read_complete_entries(path: str | Path) -> tuple[list[dict], int]:
@@ -168,3 +146,17 @@ def distserve_sharegpt_pairs(
             continue
         pairs.append((prompt_len, output_len))
     return pairs
+
+
+def _offsets(gaps: list[float]) -> list[float]:
+    """Arrival times from inter-arrival gaps, the first request at 0 (its own gap unused)."""
+    offsets, now = [], 0.0
+    for index, gap in enumerate(gaps):
+        if index:
+            now += gap
+        offsets.append(now)
+    return offsets
+
+
+def _workload(name: str, pairs: list[tuple[int, int]], offsets: list[float]) -> Workload:
+    return Workload(name, tuple(p for p, _ in pairs), tuple(o for _, o in pairs), tuple(offsets))
