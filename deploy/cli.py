@@ -192,7 +192,7 @@ class _ServeSignals:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.demo import resolve_demo_model
-    from deploy.launch import cluster_http_port, cluster_metrics_port, open_cluster
+    from deploy.launch import open_cluster
     from deploy.models import resolve_model
 
     config = serve_config(args)
@@ -208,11 +208,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with cluster:
         address = cluster.start(progress=say)
         signals.install()  # again: starting Ray installs its own SIGTERM handler (it aborts)
-        metrics_port = cluster_metrics_port(cluster)
+        metrics_port = cluster.metrics_port
         metrics = (
             f", metrics http://{config.router.host}:{metrics_port}/metrics" if metrics_port else ""
         )
-        http_port = cluster_http_port(cluster)
+        http_port = cluster.http_port
         if http_port is not None:
             metrics += f", OpenAI API http://{config.router.http_host}:{http_port}/v1"
         say(f"serving on {address}{metrics}; Ctrl-C to stop")

@@ -30,7 +30,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from deploy.client import RouterClient
 from deploy.config import KVCacheConfig, RaySection, RouterSection, ServeConfig, parse_config
 from deploy.demo_model import DEMO_PROMPTS, default_cache_dir, ensure_demo_model
-from deploy.launch import cluster_http_port, open_cluster
+from deploy.launch import open_cluster
 from deploy.models import SMOLLM2, ModelUnavailable, allowed_tp_sizes, smollm2_dir
 from deploy.status import format_table
 
@@ -131,7 +131,7 @@ def run_demo(
             client.wait_until_serving(timeout_s=60)
             for prompt, request in zip(model.prompts, requests, strict=True):
                 results.append(_stream_one(client, prompt, request, out))
-        http_port = cluster_http_port(cluster)
+        http_port = cluster.http_port
         if http_port is not None:
             _openai_call(http_port, model, out)
         _say(out, "shutting down")

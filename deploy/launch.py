@@ -4,8 +4,8 @@
     with cluster:
         address = cluster.start(progress=print)
 
-Both runtimes have the same surface: `start(progress) -> address`, `address`, `shutdown()`,
-and use as a context manager. `--no-ray` (or `ray.enabled: false`) asks for plain processes;
+Both runtimes have the same surface: `start(progress) -> address`, `address`, `metrics_port`,
+`http_port`, `shutdown()`, and use as a context manager. `--no-ray` (or `ray.enabled: false`) asks for plain processes;
 the colocated layout (a baseline for benchmarks) runs only as plain processes.
 """
 
@@ -27,6 +27,12 @@ class Cluster(Protocol):
 
     @property
     def address(self) -> str: ...
+
+    @property
+    def metrics_port(self) -> int | None: ...
+
+    @property
+    def http_port(self) -> int | None: ...
 
     def start(self, progress: Callable[[str], None] | None = None) -> str: ...
 
@@ -59,24 +65,3 @@ def open_cluster(
 
         return RayCluster(ray_cluster_config(config, model_dir))
     return LocalCluster(build_cluster_spec(config, model_dir=model_dir))
-
-
-def cluster_http_port(cluster: Cluster) -> int | None:
-    """The port of the router's OpenAI-compatible HTTP API (None: it is off)."""
-    return _router_port(cluster, "http_port")
-
-
-def cluster_metrics_port(cluster: Cluster) -> int | None:
-    """The port the router serves /metrics on (None: metrics are off)."""
-    return _router_port(cluster, "metrics_port")
-
-
-def _router_port(cluster: Cluster, name: str) -> int | None:
-    """A port the router bound: an attribute of LocalCluster, or asked of RayCluster's router."""
-    port: int | None = getattr(cluster, name, None)
-    router_actor = getattr(cluster, "router_actor", None)
-    if port is None and router_actor is not None:
-        import ray
-
-        port = ray.get(getattr(router_actor, name).remote(), timeout=30)
-    return port

@@ -28,7 +28,6 @@ progress: it kills the process being started.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -43,13 +42,13 @@ from deploy.control_relay import ControlRelay
 from deploy.handles import ProcessHandle
 from deploy.process_host import ProcessWorker
 from deploy.restart_backoff import RestartBackoff
-from engine.gc_tuning import freeze_startup_heap, unfreeze_heap
+from deploy.router_host import RouterHost
+from engine.gc_tuning import unfreeze_heap
 from engine.messages import InstanceLoad, Role, WorkerUnavailable
 from prefill_worker.worker import PrefillWorker
 from router.server import Router
 
 Progress = Callable[[str], None]
-_LOOP_TIMEOUT_S = 60.0
 _WATCH_INTERVAL_S = 0.2
 _WATCH_JOIN_S = 10.0  # the watch thread's calls are bounded by the workers' timeouts
 
@@ -87,11 +86,9 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.restart_workers = restart_workers  # False: a dead worker stays down (tests)
         self.workers: dict[str, ProcessWorker] = {}
-        self.router: Router | None = None
+        self.host = RouterHost(spec.router)
         self._handles: list[ProcessHandle] = []
         self._relay: ControlRelay | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
         self._plan: dict[str, tuple[Callable[..., Any], tuple, int]] = {}
         self._handle_of: dict[str, ProcessHandle] = {}
         self._restarting: set[str] = set()
@@ -187,30 +184,13 @@ class LocalCluster:
                 front.append(ProcessHandle(instance_id, role, worker, call_timeout_s=timeout_s))
         self._handles = [*front, *back]
         self._handle_of = {handle.instance_id: handle for handle in self._handles}
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(
-            target=self._loop.run_forever, name="router-loop", daemon=True
-        )
-        self._loop_thread.start()
-        self.router = Router(spec.router, front, back)
-        self._run(self.router.start())
-        freeze_startup_heap()
+        self.host.start(front, back)
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop admitting, let in-flight streams finish for `grace_s` (default: the router's
         `shutdown_grace_s`), abort the rest, then stop every worker and its ranks; idempotent."""
         self._stop_restarts()
-        if self._loop is not None:
-            grace = self.spec.router.shutdown_grace_s if grace_s is None else grace_s
-            try:
-                if self.router is not None:
-                    self._run(self.router.stop(grace), timeout_s=_LOOP_TIMEOUT_S + grace)
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                if self._loop_thread is not None:
-                    self._loop_thread.join(_LOOP_TIMEOUT_S)
-                self._loop.close()
-                self._loop = None
+        self.host.stop(grace_s)
         with ThreadPoolExecutor(max(1, len(self.workers))) as pool:
             list(pool.map(lambda worker: worker.shutdown(), list(self.workers.values())))
         self.workers.clear()
@@ -247,17 +227,20 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ queries
     @property
+    def router(self) -> Router | None:
+        return self.host.router
+
+    @property
     def address(self) -> str:
-        assert self.router is not None, "start() the cluster first"
-        return self.router.address
+        return self.host.address
 
     @property
     def metrics_port(self) -> int | None:
-        return None if self.router is None else self.router.metrics_port
+        return self.host.metrics_port
 
     @property
     def http_port(self) -> int | None:
-        return None if self.router is None else self.router.http_port
+        return self.host.http_port
 
     def status(self) -> list[InstanceLoad]:
         """Every worker's load report; one that is down or restarting reports healthy=False and
@@ -284,11 +267,6 @@ class LocalCluster:
         return ids
 
     # ------------------------------------------------------------------ internals
-    def _run(self, coroutine: Any, timeout_s: float = _LOOP_TIMEOUT_S) -> Any:
-        assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        return future.result(timeout_s)
-
     def _new_worker(self, instance_id: str, on_spawn: Any = None) -> ProcessWorker:
         factory, args, _ = self._plan[instance_id]
         return ProcessWorker(

@@ -1,19 +1,18 @@
-"""The Ray actors of a pdserve cluster: one per worker instance (its TP rank 0), and the router.
+"""The Ray actors of a pdserve cluster: one per worker instance (its TP rank 0).
 
     WorkerActor  "pdserve-prefill-0"  PrefillWorker, rank 0 in bundle 0 (RankActors in 1..k-1)
     WorkerActor  "pdserve-decode-j"   DecodeWorker
-    RouterActor  "pdserve-router"     router.server.Router with a RayHandle per worker actor
 
 A WorkerActor is threaded (many concurrent calls: a long `poll_events` never blocks `submit` or
 `abort`; the worker object serialises them on its own loop thread). Its constructor builds the
 whole worker (model, KV pool, TP group), so "the actor is up" means "the worker is ready", and a
 restart (Ray's max_restarts, after the process died, or after it exited because its worker loop
-failed) builds a fresh worker behind the same name and handle. The RouterActor is an asyncio actor: the gRPC server runs on the actor's loop.
+failed) builds a fresh worker behind the same name and handle. The router runs in the driver
+process (deploy/router_host.py), with a RayHandle per worker actor.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import replace
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.process_host import exit_when_failed
 from deploy.ray_channels import form_channels, settle_prefill_channels
-from deploy.ray_handles import ActorControl, RayHandle
+from deploy.ray_handles import ActorControl
 from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
 from engine.gc_tuning import freeze_startup_heap
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
@@ -159,54 +158,3 @@ def _kill_stale_ranks(names: list[str]) -> None:
             ray.kill(ray.get_actor(name), no_restart=True)
         except ValueError:  # a dead named actor no longer resolves
             pass
-
-
-class RouterActor:
-    """router.server.Router on this actor's event loop, over RayHandles to the worker actors."""
-
-    def __init__(self, router_config: Any) -> None:
-        import router.server  # noqa: F401 - import while the workers load, not after
-
-        self.config = router_config
-        self.router: Any = None
-
-    async def start(
-        self,
-        prefill_actors: dict[str, Any],
-        decode_actors: dict[str, Any],
-        prefill_tp_sizes: dict[str, int],
-        namespace: str,
-    ) -> str:
-        from router.server import Router
-
-        timeout_s = self.config.worker_timeout_s
-        prefill = [
-            RayHandle(i, Role.PREFILL, actor, namespace, timeout_s)
-            for i, actor in prefill_actors.items()
-        ]
-        decode = [
-            RayHandle(i, Role.DECODE, actor, namespace, timeout_s, prefill_tp_sizes)
-            for i, actor in decode_actors.items()
-        ]
-        self.router = Router(self.config, prefill, decode)
-        await self.router.start()
-        freeze_startup_heap()
-        return str(self.router.address)
-
-    async def serving(self) -> bool:
-        return self.router is not None and bool(self.router.pool.healthy())
-
-    async def metrics_port(self) -> int | None:
-        return None if self.router is None else self.router.metrics_port
-
-    async def http_port(self) -> int | None:
-        return None if self.router is None else self.router.http_port
-
-    async def pid(self) -> int:
-        return os.getpid()
-
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Stop admitting, let in-flight requests finish for `grace_s`, abort the rest."""
-        if self.router is not None:
-            await self.router.stop(grace_s)
-            self.router = None

@@ -14,7 +14,8 @@ Start-up, in order (each step reported through `progress` and timed in `startup_
    actor-call arguments and results (RankSpec, KVTicket); KV itself never enters Ray.
 4. KV channels: one two-token request through every (prefill, decode) pair builds every pair
    channel before the first user request (and checks the hand-off end to end).
-5. The router actor, with a RayHandle per worker; then wait until gRPC health is SERVING.
+5. The router, in this process (deploy/router_host.py) with a RayHandle per worker actor; then
+   wait until gRPC health is SERVING.
 
 Failures: a worker actor whose process dies is restarted by Ray (`max_restarts`) behind the same
 name and handle. Its in-flight requests end with UNAVAILABLE ("worker decode-1 became
@@ -47,10 +48,10 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.ray_actors import RouterActor, WorkerActor
+from deploy.ray_actors import WorkerActor
 from deploy.ray_channels import form_all_channels
 from deploy.ray_config import ClusterStatus, RayClusterConfig, WorkerStatus
-from deploy.ray_handles import actor_name
+from deploy.ray_handles import RayHandle, actor_name
 from deploy.ray_launcher import rank_actor_name, start_rank_actors
 from deploy.ray_node import LocalRay, connect_ray, start_local_ray
 from deploy.ray_placement import (
@@ -60,6 +61,7 @@ from deploy.ray_placement import (
     remove_placements,
     wait_until_placed,
 )
+from deploy.router_host import RouterHost
 from engine.messages import Role
 
 logger = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ class RayCluster:
         self.worker_startup: dict[str, dict[str, float]] = {}  # id -> process start/import/build
         self.placements: list[InstancePlacement] = []
         self.worker_actors: dict[str, Any] = {}
-        self.router_actor: Any = None
+        self.host = RouterHost(config.router_config())
         self.rank_actors: list[Any] = []  # TP ranks 1..k-1 (a restarted driver makes its own)
         self._node: LocalRay | None = None
         self._address = ""
@@ -143,14 +145,6 @@ class RayCluster:
         wait_until_placed(self.placements, self.config.start_timeout_s)
 
     def _start_workers(self) -> None:
-        # The router's process starts (and imports) while the workers load the model.
-        self.router_actor = (
-            ray.remote(RouterActor)
-            .options(
-                name=actor_name("router"), num_cpus=0, max_restarts=0, enable_task_events=False
-            )  # fmt: skip
-            .remote(self.config.router_config())
-        )
         remote = ray.remote(WorkerActor)
         pin = self.config.pin_cpus and self.config.device == "cpu"
         for placement in self.placements:
@@ -205,8 +199,20 @@ class RayCluster:
     def _start_router(self) -> None:
         prefill, decode = self._actors_of("prefill-"), self._actors_of("decode-")
         tp_sizes = dict.fromkeys(prefill, self.config.prefill_tp_size)
-        start = self.router_actor.start.remote(prefill, decode, tp_sizes, self.namespace)
-        self._address = ray.get(start, timeout=self.config.start_timeout_s)
+        timeout_s = self.host.config.worker_timeout_s
+        self._address = self.host.start(
+            [RayHandle(i, Role.PREFILL, a, self.namespace, timeout_s) for i, a in prefill.items()],
+            [RayHandle(i, Role.DECODE, a, self.namespace, timeout_s, tp_sizes)
+             for i, a in decode.items()],
+        )  # fmt: skip
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.host.metrics_port
+
+    @property
+    def http_port(self) -> int | None:
+        return self.host.http_port
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -301,16 +307,13 @@ class RayCluster:
                 logger.error("processes still running after shutdown: %s", survivors)
 
     def _stop_actors(self, grace_s: float) -> None:
-        if self.router_actor is not None:
-            _best_effort(lambda: ray.get(self.router_actor.stop.remote(grace_s),
-                                         timeout=grace_s + 5))  # fmt: skip
+        _best_effort(lambda: self.host.stop(grace_s))
         stops = [actor.shutdown.remote() for actor in self.worker_actors.values()]
         if stops:
             # after the drain, all of shutdown fits in ~15 s: workers 5, Ray's processes 6
             ray.wait(stops, num_returns=len(stops), timeout=5)
-        for actor in [*self.worker_actors.values(), *self.rank_actors, self.router_actor]:
-            if actor is not None:
-                _best_effort(lambda a=actor: ray.kill(a, no_restart=True))
+        for actor in [*self.worker_actors.values(), *self.rank_actors]:
+            _best_effort(lambda a=actor: ray.kill(a, no_restart=True))
 
     def __enter__(self) -> RayCluster:
         return self

@@ -17,7 +17,6 @@ import pytest
 import ray
 
 from deploy.client import fetch_metrics
-from deploy.launch import cluster_metrics_port
 from deploy.ray_cluster import RayCluster
 from deploy.ray_config import RayClusterConfig, WorkerStatus
 from deploy.ray_node import process_is_running
@@ -212,7 +211,7 @@ def test_killed_tp_rank_shows_its_instance_down_and_ray_restarts_it(
     """Issue 12, defects 2 and 7: the driver notices its dead rank, exits so that Ray restarts it
     (alive but broken it would stay down for good), and the router's metrics (what `pdserve
     status` shows) say down at once and healthy again after the restart."""
-    metrics = f"127.0.0.1:{cluster_metrics_port(cluster)}"
+    metrics = f"127.0.0.1:{cluster.metrics_port}"
     deadline = time.monotonic() + 30
     while not _router_says_healthy(metrics, "prefill-0"):
         assert time.monotonic() < deadline, "prefill-0 never healthy before the kill"
