@@ -23,6 +23,7 @@ import functools
 import os
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -47,6 +48,7 @@ from kv_transfer.messages import KVAbort, KVRefusal, KVReserveRequest, KVTicket,
 from kv_transfer.receiver import KVReceiver
 
 SendControl = Callable[[str, Any], None]
+_MAX_REMEMBERED_ABORTS = 65536  # a few MB; a late reserve trails its abort by milliseconds
 
 
 @dataclass
@@ -92,6 +94,10 @@ class DecodeWorker(WorkerLoop):
         self._send_control = send_control
         self._tracked: dict[str, _Tracked] = {}
         self._num_reports_due = 0  # rank receives posted and not reported yet
+        # Ids aborted before their reservation arrived, oldest first. Ray delivers a worker's
+        # calls on several threads, so a client's cancel can overtake the reserve it follows;
+        # a reservation made after its abort would sit until the start deadline (60 s+).
+        self._aborted_early: OrderedDict[str, None] = OrderedDict()
         self._seeds = random.Random(config.engine.seed)
         if start:
             self.start()
@@ -142,6 +148,8 @@ class DecodeWorker(WorkerLoop):
             raise ValueError(f"request {request_id!r}: name the prefill instance that sends it")
         if request_id in self._tracked or request_id in self.engine.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if request_id in self._aborted_early:
+            raise ValueError(f"request {request_id!r} was aborted before its reservation arrived")
         self._check_fits(request)
         num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
         num_free = self.engine.block_pool.num_free_blocks
@@ -191,6 +199,9 @@ class DecodeWorker(WorkerLoop):
             return "decoding"  # the scheduler reports its end with the next step
         entry = self._tracked.pop(request_id, None)
         if entry is None:
+            self._aborted_early[request_id] = None
+            if len(self._aborted_early) > _MAX_REMEMBERED_ABORTS:
+                self._aborted_early.popitem(last=False)
             return None
         message = self.kv_receiver.abort(request_id, "the request was aborted")
         if message is not None:  # the prefill side finishes the wire protocol at once

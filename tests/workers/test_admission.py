@@ -214,3 +214,13 @@ def test_overloaded_prefill_cancels_the_reservation(board, tiny_model) -> None:
         prefill.submit(big, ticket)
     wait_for(lambda: decode.load().num_free_blocks == NUM_BLOCKS, 5.0, "the reservation freed")
     assert prefill.load().num_waiting_requests == 0
+
+
+def test_a_reserve_that_arrives_after_its_abort_is_refused(board, tiny_model) -> None:
+    """Ray runs a worker's calls on several threads: a client's cancel (abort) can overtake the
+    reserve it follows. The late reservation would hold its blocks until the start deadline."""
+    decode = make_decode(board, tiny_model("llama"))
+    assert decode.abort("late") is None  # nothing here yet
+    with pytest.raises(ValueError, match="aborted before its reservation"):
+        decode.reserve(request("late", 20), "p")
+    assert decode.load().num_free_blocks == NUM_BLOCKS
