@@ -11,7 +11,7 @@ and goodput comes from benchmarks/goodput/metrics.goodput on (rate, attainment) 
 benchmark computes its own.
 
 Terms the engine profile alone lacks, each measured by `pdserve profile --path` on a real
-instance behind the real router (deploy/profile_path.py), none fitted to a goodput:
+instance behind the real router (benchmarks/profiling/path.py), none fitted to a goodput:
   path_ttft_ms                  the hops to a first token (client -> router -> worker -> back)
   worker_step_ms, worker_seq_ms the worker's CPU per step and per sequence beyond the engine:
                                 its loop, and the gRPC stream that carries each token out

@@ -1,9 +1,9 @@
-"""`pdserve profile` and `pdserve plan`. deploy/cli.py registers them with one call:
+"""`pdserve profile` and `pdserve plan`. deploy/cli/main.py registers them with one call:
 
     from planner.cli import add_subcommands
     add_subcommands(commands)        # commands = parser.add_subparsers(...)
 
-Heavy parts load inside the handlers: `profile` measures with deploy/profile.py, `plan` only
+Heavy parts load inside the handlers: `profile` measures with benchmarks/profiling/steps.py, `plan` only
 computes (numpy and the planner).
 """
 
@@ -171,10 +171,13 @@ def _write(args: argparse.Namespace, placement: Any, summary: dict[str, Any]) ->
 
 def cmd_profile(args: argparse.Namespace) -> int:
     try:
-        from deploy.profile import run_profile  # measurement lives with the deployment code
+        from benchmarks.profiling.steps import (
+            run_profile,
+        )  # measurement lives with the deployment code
     except ImportError:
         print(
-            "pdserve profile: deploy/profile.py is not available in this install", file=sys.stderr
+            "pdserve profile: benchmarks/profiling/steps.py is not available in this install",
+            file=sys.stderr,
         )
         return 2
     return run_profile(args)

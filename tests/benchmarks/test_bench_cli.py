@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.goodput.compare import _jsonable
 from benchmarks.goodput.options import parse_target
-from deploy.cli import build_parser, cmd_bench
+from deploy.cli.main import build_parser, cmd_bench
 
 
 def test_bench_subcommand_carries_the_benchmark_options() -> None:

@@ -1,4 +1,4 @@
-"""SIGTERM or SIGINT to `python -m deploy.cli serve` on a local Ray cluster, sent to the whole
+"""SIGTERM or SIGINT to `python -m deploy.cli.main serve` on a local Ray cluster, sent to the whole
 process group (what systemd and a terminal's Ctrl-C do): the stream in flight finishes within the
 drain, the process exits 0, and every process it started (GCS, raylet, agents, every actor, the
 TP rank actor) is gone, with Ray's temp dir. A second signal ends the drain at once."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy.ray_node import REPO_ROOT, descendant_pids, process_is_running
+from deploy.runtime.ray.node import REPO_ROOT, descendant_pids, process_is_running
 from tests.deploy.ray_support import StreamResult, stream, tiny_model_with_tokenizer
 
 CONFIG = """\
@@ -41,7 +41,7 @@ _MAX_TOKENS = 480
 
 
 class Serve:
-    """`deploy.cli serve` in its own session (its pid is its process group), output collected."""
+    """`deploy.cli.main serve` in its own session (its pid is its process group), output collected."""
 
     def __init__(self, tmp_path: Path) -> None:
         model_dir = tiny_model_with_tokenizer(tmp_path)
@@ -49,7 +49,7 @@ class Serve:
         config.write_text(CONFIG.format(model_dir=model_dir))
         env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "deploy.cli.main", "serve", "--config", str(config)],
             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip

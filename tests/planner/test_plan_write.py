@@ -1,4 +1,4 @@
-"""`pdserve plan --write` writes a config that deploy.config loads and `serve --no-ray` runs."""
+"""`pdserve plan --write` writes a config that deploy.config.serve_config loads and `serve --no-ray` runs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from deploy.config import load_config
+from deploy.config.serve_config import load_config
 from planner.cli import add_subcommands
 from planner.placement import Parallel, Placement
 from planner.profile import ModelProfile, TPProfile, save_profiles
@@ -90,7 +90,7 @@ def test_plan_takes_the_sharegpt_lengths_file_and_searches_chunked_colocated_at_
     """The command line's defaults (pp 1,2,4,8; the chunked colocated policy) once failed with
     'the chunked colocated policy models pp = 1 only'; a lengths file keeps its pairs under
     "pairs"."""
-    from deploy.cli import main
+    from deploy.cli.main import main
 
     root = Path(__file__).resolve().parents[2]
     lengths = tmp_path / "lengths.json"

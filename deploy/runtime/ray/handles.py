@@ -27,7 +27,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from deploy.handles import HandleBase
+from deploy.runtime.local.handles import HandleBase
 from engine.messages import Role, WorkerUnavailable
 
 # Actor calls run on these threads, submission and result alike, as ProcessHandle's pipe calls
@@ -44,7 +44,7 @@ def actor_name(instance_id: str) -> str:
 
 class RayHandle(HandleBase):
     """A router handle over the worker actor named `actor_name(instance_id)` in `namespace`.
-    The handle methods are deploy/handles.py's; only how a call is made differs."""
+    The handle methods are deploy/runtime/local/handles.py's; only how a call is made differs."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from deploy.config import ConfigError, ServeConfig, apply_overrides, load_config
+from deploy.config.serve_config import ConfigError, ServeConfig, apply_overrides, load_config
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _OVERRIDES = (
@@ -161,7 +161,7 @@ class _ServeSignals:
             raise KeyboardInterrupt(f"signal {signum}")
 
     def _exit_now(self, signum: int) -> None:
-        from deploy.ray_node import descendant_pids
+        from deploy.runtime.ray.node import descendant_pids
 
         _say(f"signal {signal.Signals(signum).name} again: stopping at once")
         for pid in descendant_pids(os.getpid()):
@@ -191,9 +191,9 @@ class _ServeSignals:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deploy.demo import resolve_demo_model
-    from deploy.launch import open_cluster
-    from deploy.models import resolve_model
+    from deploy.cli.demo import resolve_demo_model
+    from deploy.config.models import resolve_model
+    from deploy.runtime.launch import open_cluster
 
     config = serve_config(args)
     signals = _ServeSignals()
@@ -231,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve_proto.v1 import generation_pb2 as pb
 
-    from deploy.client import RouterClient, read_token
+    from deploy.cli.client import RouterClient, read_token
 
     request = pb.GenerateRequest(
         prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -261,8 +261,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2
 
-    from deploy.client import RouterClient, fetch_metrics, read_token
-    from deploy.status import format_status, parse_metrics
+    from deploy.cli.client import RouterClient, fetch_metrics, read_token
+    from deploy.cli.status import format_status, parse_metrics
 
     metrics_address = args.metrics
     if metrics_address is None and args.config:
@@ -283,7 +283,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from deploy.demo import run_demo
+    from deploy.cli.demo import run_demo
 
     run_demo(model_dir=args.model, use_ray=not args.no_ray, max_tokens=args.max_tokens)
     return 0
