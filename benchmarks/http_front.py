@@ -37,7 +37,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "proto")]  # run from a bare checkout too
 
-from benchmarks.goodput.metrics import percentile  # noqa: E402
 from benchmarks.router import (  # noqa: E402
     _CLOCK_SPREAD,
     _client_process,
@@ -45,6 +44,7 @@ from benchmarks.router import (  # noqa: E402
     run_cli,
 )
 from engine.gc_tuning import freeze_startup_heap, unfreeze_heap  # noqa: E402
+from planner.metrics import percentile  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.server import Router  # noqa: E402
 

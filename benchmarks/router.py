@@ -46,9 +46,9 @@ sys.path[:0] = [str(REPO), str(REPO / "proto")]  # run from a bare checkout too
 import grpc  # noqa: E402
 from pdserve_proto.v1 import generation_pb2 as pb  # noqa: E402
 
-from benchmarks.goodput.metrics import percentile  # noqa: E402
 from engine.gc_tuning import freeze_startup_heap, unfreeze_heap  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from planner.metrics import percentile  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.server import Router  # noqa: E402
 from router.servicer import SERVICE_NAME  # noqa: E402

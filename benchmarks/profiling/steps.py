@@ -192,7 +192,7 @@ def profile_tp(
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    """The `pdserve profile` handler (planner/cli.py registers the flags)."""
+    """The `pdserve profile` handler (benchmarks/profiling/cli.py parses the flags)."""
     configs, model_name = engine_configs(args)
     grid = QUICK if args.quick else FULL
     profiles, raw = {}, {}
