@@ -24,11 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "proto")]
+from deploy.cli.client import RouterClient
+from deploy.config.demo_model import default_cache_dir, ensure_demo_model
 
-from deploy.cli.client import RouterClient  # noqa: E402
-from deploy.config.demo_model import default_cache_dir, ensure_demo_model  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the served config's default, deploy/local.yaml
 
 TARGET_S = 30.0
 

@@ -1,6 +1,6 @@
 """The benchmark's model and the two layouts it compares, on the same devices.
 
-Model: the engine benchmark's Llama shape (benchmarks/engine.py: hidden 512, 8 layers, 8 heads,
+Model: the engine benchmark's Llama shape (benchmarks/engine_speed.py: hidden 512, 8 layers, 8 heads,
 2 KV heads, intermediate 1408; random weights, seed 0), big enough that compute dominates a step
 on one core, with the byte-level BPE tokenizer of the demo model (deploy/config/demo_model.py) trained
 on a few paragraphs, so the router can detokenize and ShareGPT text can be tokenized; the model's
@@ -48,7 +48,7 @@ def ensure_bench_model(model_dir: str | Path, size: str = "bench") -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.engine import MODEL_CONFIG
+    from benchmarks.engine_speed import MODEL_CONFIG
     from deploy.config.demo_model import save_tokenizer, train_tokenizer
 
     if size not in ("bench", "tiny"):
