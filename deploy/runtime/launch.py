@@ -44,7 +44,7 @@ class Cluster(Protocol):
 
 
 def ray_cluster_config(config: ServeConfig, model_dir: str) -> RayClusterConfig:
-    """The config file as deploy/ray_config.RayClusterConfig: the ClusterSpec plain processes
+    """The config file as deploy/runtime/ray/config.RayClusterConfig: the ClusterSpec plain processes
     run, with its role and router configs taken whole."""
     from deploy.runtime.ray.config import RayClusterConfig
 

@@ -18,7 +18,7 @@ worker pinned to its own cores (`spec.pin_cpus`).
 Keeping serving: a watch thread restarts every worker process that died (killed, or exited
 because its loop failed, e.g. a TP rank died), with the same arguments, and swaps it into the
 router's handle. A restarted prefill instance first sends requests through its decode peers
-(deploy/ray_channels.settle_prefill_channels), so that they drop their channels to the dead
+(deploy/runtime/ray/channels.settle_prefill_channels), so that they drop their channels to the dead
 process before the router uses it. A restarted decode instance has new channel endpoints, so
 its peers dial fresh channels. Until it is back, `status()` reports the instance down. A
 restart that fails is tried again after a backoff (1 s, doubling up to 30 s), so a worker that
@@ -342,7 +342,7 @@ class LocalCluster:
 
 
 class _Remote:
-    """A ProcessWorker as the worker object deploy/ray_channels drives (submit, load)."""
+    """A ProcessWorker as the worker object deploy/runtime/ray/channels.py drives (submit, load)."""
 
     def __init__(self, worker: ProcessWorker, timeout_s: float) -> None:
         self.worker = worker

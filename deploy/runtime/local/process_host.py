@@ -1,6 +1,6 @@
 """Host one worker object in a process of its own and call its methods from another.
 
-The plain-process control plane: tests, and running without Ray. (deploy/ray_*.py wraps the same
+The plain-process control plane: tests, and running without Ray. (deploy/runtime/ray/ wraps the same
 worker objects in Ray actors.) Calls are pickled over a pipe; the child serves each call on its
 own thread, so a long poll (`poll_events`) never blocks a `submit` or an `abort`.
 

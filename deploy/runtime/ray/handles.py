@@ -1,7 +1,7 @@
 """The router's handles over worker actors, and the workers' control path to each other.
 
 `RayHandle` is the PrefillHandle / DecodeHandle of router/worker_api.py over a worker actor
-(deploy/ray_actors.WorkerActor): each method is one actor call, made and waited for (with its own
+(deploy/runtime/ray/actors.WorkerActor): each method is one actor call, made and waited for (with its own
 timeout) on a thread, and awaited from the router's event loop. Failures map onto what the router understands:
 
     the actor died / is restarting / did not answer in time  -> WorkerUnavailable
