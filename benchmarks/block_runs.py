@@ -3,7 +3,7 @@
 With the head-major KV cache (engine/kv_cache.py) the decode side receives each (layer, k/v,
 head) in place when its reservation spans at most 8 runs, and the prefill side sends in place
 where its blocks are runs too; any other layout costs a gather or scatter copy (see
-benchmarks/kv_transfer.py for what that costs). This script drives the real engine Scheduler and
+benchmarks/kv_transfer_speed.py for what that costs). This script drives the real engine Scheduler and
 BlockPool with no model (block bookkeeping only) and counts the runs of every transfer:
 
     prefill instance  Scheduler with chunked prefill and the prefix cache (prompts share system
@@ -23,18 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.block_pool import BlockPool  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from kv_transfer.config import KVTransferConfig  # noqa: E402
-from kv_transfer.wire import MAX_PIECES, run_lengths  # noqa: E402
+from engine.block_pool import BlockPool
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire import MAX_PIECES, run_lengths
 
 BLOCK_SIZE = 16
 
@@ -45,8 +42,12 @@ def num_runs(block_ids: list[int]) -> int:
 
 def make_scheduler(pool: BlockPool, chunk_size: int) -> Scheduler:
     return Scheduler(
-        pool, block_size=BLOCK_SIZE, max_num_seqs=64, max_num_batched_tokens=chunk_size,
-        chunk_size=chunk_size, max_model_len=16384,
+        pool,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=64,
+        max_num_batched_tokens=chunk_size,
+        chunk_size=chunk_size,
+        max_model_len=16384,
     )
 
 
@@ -105,9 +106,11 @@ def simulate(args: argparse.Namespace, use_runs: bool) -> dict[str, Any]:
         for _, source, request, reserved in [t for t in in_flight if t[0] <= step]:
             prefill_pool.free_sequence_blocks(source)  # acknowledged: the send lets go
             max_tokens = outputs[request.request_id]
-            decoded = Request(request.request_id, request.prompt_token_ids, SamplingParams(
-                max_tokens=max_tokens, ignore_eos=True
-            ))
+            decoded = Request(
+                request.request_id,
+                request.prompt_token_ids,
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            )
             decoded.output_token_ids = [7]
             decoded.block_table = reserved
             decoded.num_computed_tokens = request.num_prompt_tokens
@@ -148,12 +151,12 @@ def main() -> None:
     parser.add_argument("--decode-blocks", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--head-block-bytes", type=int, default=16 * 128 * 2,
+        "--head-block-bytes",
+        type=int,
+        default=16 * 128 * 2,
         help="one KV head of one block (block_size 16, head_dim 128, bf16): sizes the pieces",
     )
-    parser.add_argument(
-        "--min-piece-bytes", type=int, default=KVTransferConfig().min_piece_bytes
-    )
+    parser.add_argument("--min-piece-bytes", type=int, default=KVTransferConfig().min_piece_bytes)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     result = {

@@ -24,11 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "proto")]
+from deploy.cli.client import RouterClient
+from deploy.config.demo_model import default_cache_dir, ensure_demo_model
 
-from deploy.client import RouterClient  # noqa: E402
-from deploy.demo_model import default_cache_dir, ensure_demo_model  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the served config's default, deploy/local.yaml
 
 TARGET_S = 30.0
 
@@ -49,7 +48,7 @@ def build_model() -> tuple[str, float, bool]:
 
 def one_run(args: argparse.Namespace, model_dir: str, timeout_s: float) -> dict[str, object]:
     port = free_port()
-    command = [sys.executable, "-m", "deploy.cli", "serve", "--config", args.config,
+    command = [sys.executable, "-m", "deploy.cli.main", "serve", "--config", args.config,
                "--model", model_dir, "--port", str(port), "--metrics-port", "0"]  # fmt: skip
     if args.no_ray:
         command.append("--no-ray")

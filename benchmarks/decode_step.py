@@ -1,7 +1,7 @@
 """Per decode step: how long one step takes at batch 1, 8, 32 and 64, and how much of it is
 the scheduler and bookkeeping rather than the model.
 
-Model: the engine benchmark's (benchmarks/engine.py: Llama, hidden 512, 8 layers, 8 heads / 2 KV
+Model: the engine benchmark's (benchmarks/engine_speed.py: Llama, hidden 512, 8 layers, 8 heads / 2 KV
 heads, intermediate 1408, vocab 8192, random weights), float32, 1 torch thread by default.
 LLMEngine's real components (Scheduler, Sampler, Executor) run one step exactly as
 `LLMEngine.step` does, with a clock around each phase:
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.engine import DEFAULT_MODEL_DIR, MODEL_CONFIG, ensure_model
+from benchmarks.engine_speed import DEFAULT_MODEL_DIR, MODEL_CONFIG, ensure_model
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 PHASES = ("schedule", "execute", "sampling_rows", "sampler", "update")

@@ -4,7 +4,7 @@
 
 One Router serves both APIs (router/http_api beside gRPC) over synthetic colocated workers
 (router/synthetic.py: the real handle interface, tokens on a fixed clock, no model), set up as in
-benchmarks/router.py, whose pieces this reuses. The same clients first stream over gRPC
+benchmarks/router_load.py, whose pieces this reuses. The same clients first stream over gRPC
 (`Generate`), then over HTTP (`POST /v1/completions` with `stream: true`, server-sent events):
 a warm-up round and `--rounds` measured rounds each, `--clients` concurrent streams of
 `--tokens` tokens per round.
@@ -31,22 +31,18 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "proto")]  # run from a bare checkout too
-
-from benchmarks.goodput.metrics import percentile  # noqa: E402
-from benchmarks.router import (  # noqa: E402
+from benchmarks.router_load import (
     _CLOCK_SPREAD,
     _client_process,
     _workers,
     run_cli,
 )
-from engine.gc_tuning import freeze_startup_heap, unfreeze_heap  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.server import Router  # noqa: E402
+from engine.gc_tuning import freeze_startup_heap, unfreeze_heap
+from planner.metrics import percentile
+from router.config import RouterConfig
+from router.server import Router
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
 TARGET_RATIO = 0.8

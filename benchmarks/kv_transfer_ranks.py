@@ -1,4 +1,4 @@
-"""The rank processes of benchmarks/kv_transfer.py: each owns KV caches, a channel host (decode)
+"""The rank processes of benchmarks/kv_transfer_speed.py: each owns KV caches, a channel host (decode)
 or dialer (prefill), the rank data paths and the raw baseline's buffers, and runs commands the
 benchmark's parent process sends it. Every rank is its own spawned process (gloo on CPU)."""
 

@@ -136,7 +136,7 @@ def report(args: argparse.Namespace, outcome: dict[str, Any], stopped: dict[str,
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from deploy.cluster_spec import resolve_model_dir
+    from deploy.config.cluster_spec import resolve_model_dir
 
     args = parse_args(argv)
     args.model_dir = resolve_model_dir(args.model)

@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from deploy.ray_node import REPO_ROOT, descendant_pids, process_is_running
-from deploy.status import parse_metrics
+from deploy.cli.status import parse_metrics
+from deploy.runtime.ray.node import REPO_ROOT, descendant_pids, process_is_running
 
 _STREAMS_PER_CHANNEL = 100  # many connections, as from many clients
 _OVERLOAD = ("RESOURCE_EXHAUSTED",)
@@ -78,7 +78,7 @@ class PhaseResult:
 
 
 class Server:
-    """`python -m deploy.cli serve` in a session of its own; its address and metrics URL."""
+    """`python -m deploy.cli.main serve` in a session of its own; its address and metrics URL."""
 
     def __init__(self, process: subprocess.Popen[str], address: str, metrics: str) -> None:
         self.process = process
@@ -92,7 +92,7 @@ class Server:
     def start(cls, config: Path, start_timeout_s: float) -> Server:
         env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
         process = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "deploy.cli.main", "serve", "--config", str(config)],
             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip

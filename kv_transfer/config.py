@@ -32,7 +32,7 @@ class KVTransferConfig:
     prefill side can send layer i while layer i+1 computes and contiguous block runs travel with
     no copy; False packs the whole request into one message per channel (fewest round trips).
     None (the default) chooses per request: layerwise from `layerwise_min_tokens` tokens up,
-    whole below, as measured by benchmarks/kv_transfer.py (whole wins at 64-512 tokens on
+    whole below, as measured by benchmarks/kv_transfer_speed.py (whole wins at 64-512 tokens on
     per-request overhead, layerwise at 2048 and up on throughput).
     `min_piece_bytes`: a layerwise transfer into a reservation of up to 8 runs of block ids is
     sent as one piece per run, each received in place, when every piece's messages carry at

@@ -1,6 +1,6 @@
 """Attainment and goodput of a simulated run, by the benchmark's own metric definitions.
 
-`to_records` turns simulated TTFT/TPOT into benchmarks.goodput.metrics.RequestRecord, so
+`to_records` turns simulated TTFT/TPOT into planner.metrics.RequestRecord, so
 `metrics.attainment` judges them exactly as it judges a measured run. The search calls
 `joint_attainment`, the same count in numpy (tests/planner check that both agree), or
 `separate_ok`, DistServe's simulator criterion: the p-th percentile of TTFT and of TPOT each
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.goodput import metrics
+from planner import metrics
 from planner.simulator import SimResult
 
 

@@ -1,27 +1,25 @@
-"""`pdserve profile` and `pdserve plan`. deploy/cli.py registers them with one call:
+"""`pdserve plan`: search placements for a workload and SLOs, from a measured profile.
 
-    from planner.cli import add_subcommands
-    add_subcommands(commands)        # commands = parser.add_subparsers(...)
-
-Heavy parts load inside the handlers: `profile` measures with deploy/profile.py, `plan` only
-computes (numpy and the planner).
+deploy/cli/main.py forwards `pdserve plan ARGS` to `main(ARGS)`. `plan` only computes (numpy
+and the planner); the profile it reads comes from `pdserve profile` (benchmarks/profiling/).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 
-def add_subcommands(commands: argparse._SubParsersAction) -> None:
-    _add_plan(commands)
-    _add_profile(commands)
+def main(argv: list[str] | None = None, prog: str = "pdserve plan") -> int:
+    """`pdserve plan ARGS` forwards ARGS here (deploy/cli/main.py)."""
+    return cmd_plan(build_parser(prog).parse_args(argv))
 
 
-def _add_plan(commands: argparse._SubParsersAction) -> None:
-    plan = commands.add_parser("plan", help="search placements for a workload and SLOs")
+def build_parser(prog: str = "pdserve plan") -> argparse.ArgumentParser:
+    plan = argparse.ArgumentParser(
+        prog=prog, description="Search placements for a workload and SLOs."
+    )
     plan.add_argument("--profile", required=True, help="profile JSON (DistServe's shape)")
     plan.add_argument("--model", help="the model in the profile file (when it has several)")
     plan.add_argument(
@@ -53,32 +51,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--write", help="write the best placement as a serve config (YAML)")
     plan.add_argument("--base-config", help="serve config whose other keys the written one keeps")
-    plan.set_defaults(func=cmd_plan)
-
-
-def _add_profile(commands: argparse._SubParsersAction) -> None:
-    profile = commands.add_parser("profile", help="measure this deployment's latency model")
-    profile.add_argument("--config", help="serve config (model, dtype, device, KV cache)")
-    profile.add_argument("--out", required=True, help="profile JSON to write")
-    profile.add_argument("--tp", default="1", help="TP sizes to measure, e.g. 1,2")
-    profile.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
-    profile.add_argument("--bench-model", metavar="DIR",
-                         help="profile `pdserve bench`'s model (built in DIR) with its engine "
-                         "settings instead of --config's")  # fmt: skip
-    profile.add_argument(
-        "--clock",
-        choices=("auto", "cpu", "wall"),
-        default="auto",
-        help="auto: the process's CPU time for TP=1 on CPU, else wall time",
-    )
-    profile.add_argument(
-        "--path",
-        action="store_true",
-        help="also measure the serving path (router, gRPC, client) at TP=1",
-    )
-    profile.add_argument("--no-transfer", action="store_true", help="skip the KV transfer")
-    profile.add_argument("--raw-out", help="also write the measured points (JSON)")
-    profile.set_defaults(func=cmd_profile)
+    return plan
 
 
 def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -167,14 +140,3 @@ def _write(args: argparse.Namespace, placement: Any, summary: dict[str, Any]) ->
             base = yaml.safe_load(handle) or {}
     comment = f"written by pdserve plan: {json.dumps(summary['best'])}"
     write_serve_config(args.write, placement, base, comment)
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    try:
-        from deploy.profile import run_profile  # measurement lives with the deployment code
-    except ImportError:
-        print(
-            "pdserve profile: deploy/profile.py is not available in this install", file=sys.stderr
-        )
-        return 2
-    return run_profile(args)

@@ -11,7 +11,7 @@ Ours has the same shape and adds, per TP entry, optional keys DistServe's reader
 "chunked" (a fitted mixed-step intercept, ms), "kv_bytes_per_token" (the whole model's KV per
 token), "max_num_tokens" ({pp: KV tokens that fit on the instance}), "overhead" ([base ms, ms per
 token] added to every step), "overhead_per_seq" (ms per sequence of a step), "transfer"
-({"bandwidth_GBps", "per_message_ms"}) and "serving_path" (deploy/profile_path.py's terms).
+({"bandwidth_GBps", "per_message_ms"}) and "serving_path" (benchmarks/profiling/path.py's terms).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class TPProfile:
     transfer_GBps: float | None = None  # measured KV link bandwidth, GB/s
     transfer_per_message_ms: float = 0.0
     overhead_per_seq: float = 0.0  # ms per sequence in a step (its token leaving the worker)
-    # The serving path measured by `pdserve profile --path` (deploy/profile_path.py), in ms.
+    # The serving path measured by `pdserve profile --path` (benchmarks/profiling/path.py), in ms.
     serving_path: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""A plan as a `pdserve serve --config` file (deploy/config.py's schema, written as YAML).
+"""A plan as a `pdserve serve --config` file (deploy/config/serve_config.py's schema, written as YAML).
 
 pdserve has no pipeline parallelism: a placement with pp > 1 cannot be served and is refused
 with a message that says to plan with pp 1 only. Keys other than the layout (model, device,

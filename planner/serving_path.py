@@ -1,4 +1,4 @@
-"""The serving path's terms (`pdserve profile --path`, deploy/profile_path.py) in the model.
+"""The serving path's terms (`pdserve profile --path`, benchmarks/profiling/path.py) in the model.
 
 An engine step is not all a worker's step costs, and a worker's core is not all its own:
   overhead       each step: the larger of the worker's extra CPU and its extra wall time at

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.goodput.workloads import SHAPES, synthetic_lengths, unit_rate_gaps
+from planner.traffic import SHAPES, synthetic_lengths, unit_rate_gaps
 
 
 @dataclass(frozen=True)

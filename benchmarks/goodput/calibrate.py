@@ -68,8 +68,8 @@ def calibrate_via_router(
 ) -> Calibration:
     """The same two figures measured through a running router (a remote cluster, `--target`):
     median TTFT and TPOT of `repeats` requests sent one at a time, after one warm-up."""
-    from benchmarks.goodput.metrics import tpot, ttft
     from benchmarks.goodput.workloads import build_requests
+    from planner.metrics import tpot, ttft
 
     rng = random.Random(0)
     first_tokens, per_tokens = [], []

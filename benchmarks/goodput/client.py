@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from benchmarks.goodput.metrics import RequestRecord
 from benchmarks.goodput.workloads import BenchRequest
+from planner.metrics import RequestRecord
 
 TIMING_FIELDS = (
     "router_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s",

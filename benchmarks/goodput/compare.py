@@ -35,14 +35,8 @@ from benchmarks.goodput.plots import plot_regime
 from benchmarks.goodput.report import regime_summary
 from benchmarks.goodput.sharegpt import read_sharegpt, resolve_sharegpt_path, sharegpt_prompts
 from benchmarks.goodput.sweep import RatePoint, RateSweep, SweepPolicy, warm_up
-from benchmarks.goodput.workloads import (
-    REAL_REGIMES,
-    REAL_SOURCES,
-    SHAPES,
-    random_prompts,
-    synthetic_lengths,
-    unit_rate_gaps,
-)  # fmt: skip
+from benchmarks.goodput.workloads import REAL_REGIMES, REAL_SOURCES, random_prompts
+from planner.traffic import SHAPES, synthetic_lengths, unit_rate_gaps
 
 SUMMARY_SCHEMA = "pdserve.goodput.summary/1"
 RAW_SCHEMA = "pdserve.goodput.raw/1"

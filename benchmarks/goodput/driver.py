@@ -21,8 +21,8 @@ from concurrent.futures import Future, ProcessPoolExecutor, wait
 from typing import Any
 
 from benchmarks.goodput.client import run_shard
-from benchmarks.goodput.metrics import RequestRecord
 from benchmarks.goodput.workloads import BenchRequest
+from planner.metrics import RequestRecord
 
 
 def _warm_up(_: object = None) -> int:

@@ -19,8 +19,8 @@ import asyncio
 import os
 from typing import Any
 
-from benchmarks.goodput.metrics import RequestRecord
 from benchmarks.goodput.workloads import BenchRequest
+from planner.metrics import RequestRecord
 
 API_KEY_ENV = "OPENAI_API_KEY"  # sent as the bearer token when set (pdserve's auth_token)
 # continuous_usage_stats (vLLM's, SGLang's and pdserve's): a chunk for every step, with the

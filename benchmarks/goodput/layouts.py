@@ -1,8 +1,8 @@
 """The benchmark's model and the two layouts it compares, on the same devices.
 
-Model: the engine benchmark's Llama shape (benchmarks/engine.py: hidden 512, 8 layers, 8 heads,
+Model: the engine benchmark's Llama shape (benchmarks/engine_speed.py: hidden 512, 8 layers, 8 heads,
 2 KV heads, intermediate 1408; random weights, seed 0), big enough that compute dominates a step
-on one core, with the byte-level BPE tokenizer of the demo model (deploy/demo_model.py) trained
+on one core, with the byte-level BPE tokenizer of the demo model (deploy/config/demo_model.py) trained
 on a few paragraphs, so the router can detokenize and ShareGPT text can be tokenized; the model's
 vocabulary is the tokenizer's. `size="tiny"` is a 2-layer, hidden-64 variant for tests.
 
@@ -48,8 +48,8 @@ def ensure_bench_model(model_dir: str | Path, size: str = "bench") -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.engine import MODEL_CONFIG
-    from deploy.demo_model import save_tokenizer, train_tokenizer
+    from benchmarks.engine_speed import MODEL_CONFIG
+    from deploy.config.demo_model import save_tokenizer, train_tokenizer
 
     if size not in ("bench", "tiny"):
         raise ValueError(f"size must be 'bench' or 'tiny', got {size!r}")
@@ -103,7 +103,7 @@ def engine_config(model_dir: str | Path, **overrides: Any) -> Any:
 def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **engine: Any) -> Any:
     """The deploy ClusterSpec of one layout on this machine (the router on a free port)."""
     from decode_worker.config import DecodeConfig
-    from deploy.cluster_spec import ClusterSpec
+    from deploy.config.cluster_spec import ClusterSpec
     from kv_transfer.config import KVTransferConfig
     from prefill_worker.config import PrefillConfig
     from router.config import RouterConfig
@@ -130,8 +130,8 @@ def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **en
 
 
 def start_local_cluster(spec: Any) -> Any:
-    """A started deploy.local_cluster.LocalCluster (the caller shuts it down)."""
-    from deploy.local_cluster import LocalCluster
+    """A started deploy.runtime.local.local_cluster.LocalCluster (the caller shuts it down)."""
+    from deploy.runtime.local.local_cluster import LocalCluster
 
     cluster = LocalCluster(spec)
     cluster.start()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from benchmarks.goodput.report import DEFAULT_SLO_SCALES
 from benchmarks.goodput.sharegpt import PACKAGED
-from benchmarks.goodput.workloads import ARRIVALS, SHAPES
+from planner.traffic import ARRIVALS, SHAPES
 
 WORKLOADS = (*SHAPES, "humaneval")  # synthetic shapes, and the real code regime
 

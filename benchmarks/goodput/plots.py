@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput.metrics import ATTAINMENT_TARGET, attainment, breakdown, tpot, ttft
 from benchmarks.goodput.report import common_rate, point_at
 from benchmarks.goodput.sweep import RatePoint
 from benchmarks.goodput.workloads import regime_label
+from planner.metrics import ATTAINMENT_TARGET, attainment, breakdown, tpot, ttft
 
 COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange"}
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill")

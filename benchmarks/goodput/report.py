@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.goodput.metrics import (
+from benchmarks.goodput.sweep import RatePoint
+from planner.metrics import (
     attainment,
     goodput,
     latency_stats,
@@ -17,7 +18,6 @@ from benchmarks.goodput.metrics import (
     tpot,
     ttft,
 )
-from benchmarks.goodput.sweep import RatePoint
 
 DEFAULT_SLO_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.goodput.driver import LoadDriver
-from benchmarks.goodput.metrics import ATTAINMENT_TARGET, RequestRecord, attainment
-from benchmarks.goodput.workloads import BenchRequest, arrival_offsets, build_requests
+from benchmarks.goodput.workloads import BenchRequest, build_requests
+from planner.metrics import ATTAINMENT_TARGET, RequestRecord, attainment
+from planner.traffic import arrival_offsets
 
 
 @dataclass(frozen=True)

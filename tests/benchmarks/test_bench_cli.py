@@ -7,16 +7,15 @@ import json
 import pytest
 
 from benchmarks.goodput.compare import _jsonable
-from benchmarks.goodput.options import parse_target
-from deploy.cli import build_parser, cmd_bench
+from benchmarks.goodput.options import parse_bench_args, parse_target
+from deploy.cli.main import main as pdserve
 
 
 def test_bench_subcommand_carries_the_benchmark_options() -> None:
-    args = build_parser().parse_args(
-        ["bench", "--compare", "--out", "runs/x", "--quick", "--rates", "1,2.5",
+    args = parse_bench_args(
+        ["--compare", "--out", "runs/x", "--quick", "--rates", "1,2.5",
          "--workloads", "code,chatbot", "--arrival", "gamma", "--cv", "2"]
     )  # fmt: skip
-    assert args.func is cmd_bench
     assert (args.compare, args.quick, str(args.out)) == (True, True, "runs/x")
     assert args.rates == (1.0, 2.5)
     assert args.workloads == ("code", "chatbot")
@@ -28,11 +27,22 @@ def test_bench_subcommand_carries_the_benchmark_options() -> None:
 
 def test_unknown_workloads_and_bad_numbers_are_refused(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "--out", "x", "--workloads", "poetry"])
+        parse_bench_args(["--out", "x", "--workloads", "poetry"])
     assert "unknown workload ['poetry']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "--out", "x", "--rates", "1,fast"])
+        parse_bench_args(["--out", "x", "--rates", "1,fast"])
     assert "expected numbers separated by commas" in capsys.readouterr().err
+
+
+def test_pdserve_bench_forwards_to_the_benchmarks_own_command_line(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    with pytest.raises(SystemExit):
+        pdserve(["bench", "--help"])
+    assert "usage: pdserve bench" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        pdserve(["bench", "--out", "x", "--workloads", "poetry"])
+    assert "unknown workload ['poetry']" in capsys.readouterr().err
 
 
 def test_targets_name_a_layout_an_address_and_a_device_count() -> None:

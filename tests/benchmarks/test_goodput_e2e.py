@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 
 from benchmarks.goodput.compare import run_benchmark
-from benchmarks.goodput.metrics import goodput
 from benchmarks.goodput.options import parse_bench_args
 from benchmarks.goodput.schema import RAW_SCHEMA, SUMMARY_SCHEMA
+from planner.metrics import goodput
 
 pytestmark = pytest.mark.slow
 TTFT_SLO_S, TPOT_SLO_S = 0.5, 0.05

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.goodput.metrics import (
+from planner.metrics import (
     Goodput,
     RequestRecord,
     attainment,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.goodput.metrics import RequestRecord
 from benchmarks.goodput.sweep import RateSweep, SweepPolicy
 from benchmarks.goodput.workloads import BenchRequest
+from planner.metrics import RequestRecord
 
 CAPACITY = 3.0
 SLO = (1.0, 0.1)

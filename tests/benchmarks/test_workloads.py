@@ -6,14 +6,8 @@ import statistics
 
 import pytest
 
-from benchmarks.goodput.workloads import (
-    SHAPES,
-    arrival_offsets,
-    build_requests,
-    random_prompts,
-    synthetic_lengths,
-    unit_rate_gaps,
-)
+from benchmarks.goodput.workloads import build_requests, random_prompts
+from planner.traffic import SHAPES, arrival_offsets, synthetic_lengths, unit_rate_gaps
 
 
 def test_same_seed_same_arrivals_and_rates_only_compress_time() -> None:

@@ -23,8 +23,8 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from decode_worker.colocated import ColocatedWorker
-from deploy.cli import main
-from deploy.handles import LocalHandle
+from deploy.cli.main import main
+from deploy.runtime.local.handles import LocalHandle
 from engine.config import EngineConfig
 from engine.messages import Role
 from router.config import RouterConfig
@@ -79,7 +79,7 @@ class Child:
     def start(cls, *args: str) -> Child:
         marker = uuid.uuid4().hex
         process = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", *args], cwd=REPO_ROOT, env=_env(marker),
+            [sys.executable, "-m", "deploy.cli.main", *args], cwd=REPO_ROOT, env=_env(marker),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         child = cls(process, marker)

@@ -8,10 +8,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.cli import build_parser, serve_config
-from deploy.cluster_spec import build_cluster_spec
-from deploy.config import ConfigError, ServeConfig, apply_overrides, load_config, parse_config
-from deploy.launch import ray_cluster_config
+from deploy.cli.main import build_parser, serve_config
+from deploy.config.cluster_spec import build_cluster_spec
+from deploy.config.serve_config import (
+    ConfigError,
+    ServeConfig,
+    apply_overrides,
+    load_config,
+    parse_config,
+)
+from deploy.runtime.launch import ray_cluster_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

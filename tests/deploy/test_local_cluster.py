@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 
-from deploy.client import RouterClient
-from deploy.cluster_spec import build_cluster_spec
-from deploy.config import parse_config
-from deploy.local_cluster import LocalCluster, cpu_sets
+from deploy.cli.client import RouterClient
+from deploy.config.cluster_spec import build_cluster_spec
+from deploy.config.serve_config import parse_config
+from deploy.runtime.local.local_cluster import LocalCluster, cpu_sets
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
 

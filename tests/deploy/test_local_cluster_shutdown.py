@@ -9,9 +9,9 @@ import signal
 import time
 
 from decode_worker.config import DecodeConfig
-from deploy.cluster_spec import ClusterSpec
-from deploy.local_cluster import LocalCluster
-from deploy.restart_backoff import RestartBackoff
+from deploy.config.cluster_spec import ClusterSpec
+from deploy.runtime.local.local_cluster import LocalCluster
+from deploy.runtime.local.restart_backoff import RestartBackoff
 from engine import EngineConfig
 from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig

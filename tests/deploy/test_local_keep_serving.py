@@ -22,10 +22,10 @@ import grpc
 import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 
-from deploy.client import RouterClient
-from deploy.cluster_spec import ClusterSpec, build_cluster_spec
-from deploy.config import parse_config
-from deploy.local_cluster import LocalCluster
+from deploy.cli.client import RouterClient
+from deploy.config.cluster_spec import ClusterSpec, build_cluster_spec
+from deploy.config.serve_config import parse_config
+from deploy.runtime.local.local_cluster import LocalCluster
 from kv_transfer.config import KVTransferConfig
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model

@@ -1,4 +1,4 @@
-"""deploy/models.py without the SmolLM2 package: model names in the config, and the TP sizes it
+"""deploy/config/models.py without the SmolLM2 package: model names in the config, and the TP sizes it
 allows agreeing with the engine's own sharding rules."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import ConfigError, parse_config
-from deploy.models import allowed_tp_sizes
+from deploy.config.models import allowed_tp_sizes
+from deploy.config.serve_config import ConfigError, parse_config
 from engine.kv_cache import local_kv_heads
 from engine.parallel import divide
 

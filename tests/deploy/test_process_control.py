@@ -1,4 +1,4 @@
-"""Control messages between process-hosted workers (deploy/control_relay.py) keep flowing when a
+"""Control messages between process-hosted workers (deploy/runtime/local/control_relay.py) keep flowing when a
 worker is SIGKILLed in the middle of sending them, when a message cannot be read, and when one
 addressee is too slow to take its messages. Real child processes (ProcessWorker)."""
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from deploy.control_relay import ControlRelay
-from deploy.process_host import PipeControl, ProcessWorker
+from deploy.runtime.local.control_relay import ControlRelay
+from deploy.runtime.local.process_host import PipeControl, ProcessWorker
 
 BIG = 1 << 20  # a message that takes a while to write: a kill lands mid-write or mid-lock
 

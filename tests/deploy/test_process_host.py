@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from deploy.process_host import ProcessWorker
+from deploy.runtime.local.process_host import ProcessWorker
 from engine.messages import WorkerUnavailable
 
 

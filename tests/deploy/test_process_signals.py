@@ -13,7 +13,7 @@ import os
 import signal
 import time
 
-from deploy.process_host import ProcessWorker
+from deploy.runtime.local.process_host import ProcessWorker
 from engine.config import EngineConfig
 from prefill_worker.config import PrefillConfig
 from prefill_worker.worker import PrefillWorker

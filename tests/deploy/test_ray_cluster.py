@@ -16,11 +16,11 @@ import grpc
 import pytest
 import ray
 
-from deploy.client import fetch_metrics
-from deploy.ray_cluster import RayCluster
-from deploy.ray_config import RayClusterConfig, WorkerStatus
-from deploy.ray_node import process_is_running
-from deploy.status import format_status, parse_metrics
+from deploy.cli.client import fetch_metrics
+from deploy.cli.status import format_status, parse_metrics
+from deploy.runtime.ray.cluster import RayCluster
+from deploy.runtime.ray.config import RayClusterConfig, WorkerStatus
+from deploy.runtime.ray.node import process_is_running
 from engine.messages import Role
 from tests.deploy.ray_support import (
     hf_greedy,

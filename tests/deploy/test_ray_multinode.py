@@ -14,9 +14,9 @@ import grpc
 import ray
 from ray.cluster_utils import Cluster
 
-from deploy.ray_cluster import RayCluster
-from deploy.ray_config import RayClusterConfig
-from deploy.ray_node import descendant_pids, process_is_running, use_loopback_node_address
+from deploy.runtime.ray.cluster import RayCluster
+from deploy.runtime.ray.config import RayClusterConfig
+from deploy.runtime.ray.node import descendant_pids, process_is_running, use_loopback_node_address
 from tests.deploy.ray_support import hf_greedy, make_prompts, stream_all, tiny_model_with_tokenizer
 
 PROMPTS = make_prompts((4, 9, 17, 26, 31, 12, 40, 6), seed=5)

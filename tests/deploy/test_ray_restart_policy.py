@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.ray_config import RayClusterConfig
+from deploy.runtime.ray.config import RayClusterConfig
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
 

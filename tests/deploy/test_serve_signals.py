@@ -1,4 +1,4 @@
-"""SIGTERM or SIGINT to `python -m deploy.cli serve`, sent to the whole process group (what
+"""SIGTERM or SIGINT to `python -m deploy.cli.main serve`, sent to the whole process group (what
 systemd and a terminal's Ctrl-C do), on a local Ray cluster and as plain processes: the stream in
 flight finishes within the drain, the process exits 0, and every process it started (Ray: GCS,
 raylet, agents, every actor, the TP rank actor, and Ray's temp dir; plain: every worker process
@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deploy.ray_node import REPO_ROOT, descendant_pids, process_is_running
+from deploy.runtime.ray.node import REPO_ROOT, descendant_pids, process_is_running
 from tests.deploy.ray_support import StreamResult, stream, tiny_model_with_tokenizer
 
 CONFIG = """\
@@ -43,7 +43,7 @@ _MAX_TOKENS = 480
 
 
 class Serve:
-    """`deploy.cli serve` in its own session (its pid is its process group), output collected."""
+    """`deploy.cli.main serve` in its own session (its pid is its process group), output collected."""
 
     def __init__(self, tmp_path: Path, ray: bool = True) -> None:
         model_dir = tiny_model_with_tokenizer(tmp_path)
@@ -51,7 +51,7 @@ class Serve:
         config.write_text(CONFIG.format(model_dir=model_dir))
         env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", "--config", str(config),
+            [sys.executable, "-m", "deploy.cli.main", "serve", "--config", str(config),
              *([] if ray else ["--no-ray"])],
             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,

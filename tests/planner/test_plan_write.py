@@ -1,8 +1,7 @@
-"""`pdserve plan --write` writes a config that deploy.config loads and `serve --no-ray` runs."""
+"""`pdserve plan --write` writes a config that deploy.config.serve_config loads; `serve` runs it."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from deploy.config import load_config
-from planner.cli import add_subcommands
+from deploy.config.serve_config import load_config
+from planner.cli import build_parser, cmd_plan
 from planner.placement import Parallel, Placement
 from planner.profile import ModelProfile, TPProfile, save_profiles
 from planner.serve_config import serve_config_dict
@@ -30,14 +29,12 @@ def _profile_file(tmp_path: Path) -> Path:
 
 
 def _plan(tmp_path: Path, *extra: str) -> dict:
-    parser = argparse.ArgumentParser()
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args([
-        "plan", "--profile", str(_profile_file(tmp_path)), "--gpus-per-node", "2",
+    args = build_parser().parse_args([
+        "--profile", str(_profile_file(tmp_path)), "--gpus-per-node", "2",
         "--workload", "code", "--num-requests", "200", "--ttft-ms", "300", "--tpot-ms", "40",
         *extra,
     ])  # fmt: skip
-    assert args.func(args) == 0
+    assert cmd_plan(args) == 0
     return args
 
 
@@ -90,7 +87,7 @@ def test_plan_takes_the_sharegpt_lengths_file_and_searches_chunked_colocated_at_
     """The command line's defaults (pp 1,2,4,8; the chunked colocated policy) once failed with
     'the chunked colocated policy models pp = 1 only'; a lengths file keeps its pairs under
     "pairs"."""
-    from deploy.cli import main
+    from deploy.cli.main import main
 
     root = Path(__file__).resolve().parents[2]
     lengths = tmp_path / "lengths.json"

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.goodput import metrics
+from planner import metrics
 from planner.attainment import joint_attainment, to_records
 from planner.latency import StepModel
 from planner.profile import TPProfile

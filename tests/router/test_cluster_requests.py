@@ -1,5 +1,5 @@
 """The router over a real disaggregated cluster (a prefill and a decode worker in plain
-processes, deploy/local_cluster.py): a request_id reused right after a cancel, or by two clients
+processes, deploy/runtime/local/local_cluster.py): a request_id reused right after a cancel, or by two clients
 at once, never mixes up attempts; and streams already decoding survive the prefill's death.
 
 The processes are shared by the module (start-up dominates the time on 2 cores); the last test
@@ -20,8 +20,8 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from decode_worker.config import DecodeConfig
-from deploy.cluster_spec import ClusterSpec
-from deploy.local_cluster import LocalCluster
+from deploy.config.cluster_spec import ClusterSpec
+from deploy.runtime.local.local_cluster import LocalCluster
 from engine import LLM, EngineConfig, SamplingParams
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillConfig

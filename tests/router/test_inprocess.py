@@ -1,5 +1,5 @@
 """The router in front of a real tiny model: `engine.LLMEngine` in-process behind
-deploy.inprocess.InProcessColocatedHandle, served over gRPC on 127.0.0.1."""
+deploy.runtime.local.inprocess.InProcessColocatedHandle, served over gRPC on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from deploy.inprocess import InProcessColocatedHandle
+from deploy.runtime.local.inprocess import InProcessColocatedHandle
 from engine.config import EngineConfig
 from router.config import RouterConfig
 from router.tokenizer import RouterTokenizer

@@ -1,5 +1,5 @@
 """The HTTP front door over a real disaggregated cluster (a prefill and a decode worker in plain
-processes, deploy/local_cluster.py): greedy text through the `openai` SDK equals the gRPC text
+processes, deploy/runtime/local/local_cluster.py): greedy text through the `openai` SDK equals the gRPC text
 and transformers-parity tokens, and a client that disconnects mid-stream, or while its request
 waits for its first token, frees every KV block on both workers.
 """
@@ -18,8 +18,8 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from decode_worker.config import DecodeConfig
-from deploy.cluster_spec import ClusterSpec
-from deploy.local_cluster import LocalCluster
+from deploy.config.cluster_spec import ClusterSpec
+from deploy.runtime.local.local_cluster import LocalCluster
 from engine import EngineConfig
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillConfig

@@ -2,7 +2,7 @@
 
     add_tiny_tokenizer(model_dir) -> model_dir
 
-Trained (with deploy.demo_model's trainer) on a few sentences in English, French, Chinese and
+Trained (with deploy.config.demo_model's trainer) on a few sentences in English, French, Chinese and
 emoji, so multi-byte UTF-8 characters span several tokens and some tokens end in the middle of a
 character: the cases incremental detokenizing must get right. The vocabulary has exactly the tiny
 models' 512 ids, with <unk>=0, <s>=1 (BOS, prepended to every encoding) and </s>=2 (EOS),
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from deploy.demo_model import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+from deploy.config.demo_model import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
 
 VOCAB_SIZE = 512
 _CORPUS = [

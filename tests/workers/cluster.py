@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from decode_worker.config import DecodeConfig
 from decode_worker.worker import DecodeWorker
-from deploy.control_relay import ControlRelay
-from deploy.process_host import ProcessWorker
+from deploy.runtime.local.control_relay import ControlRelay
+from deploy.runtime.local.process_host import ProcessWorker
 from engine.messages import Overloaded, TokenEvent, WorkerRequest, WorkerUnavailable
 from engine.sampling_params import SamplingParams
 from prefill_worker.config import PrefillConfig

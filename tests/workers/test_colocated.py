@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from decode_worker.colocated import ColocatedWorker
-from deploy.process_host import ProcessWorker
+from deploy.runtime.local.process_host import ProcessWorker
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import Overloaded, Role, TokenEvent, WorkerRequest
 from engine.request import Request, RequestStatus
@@ -21,8 +21,11 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 # chunk 16 under a budget of 32: long prompts are prefilled in chunks that share steps with the
 # decodes of the shorter ones, the colocated (SARATHI) schedule.
 ENGINE_KWARGS = {
-    "dtype": "float64", "block_size": 8, "num_kv_blocks": 128,
-    "chunk_size": 16, "max_num_batched_tokens": 32,
+    "dtype": "float64",
+    "block_size": 8,
+    "num_kv_blocks": 128,
+    "chunk_size": 16,
+    "max_num_batched_tokens": 32,
 }
 PROMPTS = make_prompts((5, 70, 12, 19, 45, 33))
 
@@ -134,6 +137,7 @@ def test_prefix_hit_counts_skipped_tokens_and_equals_miss(tiny_model, reference)
 def test_process_worker_outputs_and_abort_while_decoding(tiny_model, reference) -> None:
     host = ProcessWorker(ColocatedWorker, "colo-p", config(tiny_model("llama")), name="colo-p")
     try:
+
         def poll(timeout_s: float) -> list[TokenEvent]:
             return host.call("poll_events", timeout_s, timeout_s=timeout_s + 10)
 
@@ -226,8 +230,10 @@ def test_tiny_pool_preempts_with_identical_outputs(tiny_model, reference) -> Non
 
 def test_overloaded_past_the_queue_bound(tiny_model) -> None:
     worker = ColocatedWorker(
-        "colo-full", config(tiny_model("llama"), max_num_seqs=1),
-        max_waiting_requests=2, max_waiting_tokens=30,
+        "colo-full",
+        config(tiny_model("llama"), max_num_seqs=1),
+        max_waiting_requests=2,
+        max_waiting_tokens=30,
     )
     try:
         worker.submit(request("running", PROMPTS[0], SamplingParams(max_tokens=400)))

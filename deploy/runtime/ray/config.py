@@ -1,7 +1,7 @@
 """What a RayCluster is built from (one frozen dataclass), and what `status()` reports.
 
-The YAML config and the command line (deploy/config.py, deploy/cli.py) become a ClusterSpec
-(deploy/cluster_spec.py), the same one plain processes run; `RayClusterConfig.from_cluster_spec`
+The YAML config and the command line (deploy/config/serve_config.py, deploy/cli/main.py) become a ClusterSpec
+(deploy/config/cluster_spec.py), the same one plain processes run; `RayClusterConfig.from_cluster_spec`
 takes its role configs and router config whole, so both runtimes serve with the same limits.
 Built field by field (tests, scripts), the worker and router configs are derived here, so
 prefill, decode and router always agree on block size, model length and dtype.
@@ -20,7 +20,7 @@ from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig
 
 if TYPE_CHECKING:
-    from deploy.cluster_spec import ClusterSpec
+    from deploy.config.cluster_spec import ClusterSpec
 
 
 @dataclass(frozen=True)

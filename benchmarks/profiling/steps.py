@@ -10,8 +10,8 @@ step takes there, even while other work shares this machine (`--clock wall` for 
   decode    one step of B running sequences with context C (the largest batch is prefilled once
             and shrunk by aborts, as benchmarks/decode_step.py does): a + b*Σ(ctx+1) + c*B
   transfer  one request's KV from a prefill rank process to a decode rank process over the real
-            kv_transfer channel (deploy/profile_transfer.py): per-message ms + bytes / bandwidth
-  path      (--path) the serving path around a TP=1 engine: deploy/profile_path.py
+            kv_transfer channel (benchmarks/profiling/transfer.py): per-message ms + bytes / bandwidth
+  path      (--path) the serving path around a TP=1 engine: benchmarks/profiling/path.py
 planner/fit.py fits them; the file has DistServe's shape plus our keys (planner/profile.py).
 """
 
@@ -192,7 +192,7 @@ def profile_tp(
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    """The `pdserve profile` handler (planner/cli.py registers the flags)."""
+    """The `pdserve profile` handler (benchmarks/profiling/cli.py parses the flags)."""
     configs, model_name = engine_configs(args)
     grid = QUICK if args.quick else FULL
     profiles, raw = {}, {}
@@ -203,13 +203,13 @@ def run_profile(args: argparse.Namespace) -> int:
     for tp, config in configs.items():
         entry, raw[str(tp)] = profile_tp(config, grid, log, getattr(args, "clock", "auto"))
         if not getattr(args, "no_transfer", False):
-            from deploy.profile_transfer import measure_transfer
+            from benchmarks.profiling.transfer import measure_transfer
 
             bandwidth, per_message, points = measure_transfer(config, tp, grid, log)
             entry = replace(entry, transfer_GBps=bandwidth, transfer_per_message_ms=per_message)
             raw[str(tp)]["transfer"] = points
         if getattr(args, "path", False) and tp == 1:
-            from deploy.profile_path import measure_handoff, measure_path
+            from benchmarks.profiling.path import measure_handoff, measure_path
             from planner.latency import StepModel
 
             terms = measure_path(config.model_dir, config, StepModel(entry), log)
@@ -231,8 +231,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def engine_configs(args: argparse.Namespace) -> tuple[dict[int, Any], str]:
     """One EngineConfig per TP size from the serve config (or the goodput benchmark's model)."""
-    from deploy.cluster_spec import engine_config, resolve_model_dir
-    from deploy.config import ServeConfig, load_config
+    from deploy.config.cluster_spec import engine_config, resolve_model_dir
+    from deploy.config.serve_config import ServeConfig, load_config
 
     tps = sorted({int(t) for t in str(args.tp).split(",")})
     if getattr(args, "bench_model", None):

@@ -11,14 +11,14 @@
     control relay ◀── each worker's own pipe ── send_control(instance_id, message) in a worker
                   ──▶ workers[instance_id].call("deliver", message), one thread per addressee
 
-The same shape as the Ray runtime (deploy/ray_cluster.py), with a pipe where Ray has actor calls.
+The same shape as the Ray runtime (deploy/runtime/ray/cluster.py), with a pipe where Ray has actor calls.
 Benchmarks use it for colocated layouts too (N ColocatedWorker replicas), optionally with each
 worker pinned to its own cores (`spec.pin_cpus`).
 
 Keeping serving: a watch thread restarts every worker process that died (killed, or exited
 because its loop failed, e.g. a TP rank died), with the same arguments, and swaps it into the
 router's handle. A restarted prefill instance first sends requests through its decode peers
-(deploy/ray_channels.settle_prefill_channels), so that they drop their channels to the dead
+(deploy/runtime/ray/channels.settle_prefill_channels), so that they drop their channels to the dead
 process before the router uses it. A restarted decode instance has new channel endpoints, so
 its peers dial fresh channels. Until it is back, `status()` reports the instance down. A
 restart that fails is tried again after a backoff (1 s, doubling up to 30 s), so a worker that
@@ -37,12 +37,12 @@ from typing import Any
 
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
-from deploy.cluster_spec import ClusterSpec
-from deploy.control_relay import ControlRelay
-from deploy.handles import ProcessHandle
-from deploy.process_host import ProcessWorker
-from deploy.restart_backoff import RestartBackoff
-from deploy.router_host import RouterHost
+from deploy.config.cluster_spec import ClusterSpec
+from deploy.runtime.local.control_relay import ControlRelay
+from deploy.runtime.local.handles import ProcessHandle
+from deploy.runtime.local.process_host import ProcessWorker
+from deploy.runtime.local.restart_backoff import RestartBackoff
+from deploy.runtime.router_host import RouterHost
 from engine.gc_tuning import unfreeze_heap
 from engine.messages import InstanceLoad, Role, WorkerUnavailable
 from prefill_worker.worker import PrefillWorker
@@ -322,7 +322,9 @@ class LocalCluster:
             self._restarting.discard(instance_id)
 
     def _settle_prefill(self, instance_id: str, worker: ProcessWorker) -> None:
-        from deploy.ray_channels import settle_prefill_channels  # imports ray: only when needed
+        from deploy.runtime.ray.channels import (
+            settle_prefill_channels,
+        )  # imports ray: only when needed
 
         decode_ids = [i for i in self.workers if i.startswith("decode")]
         _, _, tp_size = self._plan[instance_id]
@@ -340,7 +342,7 @@ class LocalCluster:
 
 
 class _Remote:
-    """A ProcessWorker as the worker object deploy/ray_channels drives (submit, load)."""
+    """A ProcessWorker as the worker object deploy/runtime/ray/channels.py drives (submit, load)."""
 
     def __init__(self, worker: ProcessWorker, timeout_s: float) -> None:
         self.worker = worker

@@ -8,7 +8,7 @@ A WorkerActor is threaded (many concurrent calls: a long `poll_events` never blo
 whole worker (model, KV pool, TP group), so "the actor is up" means "the worker is ready", and a
 restart (Ray's max_restarts, after the process died, or after it exited because its worker loop
 failed) builds a fresh worker behind the same name and handle. The router runs in the driver
-process (deploy/router_host.py), with a RayHandle per worker actor.
+process (deploy/runtime/router_host.py), with a RayHandle per worker actor.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from deploy.process_host import exit_when_failed
-from deploy.ray_channels import form_channels, settle_prefill_channels
-from deploy.ray_handles import ActorControl
-from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
+from deploy.runtime.local.process_host import exit_when_failed
+from deploy.runtime.ray.channels import form_channels, settle_prefill_channels
+from deploy.runtime.ray.handles import ActorControl
+from deploy.runtime.ray.placement import InstancePlacement, core_set, pin_to_core_set
 from engine.gc_tuning import freeze_startup_heap
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
 
@@ -48,7 +48,7 @@ class WorkerActor:
         import torch
 
         from decode_worker.worker import DecodeWorker
-        from deploy.ray_launcher import RayRankLauncher
+        from deploy.runtime.ray.launcher import RayRankLauncher
         from prefill_worker.worker import PrefillWorker
 
         imported_at = time.time()

@@ -1,6 +1,6 @@
 """Control messages between process-hosted workers (the no-Ray control plane).
 
-A worker's `send_control(instance_id, message)` is a `PipeControl` (deploy/process_host.py): it
+A worker's `send_control(instance_id, message)` is a `PipeControl` (deploy/runtime/local/process_host.py): it
 pickles the message and writes it up the worker's OWN pipe to this process, so a worker killed
 mid-write (SIGKILL is a normal path: tests, a failed worker's os._exit) breaks only its own
 pipe, never another worker's messages. The worker's ProcessWorker reads it there and hands it to
@@ -14,7 +14,7 @@ One delivery thread per addressed instance posts what is queued for it as one ba
 for the answers, so a peer busy in a long step takes them all between two steps, and a slow or
 hung peer delays only the messages addressed to it. (Within a batch the peer may handle messages
 in any order, as a threaded Ray actor may; each concerns one transfer.) Under Ray, actor calls do the same job
-(deploy/ray_actors.py).
+(deploy/runtime/ray/actors.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from deploy.process_host import PipeControl, ProcessWorker
+from deploy.runtime.local.process_host import PipeControl, ProcessWorker
 from engine.messages import WorkerUnavailable
 
 logger = logging.getLogger(__name__)

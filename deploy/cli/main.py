@@ -4,7 +4,8 @@
     pdserve generate --address 127.0.0.1:50051 --prompt "Hello" --max-tokens 32
     pdserve status --address 127.0.0.1:50051 --metrics 127.0.0.1:9400
     pdserve demo
-    pdserve bench --compare --out runs/today [--quick]
+    pdserve bench --compare --out runs/today [--quick]    (benchmarks/goodput/)
+    pdserve profile --out profile.json / pdserve plan ...  (benchmarks/profiling/, planner/)
 
 Flags override the config file; `serve` without --config starts from the defaults (the demo
 model). Errors the user can fix end with exit code 2 and a one-line message.
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from deploy.config import ConfigError, ServeConfig, apply_overrides, load_config
+from deploy.config.serve_config import ConfigError, ServeConfig, apply_overrides, load_config
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _OVERRIDES = (
@@ -97,21 +98,40 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.set_defaults(func=cmd_demo)
 
 
-def _add_bench(commands: argparse._SubParsersAction) -> None:
-    # Added by the benchmarks' owner: the options live with the benchmark (benchmarks/goodput/).
-    from benchmarks.goodput.options import add_bench_arguments
+# Subcommands owned by another package: `pdserve NAME ARGS` hands ARGS to that package's own
+# command line, imported only when NAME runs, so deploy imports neither benchmarks nor planner.
+def _run_bench(argv: list[str]) -> int:
+    from benchmarks.goodput.compare import main
 
-    bench = commands.add_parser(
-        "bench", help="goodput under SLOs: disaggregated against colocated (--compare --out DIR)"
-    )
-    add_bench_arguments(bench)
-    bench.set_defaults(func=cmd_bench)
+    return main(argv)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks.goodput.compare import report
+def _run_plan(argv: list[str]) -> int:
+    from planner.cli import main
 
-    return report(args)
+    return main(argv)
+
+
+def _run_profile(argv: list[str]) -> int:
+    from benchmarks.profiling.cli import main
+
+    return main(argv)
+
+
+_FORWARDED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "bench": (
+        "goodput under SLOs: disaggregated against colocated (--compare --out DIR)",
+        _run_bench,
+    ),
+    "plan": ("search placements for a workload and SLOs", _run_plan),
+    "profile": ("measure this deployment's latency model", _run_profile),
+}
+
+
+def _add_forwarded(commands: argparse._SubParsersAction) -> None:
+    """Listed in `pdserve --help`; `main` forwards them before this parser sees their flags."""
+    for name, (help_text, _run) in _FORWARDED.items():
+        commands.add_parser(name, help=f"{help_text} (pdserve {name} --help)", add_help=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,16 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_generate, _add_status, _add_demo, _add_bench, _add_planner):
+    for add in (_add_serve, _add_generate, _add_status, _add_demo, _add_forwarded):
         add(commands)
     return parser
-
-
-def _add_planner(commands: argparse._SubParsersAction) -> None:
-    """`pdserve plan` and `pdserve profile`: the planner registers its own options."""
-    from planner.cli import add_subcommands
-
-    add_subcommands(commands)
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -161,7 +174,7 @@ class _ServeSignals:
             raise KeyboardInterrupt(f"signal {signum}")
 
     def _exit_now(self, signum: int) -> None:
-        from deploy.ray_node import descendant_pids
+        from deploy.runtime.ray.node import descendant_pids
 
         _say(f"signal {signal.Signals(signum).name} again: stopping at once")
         for pid in descendant_pids(os.getpid()):
@@ -191,9 +204,9 @@ class _ServeSignals:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deploy.demo import resolve_demo_model
-    from deploy.launch import open_cluster
-    from deploy.models import resolve_model
+    from deploy.cli.demo import resolve_demo_model
+    from deploy.config.models import resolve_model
+    from deploy.runtime.launch import open_cluster
 
     config = serve_config(args)
     signals = _ServeSignals()
@@ -231,7 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve_proto.v1 import generation_pb2 as pb
 
-    from deploy.client import RouterClient, read_token
+    from deploy.cli.client import RouterClient, read_token
 
     request = pb.GenerateRequest(
         prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -261,8 +274,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2
 
-    from deploy.client import RouterClient, fetch_metrics, read_token
-    from deploy.status import format_status, parse_metrics
+    from deploy.cli.client import RouterClient, fetch_metrics, read_token
+    from deploy.cli.status import format_status, parse_metrics
 
     metrics_address = args.metrics
     if metrics_address is None and args.config:
@@ -283,7 +296,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from deploy.demo import run_demo
+    from deploy.cli.demo import run_demo
 
     run_demo(model_dir=args.model, use_ray=not args.no_ray, max_tokens=args.max_tokens)
     return 0
@@ -295,14 +308,19 @@ def _say(line: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script `pdserve`."""
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0] in _FORWARDED:
+        command, run = words[0], lambda: _FORWARDED[words[0]][1](words[1:])
+    else:
+        args = build_parser().parse_args(words)
+        command, run = args.command, lambda: args.func(args)
     try:
-        return int(args.func(args))
+        return int(run())
     except (ConfigError, ValueError, OSError) as exc:
-        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        print(f"pdserve {command}: error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"pdserve {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"pdserve {command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -39,7 +39,7 @@ from typing import Any
 
 import ray
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[3]  # deploy/runtime/ray/node.py
 _OBJECT_STORE_BYTES = 128 * 1024 * 1024  # control messages only
 # Task events (actor creations, ray.get_actor lookups...) the GCS keeps: Ray's default, 100,000
 # tasks, is a memory ceiling of ~100 MB that a long-running server reaches.

@@ -1,6 +1,6 @@
 """Host one worker object in a process of its own and call its methods from another.
 
-The plain-process control plane: tests, and running without Ray. (deploy/ray_*.py wraps the same
+The plain-process control plane: tests, and running without Ray. (deploy/runtime/ray/ wraps the same
 worker objects in Ray actors.) Calls are pickled over a pipe; the child serves each call on its
 own thread, so a long poll (`poll_events`) never blocks a `submit` or an `abort`.
 
@@ -9,7 +9,7 @@ own thread, so a long poll (`poll_events`) never blocks a `submit` or an `abort`
 
 Every call has a timeout; a dead child turns every pending and later call into WorkerUnavailable.
 
-Control messages between workers (deploy/control_relay.py) come up the same pipe: a
+Control messages between workers (deploy/runtime/local/control_relay.py) come up the same pipe: a
 `PipeControl` among the factory's arguments is the worker's `send_control`; in the child it
 writes `(CONTROL, "control", (instance_id, pickled message))`, and the parent's reader hands the
 pair to the relay. Each worker has a pipe of its own, so one killed mid-write breaks only its own.

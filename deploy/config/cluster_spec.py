@@ -3,7 +3,7 @@
     spec = build_cluster_spec(load_config(path))   # resolves "demo" to the local demo model
     LocalCluster(spec) / RayCluster(...)           # both start exactly this
 
-The config file (deploy/config.py) is the user's language; a ClusterSpec is the code's: one
+The config file (deploy/config/serve_config.py) is the user's language; a ClusterSpec is the code's: one
 EngineConfig per role with the file's KV, scheduler, dtype and TP settings, and the RouterConfig.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decode_worker.config import DecodeConfig
-from deploy.config import ServeConfig
-from deploy.models import resolve_model
+from deploy.config.models import resolve_model
+from deploy.config.serve_config import ServeConfig
 from engine.config import EngineConfig
 from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig

@@ -1,6 +1,6 @@
 """How fast the router streams, and how much latency it adds per token, against bare gRPC.
 
-    python benchmarks/router.py [--clients 64] [--tokens 256] [--rounds 3] [--out PATH]
+    python -m benchmarks.router_load [--clients 64] [--tokens 256] [--rounds 3] [--out PATH]
 
 Two servers stream the same synthetic tokens to the same clients, one after the other in this
 run:
@@ -40,20 +40,17 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "proto")]  # run from a bare checkout too
+import grpc
+from pdserve_proto.v1 import generation_pb2 as pb
 
-import grpc  # noqa: E402
-from pdserve_proto.v1 import generation_pb2 as pb  # noqa: E402
-
-from benchmarks.goodput.metrics import percentile  # noqa: E402
-from engine.gc_tuning import freeze_startup_heap, unfreeze_heap  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.server import Router  # noqa: E402
-from router.servicer import SERVICE_NAME  # noqa: E402
-from router.synthetic import SyntheticWorker  # noqa: E402
-from router.worker_api import Role, TokenEvent, WorkerRequest  # noqa: E402
+from engine.gc_tuning import freeze_startup_heap, unfreeze_heap
+from engine.sampling_params import SamplingParams
+from planner.metrics import percentile
+from router.config import RouterConfig
+from router.server import Router
+from router.servicer import SERVICE_NAME
+from router.synthetic import SyntheticWorker
+from router.worker_api import Role, TokenEvent, WorkerRequest
 
 _CLOCK_SPREAD = 0.02  # instance i steps every step_interval_s * (1 + 0.02 i)
 

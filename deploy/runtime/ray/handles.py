@@ -1,7 +1,7 @@
 """The router's handles over worker actors, and the workers' control path to each other.
 
 `RayHandle` is the PrefillHandle / DecodeHandle of router/worker_api.py over a worker actor
-(deploy/ray_actors.WorkerActor): each method is one actor call, made and waited for (with its own
+(deploy/runtime/ray/actors.WorkerActor): each method is one actor call, made and waited for (with its own
 timeout) on a thread, and awaited from the router's event loop. Failures map onto what the router understands:
 
     the actor died / is restarting / did not answer in time  -> WorkerUnavailable
@@ -27,7 +27,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from deploy.handles import HandleBase
+from deploy.runtime.local.handles import HandleBase
 from engine.messages import Role, WorkerUnavailable
 
 # Actor calls run on these threads, submission and result alike, as ProcessHandle's pipe calls
@@ -44,7 +44,7 @@ def actor_name(instance_id: str) -> str:
 
 class RayHandle(HandleBase):
     """A router handle over the worker actor named `actor_name(instance_id)` in `namespace`.
-    The handle methods are deploy/handles.py's; only how a call is made differs."""
+    The handle methods are deploy/runtime/local/handles.py's; only how a call is made differs."""
 
     def __init__(
         self,

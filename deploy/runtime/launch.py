@@ -1,4 +1,4 @@
-"""Pick the runtime for a config: Ray actors (deploy/ray_cluster.py) or plain processes.
+"""Pick the runtime for a config: Ray actors (deploy/runtime/ray/cluster.py) or plain processes.
 
     cluster = open_cluster(config, model_dir)      # RayCluster, or LocalCluster with ray off
     with cluster:
@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from deploy.cluster_spec import build_cluster_spec
-from deploy.config import ConfigError, ServeConfig
-from deploy.local_cluster import LocalCluster
+from deploy.config.cluster_spec import build_cluster_spec
+from deploy.config.serve_config import ConfigError, ServeConfig
+from deploy.runtime.local.local_cluster import LocalCluster
 
 if TYPE_CHECKING:
-    from deploy.ray_config import RayClusterConfig
+    from deploy.runtime.ray.config import RayClusterConfig
 
 
 class Cluster(Protocol):
@@ -44,9 +44,9 @@ class Cluster(Protocol):
 
 
 def ray_cluster_config(config: ServeConfig, model_dir: str) -> RayClusterConfig:
-    """The config file as deploy/ray_config.RayClusterConfig: the ClusterSpec plain processes
+    """The config file as deploy/runtime/ray/config.RayClusterConfig: the ClusterSpec plain processes
     run, with its role and router configs taken whole."""
-    from deploy.ray_config import RayClusterConfig
+    from deploy.runtime.ray.config import RayClusterConfig
 
     if config.mode != "disaggregated":
         raise ConfigError(
@@ -61,7 +61,7 @@ def open_cluster(
 ) -> Cluster:
     """A cluster for `config` (not started yet), on Ray unless `config.ray.enabled` is off."""
     if config.ray.enabled:
-        from deploy.ray_cluster import RayCluster
+        from deploy.runtime.ray.cluster import RayCluster
 
         return RayCluster(ray_cluster_config(config, model_dir))
     return LocalCluster(build_cluster_spec(config, model_dir=model_dir))

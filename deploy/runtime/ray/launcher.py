@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from deploy.ray_placement import InstancePlacement, core_set, pin_to_core_set
+from deploy.runtime.ray.placement import InstancePlacement, core_set, pin_to_core_set
 
 if TYPE_CHECKING:  # the driver creates RankActors without importing torch or the model code
     from engine.ranks import RankSpec
@@ -88,7 +88,7 @@ def start_rank_actors(
         remote_cls.options(
             name=rank_actor_name(placement.instance_id, rank) if named else None,
             max_concurrency=2, max_restarts=0, num_cpus=placement.num_cpus,
-            enable_task_events=False,  # see deploy/ray_node.py: the GCS keeps no per-call record
+            enable_task_events=False,  # see deploy/runtime/ray/node.py: the GCS keeps no per-call record
             num_gpus=placement.num_gpus, scheduling_strategy=placement.strategy(rank),
         ).remote(placement.worker_indices[rank], num_workers, pin_cores)
         for rank in range(1, placement.tp_size)

@@ -29,7 +29,7 @@ benchmarks/block_runs.py measures how often each arises under load with BlockPoo
               machine, the same order as loopback TCP); on a GPU they are device copies.
 
 Prints one JSON object as its last line; `--out PATH` also writes it.
-Run: python benchmarks/kv_transfer.py [--quick] [--out kv.json]
+Run: python -m benchmarks.kv_transfer_speed [--quick] [--out kv.json]
 """
 
 from __future__ import annotations
@@ -37,18 +37,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.kv_transfer_ranks import BenchWorker, start_bench_workers  # noqa: E402
-from kv_transfer.config import KVTransferConfig  # noqa: E402
-from kv_transfer.messages import KVTicket  # noqa: E402
-from kv_transfer.plan import plan_transfer  # noqa: E402
+from benchmarks.kv_transfer_ranks import BenchWorker, start_bench_workers
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.messages import KVTicket
+from kv_transfer.plan import plan_transfer
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
 DTYPE_BYTES = 4
@@ -93,9 +90,7 @@ class Bench:
         self.endpoints = [worker.call("endpoint") for worker in decode]
         self.next_transfer_id = 1
 
-    def one_transfer(
-        self, p: int, d: int, num_tokens: int, layerwise: bool, layout: str
-    ) -> float:
+    def one_transfer(self, p: int, d: int, num_tokens: int, layerwise: bool, layout: str) -> float:
         """Seconds from the first prefill rank's start to the last decode rank's landing."""
         num_blocks = -(-num_tokens // BLOCK_SIZE)
         tid, self.next_transfer_id = self.next_transfer_id, self.next_transfer_id + 1

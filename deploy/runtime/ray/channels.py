@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from deploy.ray_handles import actor_name
+from deploy.runtime.ray.handles import actor_name
 from engine.messages import Role, WorkerRequest
 from engine.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ handle interface."""
 from __future__ import annotations
 
 from decode_worker.colocated import ColocatedWorker
-from deploy.handles import LocalHandle
+from deploy.runtime.local.handles import LocalHandle
 from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.messages import Role

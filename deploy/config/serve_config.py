@@ -2,7 +2,7 @@
 
     config = load_config("deploy/local.yaml")             # or parse_config({...}) / ServeConfig()
     config = apply_overrides(config, port=50051, prefill_tp=2)
-    spec = build_cluster_spec(config)                      # deploy/cluster_spec.py: role configs
+    spec = build_cluster_spec(config)                      # deploy/config/cluster_spec.py: role configs
 
 Every section rejects keys it does not know, naming the key, where it was and the keys it takes,
 so a typo fails at start-up instead of silently keeping a default. The schema, with defaults:
@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from deploy.models import MODEL_NAMES, check_tensor_parallel
+from deploy.config.models import MODEL_NAMES, check_tensor_parallel
 from router.config import DECODE_POLICIES, PREFILL_POLICIES
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")

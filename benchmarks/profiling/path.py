@@ -55,8 +55,8 @@ def _engine_ms(model: StepModel, batch: int, prompt: int, output: int) -> float:
 def measure_path(model_dir: str, engine: Any, model: StepModel, log: Any) -> dict[str, float]:
     from benchmarks.goodput.driver import LoadDriver
     from benchmarks.goodput.layouts import cluster_spec, start_local_cluster
-    from benchmarks.goodput.metrics import tpot, ttft
     from benchmarks.goodput.workloads import build_requests
+    from planner.metrics import tpot, ttft
 
     spec = cluster_spec("colocated", model_dir, pin_cpus=True)
     spec = dataclasses.replace(spec, colocated=engine, num_colocated_instances=1)
@@ -105,8 +105,8 @@ def measure_handoff(model_dir: str, log: Any) -> float:
     and decode queue: the reservation, the dial, the landing noticed by the decode loop)."""
     from benchmarks.goodput.driver import LoadDriver
     from benchmarks.goodput.layouts import cluster_spec, start_local_cluster
-    from benchmarks.goodput.metrics import breakdown
     from benchmarks.goodput.workloads import build_requests
+    from planner.metrics import breakdown
 
     cluster = start_local_cluster(cluster_spec("disaggregated", model_dir, pin_cpus=True))
     driver = LoadDriver(num_processes=1)

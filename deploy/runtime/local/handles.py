@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from deploy.process_host import ProcessWorker
+from deploy.runtime.local.process_host import ProcessWorker
 from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
 
 

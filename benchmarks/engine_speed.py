@@ -9,7 +9,7 @@ pdserve gets all requests at once (continuous batching). transformers runs batch
 arrival order, left padded, max_new_tokens = the batch's largest target; only each request's own
 target tokens count as useful. Both run in this process, same dtype and torch thread count.
 
-    python -m benchmarks.engine [--quick] [--threads 1] [--out result.json]
+    python -m benchmarks.engine_speed [--quick] [--threads 1] [--out result.json]
 
 Prints one JSON object as the last line: per workload pdserve_tokens_per_s, hf_tokens_per_s,
 ratio, peak RSS of each phase, plus the config.
