@@ -15,8 +15,9 @@ import json
 import time
 
 from benchmarks.load_cancel_run import generate
+from deploy.config.cluster_spec import build_cluster_spec
+from deploy.config.serve_config import parse_config
 from deploy.runtime.ray.cluster import RayCluster
-from deploy.runtime.ray.config import RayClusterConfig
 
 
 def gcs_rss_mb(pids: list[int]) -> float:
@@ -52,8 +53,12 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
-    config = RayClusterConfig(args.model, prefill_tp_size=2, num_kv_blocks=256)
-    with RayCluster(config) as cluster:
+    config = parse_config({
+        "model": args.model, "prefill": {"tensor_parallel_size": 2},
+        "kv_cache": {"num_blocks": 256},
+        "router": {"port": 0, "shutdown_grace_s": 5},
+    })  # fmt: skip
+    with RayCluster(build_cluster_spec(config)) as cluster:
         cluster.start()
         time.sleep(3)
         start = gcs_rss_mb(cluster.pids())

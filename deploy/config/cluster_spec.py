@@ -1,20 +1,23 @@
 """What a cluster is made of, as the role configs the workers and the router take.
 
     spec = build_cluster_spec(load_config(path))   # resolves "demo" to the local demo model
-    LocalCluster(spec) / RayCluster(...)           # both start exactly this
+    LocalCluster(spec) / RayCluster(spec)          # both start exactly this
 
 The config file (deploy/config/serve_config.py) is the user's language; a ClusterSpec is the code's: one
-EngineConfig per role with the file's KV, scheduler, dtype and TP settings, and the RouterConfig.
+EngineConfig per role with the file's KV, scheduler, dtype and TP settings, the KV hand-off's
+deadlines, the RouterConfig, and the Ray runtime's own settings (unused by plain processes).
+Every knob is declared once, in the file's sections; this module is the one translator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode_worker.config import DecodeConfig
 from deploy.config.models import resolve_model
-from deploy.config.serve_config import ServeConfig
+from deploy.config.serve_config import RaySection, ServeConfig
 from engine.config import EngineConfig
+from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig
 
@@ -25,7 +28,8 @@ class ClusterSpec:
 
     Disaggregated: `num_prefill_instances` x `prefill` and `num_decode_instances` x `decode`.
     Colocated: `num_colocated_instances` x `colocated` (an EngineConfig each), no prefill/decode.
-    `pin_cpus` gives each worker process (and its TP ranks) its own cores on CPU.
+    `pin_cpus` gives each worker process (and its TP ranks) its own cores on CPU. `ray`: what
+    only the Ray runtime reads (address, CPUs, custom resources, restarts).
     """
 
     router: RouterConfig
@@ -36,7 +40,7 @@ class ClusterSpec:
     colocated: EngineConfig | None = None
     num_colocated_instances: int = 0
     pin_cpus: bool = False
-    ray_address: str | None = None
+    ray: RaySection = field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
         if self.num_colocated_instances > 0:
@@ -59,6 +63,17 @@ class ClusterSpec:
     @property
     def is_colocated(self) -> bool:
         return self.num_colocated_instances > 0
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes in all: one per TP rank of every instance."""
+        if self.colocated is not None and self.is_colocated:
+            return self.num_colocated_instances * self.colocated.tensor_parallel_size
+        assert self.prefill is not None and self.decode is not None
+        return (
+            self.num_prefill_instances * self.prefill.engine.tensor_parallel_size
+            + self.num_decode_instances * self.decode.engine.tensor_parallel_size
+        )
 
     def instance_ids(self) -> list[str]:
         """prefill-0.., decode-0.. (or colocated-0..): the names the router and logs use."""
@@ -86,13 +101,20 @@ def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         chunk_size=config.scheduler.chunk_size,
+        enable_prefix_caching=config.kv_cache.prefix_caching,
         max_model_len=config.router.max_model_len,
     )
 
 
+def kv_transfer_config(config: ServeConfig) -> KVTransferConfig:
+    return KVTransferConfig(
+        transfer_timeout_s=config.kv_transfer.transfer_timeout_s,
+        start_timeout_s=config.kv_transfer.start_timeout_s,
+    )
+
+
 def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:
-    """The router's config: the one builder both runtimes use (LocalCluster through the spec,
-    RayCluster through RayClusterConfig.from_cluster_spec), so their limits cannot drift."""
+    """The router's config, built once here: both runtimes take it from the spec."""
     router = config.router
     prefill_policy = (
         config.colocated.policy if config.mode == "colocated" else config.prefill.policy
@@ -122,23 +144,25 @@ def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:
 def build_cluster_spec(config: ServeConfig, model_dir: str | None = None) -> ClusterSpec:
     """The ClusterSpec of a config file; `model_dir` (if given) replaces the file's model."""
     model_dir = model_dir or resolve_model_dir(config.model)
-    common = {
-        "router": router_config(config, model_dir),
-        "pin_cpus": config.pin_cpus,
-        "ray_address": config.ray.address,
-    }
+    router = router_config(config, model_dir)
+    pin_cpus = config.pin_cpus and config.device == "cpu"  # CUDA workers drive a GPU, unpinned
     if config.mode == "colocated":
         return ClusterSpec(
+            router,
             colocated=engine_config(config, model_dir, config.colocated.tensor_parallel_size),
             num_colocated_instances=config.colocated.instances,
-            **common,
+            pin_cpus=pin_cpus,
+            ray=config.ray,
         )
     prefill_engine = engine_config(config, model_dir, config.prefill.tensor_parallel_size)
     decode_engine = engine_config(config, model_dir, config.decode.tensor_parallel_size)
+    kv_transfer = kv_transfer_config(config)
     return ClusterSpec(
-        prefill=PrefillConfig(engine=prefill_engine),
+        router,
+        prefill=PrefillConfig(engine=prefill_engine, kv_transfer=kv_transfer),
         num_prefill_instances=config.prefill.instances,
-        decode=DecodeConfig(engine=decode_engine),
+        decode=DecodeConfig(engine=decode_engine, kv_transfer=kv_transfer),
         num_decode_instances=config.decode.instances,
-        **common,
+        pin_cpus=pin_cpus,
+        ray=config.ray,
     )

@@ -15,20 +15,23 @@ so a typo fails at start-up instead of silently keeping a default. The schema, w
     prefill:   {instances: 1, tensor_parallel_size: 1, policy: least_tokens}
     decode:    {instances: 1, tensor_parallel_size: 1, policy: most_free_blocks}
     colocated: {instances: 1, tensor_parallel_size: 1, policy: least_tokens}
-    kv_cache:  {block_size: 16, memory_mb: 256, num_blocks: null}
+    kv_cache:  {block_size: 16, memory_mb: 256, num_blocks: null, prefix_caching: true}
+    kv_transfer: {transfer_timeout_s: 30, start_timeout_s: 60}
     scheduler: {chunk_size: 512, max_num_seqs: 64, max_num_batched_tokens: 2048}
     router:    {host: 127.0.0.1, port: 50051, metrics_port: null, http_port: null,
                 http_host: 127.0.0.1, auth_token: null,
                 auth_token_file: null, tls_cert_file: null, tls_key_file: null,
                 max_running_requests: 256, max_queued_requests: 256, max_model_len: null,
                 worker_timeout_s: 10, shutdown_grace_s: 30}
-    ray:       {enabled: true, address: null}   # null: a local Ray cluster on this machine
+    ray:       {enabled: true, address: null, num_cpus: null, num_cpus_per_worker: null,
+                prefill_resources: {}, decode_resources: {}, max_restarts: -1}
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,21 @@ def _check_int(where: str, name: str, value: Any, minimum: int, allow_none: bool
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{where}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_bool(where: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}.{name} must be true or false, got {value!r}")
+
+
+def _check_seconds(where: str, name: str, value: Any, allow_zero: bool = False) -> None:
+    if not (_is_amount(value) or (allow_zero and value == 0 and not isinstance(value, bool))):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{where}.{name} must be a number of seconds {bound}, got {value!r}")
+
+
+def _is_amount(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
 
 
 def _check_choice(where: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -118,11 +136,25 @@ class KVCacheConfig:
     block_size: int = 16
     memory_mb: int = 256
     num_blocks: int | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check_int("kv_cache", "block_size", self.block_size, 1)
         _check_int("kv_cache", "memory_mb", self.memory_mb, 1)
         _check_int("kv_cache", "num_blocks", self.num_blocks, 1, allow_none=True)
+        _check_bool("kv_cache", "prefix_caching", self.prefix_caching)
+
+
+@dataclass(frozen=True)
+class KVTransferSection:
+    """Deadlines of one KV hand-off, in seconds (kv_transfer/config.py says what each bounds)."""
+
+    transfer_timeout_s: float = 30.0
+    start_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check_seconds("kv_transfer", "transfer_timeout_s", self.transfer_timeout_s)
+        _check_seconds("kv_transfer", "start_timeout_s", self.start_timeout_s, allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -174,9 +206,7 @@ class RouterSection:
         _check_int("router", "max_queued_requests", self.max_queued_requests, 0)
         _check_int("router", "max_model_len", self.max_model_len, 2, allow_none=True)
         for name in ("worker_timeout_s", "shutdown_grace_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ConfigError(f"router.{name} must be a number of seconds > 0, got {value!r}")
+            _check_seconds("router", name, getattr(self, name))
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(
                 f"router.host must be an address such as 127.0.0.1, got {self.host!r}"
@@ -210,19 +240,42 @@ class RouterSection:
 
 @dataclass(frozen=True)
 class RaySection:
-    """`enabled: false` runs every worker as a plain process (no Ray). `address: null` starts a
-    local Ray cluster on 127.0.0.1; "auto" or "HOST:PORT" joins a running one."""
+    """The Ray runtime's own settings; plain processes (`enabled: false`) have no use for them.
+
+    `address: null` starts a local Ray cluster on 127.0.0.1 with `num_cpus` (null: this
+    machine's); "auto" or "HOST:PORT" joins a running one. `num_cpus_per_worker: null` shares the
+    cluster's CPUs among the workers (at most 1 each). `prefill_resources` / `decode_resources`
+    are custom Ray resources added to each worker's bundle (e.g. {node_a: 0.01}) to pin a role
+    to a node group. `max_restarts`: how often Ray restarts a worker actor that died; -1: always,
+    as plain processes are (a limit would leave the instance down for good).
+    """
 
     enabled: bool = True
     address: str | None = None
+    num_cpus: int | None = None
+    num_cpus_per_worker: float | None = None
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
+    max_restarts: int = -1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"ray.enabled must be true or false, got {self.enabled!r}")
+        _check_bool("ray", "enabled", self.enabled)
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise ConfigError(
                 f"ray.address must be 'auto', 'HOST:PORT' or null, got {self.address!r}"
             )
+        _check_int("ray", "num_cpus", self.num_cpus, 1, allow_none=True)
+        cpus = self.num_cpus_per_worker
+        if cpus is not None and not _is_amount(cpus):
+            raise ConfigError(f"ray.num_cpus_per_worker must be a number > 0, got {cpus!r}")
+        _check_int("ray", "max_restarts", self.max_restarts, -1)
+        for name in ("prefill_resources", "decode_resources"):
+            resources = getattr(self, name)
+            if not isinstance(resources, dict):
+                raise ConfigError(f"ray.{name} must map resource names to amounts: {resources!r}")
+            for key, amount in resources.items():
+                if not isinstance(key, str) or not _is_amount(amount):
+                    raise ConfigError(f"ray.{name}[{key!r}] must be a number > 0, got {amount!r}")
 
 
 @dataclass(frozen=True)
@@ -238,6 +291,7 @@ class ServeConfig:
     decode: DecodeSection = field(default_factory=DecodeSection)
     colocated: ColocatedSection = field(default_factory=ColocatedSection)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     router: RouterSection = field(default_factory=RouterSection)
     ray: RaySection = field(default_factory=RaySection)
@@ -256,8 +310,7 @@ class ServeConfig:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"config.device must be 'cpu' or 'cuda', got {self.device!r}")
         _check_choice("config", "mode", self.mode, MODES)
-        if not isinstance(self.pin_cpus, bool):
-            raise ConfigError(f"config.pin_cpus must be true or false, got {self.pin_cpus!r}")
+        _check_bool("config", "pin_cpus", self.pin_cpus)
         for name, section_type in _SECTIONS.items():
             if not isinstance(getattr(self, name), section_type):
                 raise ConfigError(f"{name} must be a {section_type.__name__}")
@@ -327,6 +380,7 @@ _SECTIONS: dict[str, type] = {
     "decode": DecodeSection,
     "colocated": ColocatedSection,
     "kv_cache": KVCacheConfig,
+    "kv_transfer": KVTransferSection,
     "scheduler": SchedulerConfig,
     "router": RouterSection,
     "ray": RaySection,

@@ -1,16 +1,19 @@
-"""Helpers for the Ray deployment tests: a tiny model with a tokenizer, gRPC streams, and checks
-on listening sockets and processes."""
+"""Helpers for the Ray deployment tests: a tiny model with a tokenizer, its ClusterSpec, gRPC
+streams, and checks on listening sockets and processes."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
+from deploy.config.cluster_spec import ClusterSpec, build_cluster_spec
+from deploy.config.serve_config import parse_config
 from tests.engine.test_llm import hf_greedy, make_prompts
 from tests.listening import is_loopback, listening_addresses
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
@@ -22,6 +25,13 @@ __all__ = ["hf_greedy", "make_prompts"]
 def tiny_model_with_tokenizer(folder: Path) -> str:
     """The tiny llama of tests/tiny_models.py with the tiny tokenizer in its folder."""
     return add_tiny_tokenizer(Path(make_tiny_model(folder, "llama")))
+
+
+def serve_spec(model_dir: str, **sections: Any) -> ClusterSpec:
+    """The ClusterSpec of a serve config written as its YAML mapping (dtype="float64",
+    prefill={"tensor_parallel_size": 2}, ...); the router binds a free port unless told."""
+    router = {"port": 0, **sections.pop("router", {})}
+    return build_cluster_spec(parse_config({"model": model_dir, "router": router, **sections}))
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The serving config file: schema, unknown keys, bad values, flag overrides, and the mapping onto
-the role configs (LocalCluster) and RayClusterConfig (RayCluster)."""
+the ClusterSpec both runtimes take (every key, runtime by runtime: test_config_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from deploy.config.serve_config import (
     load_config,
     parse_config,
 )
-from deploy.runtime.launch import ray_cluster_config
+from deploy.runtime.launch import open_cluster
+from deploy.runtime.local.local_cluster import LocalCluster
+from deploy.runtime.ray.cluster import RayCluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,6 +88,16 @@ def test_unknown_keys_are_named_with_the_valid_ones(data: dict, message: str) ->
         ({"model": "/no/such/folder"}, "model '/no/such/folder' is not a Hugging Face model"),
         ({"ray": {"enabled": "yes"}}, "ray.enabled must be true or false, got 'yes'"),
         ({"prefill": 2}, "prefill must be a mapping of keys, got 2"),
+        ({"kv_cache": {"prefix_caching": "no"}}, "kv_cache.prefix_caching must be true or false"),
+        ({"kv_transfer": {"transfer_timeout_s": 0}},
+         "kv_transfer.transfer_timeout_s must be a number of seconds > 0, got 0"),
+        ({"kv_transfer": {"start_timeout_s": -1}},
+         "kv_transfer.start_timeout_s must be a number of seconds >= 0, got -1"),
+        ({"ray": {"max_restarts": -2}}, "ray.max_restarts must be an integer >= -1, got -2"),
+        ({"ray": {"num_cpus_per_worker": 0}}, "ray.num_cpus_per_worker must be a number > 0"),
+        ({"ray": {"prefill_resources": {"node_a": 0}}},
+         "ray.prefill_resources['node_a'] must be a number > 0, got 0"),
+        ({"ray": {"decode_resources": ["node_b"]}}, "ray.decode_resources must map resource"),
     ],
 )  # fmt: skip
 def test_bad_values_say_what_to_fix(data: dict, message: str) -> None:
@@ -159,12 +171,15 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
     assert prefill.kv_cache_memory_bytes == 3 * 1024 * 1024 and prefill.num_kv_blocks is None
     assert (decode.chunk_size, decode.max_num_seqs, decode.max_num_batched_tokens) == (64, 7, 128)
     assert spec.router.auth_token == "s3cret" and spec.router.prefill_policy == "prefix_affinity"
-    ray_config = ray_cluster_config(config, model_dir)
-    assert ray_config.prefill_config() == spec.prefill
-    assert ray_config.decode_config() == spec.decode
-    assert ray_config.num_decode_instances == 3
-    assert ray_config.router_config().auth_token == "s3cret"
-    assert ray_config.router_config().prefill_policy == "prefix_affinity"
+    ray_cluster = open_cluster(config, model_dir)
+    assert isinstance(ray_cluster, RayCluster)  # not started: what it would start
+    workers = ray_cluster.worker_configs()
+    assert workers == {
+        "prefill-0": spec.prefill,
+        **dict.fromkeys(spec.instance_ids()[1:], spec.decode),
+    }
+    assert ray_cluster.host.config.auth_token == "s3cret"
+    assert ray_cluster.host.config.prefill_policy == "prefix_affinity"
 
 
 def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
@@ -174,8 +189,8 @@ def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
         "worker_timeout_s": 7.5, "shutdown_grace_s": 12, "http_port": 0,
     }  # fmt: skip
     config = parse_config({"model": model_dir, "router": router})
-    plain = build_cluster_spec(config).router
-    assert plain == ray_cluster_config(config, model_dir).router_config()
+    plain = LocalCluster(build_cluster_spec(config)).host.config
+    assert plain == RayCluster(build_cluster_spec(config)).host.config
     assert (plain.max_running_requests, plain.max_queued_requests) == (3, 2)
     assert (plain.max_model_len, plain.worker_timeout_s, plain.shutdown_grace_s) == (300, 7.5, 12)
     assert (plain.http_host, plain.http_port) == ("127.0.0.1", 0)  # the HTTP API, on loopback
@@ -183,8 +198,8 @@ def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
     assert spec.prefill is not None and spec.prefill.engine.max_model_len == 300
     # the defaults agree too, and the drain outlasts a typical stream
     default = parse_config({"model": model_dir})
-    plain = build_cluster_spec(default).router
-    assert plain == ray_cluster_config(default, model_dir).router_config()
+    plain = LocalCluster(build_cluster_spec(default)).host.config
+    assert plain == RayCluster(build_cluster_spec(default)).host.config
     assert (plain.max_running_requests, plain.max_queued_requests) == (256, 256)
     assert plain.shutdown_grace_s == 30
     assert plain.http_port is None  # the HTTP API is opt-in
@@ -211,7 +226,9 @@ def test_colocated_layout_has_replicas_and_no_ray(model_dir: str) -> None:
     ]
     assert spec.router.prefill_policy == "round_robin"
     with pytest.raises(ConfigError, match="runs as plain processes only"):
-        ray_cluster_config(config, model_dir)
+        open_cluster(config, model_dir)
+    with pytest.raises(ValueError, match="Ray runs the disaggregated layout only"):
+        RayCluster(spec)
 
 
 def _example_configs() -> dict[str, dict]:

@@ -18,14 +18,14 @@ import ray
 
 from deploy.cli.client import fetch_metrics
 from deploy.cli.status import format_status, parse_metrics
-from deploy.runtime.ray.cluster import RayCluster
-from deploy.runtime.ray.config import RayClusterConfig, WorkerStatus
+from deploy.runtime.ray.cluster import RayCluster, WorkerStatus
 from deploy.runtime.ray.node import process_is_running
 from engine.messages import Role
 from tests.deploy.ray_support import (
     hf_greedy,
     make_prompts,
     non_loopback_listeners,
+    serve_spec,
     stream,
     stream_all,
     tiny_model_with_tokenizer,
@@ -52,12 +52,14 @@ def reference(model_dir: str) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: str) -> Iterator[RayCluster]:
-    config = RayClusterConfig(
-        model_dir=model_dir, dtype="float64", prefill_tp_size=2, num_decode_instances=2,
-        block_size=8, num_kv_blocks=256, max_num_batched_tokens=256, chunk_size=32,
-        kv_transfer_timeout_s=5.0, worker_timeout_s=5.0, shutdown_grace_s=1.0, metrics_port=0,
+    spec = serve_spec(
+        model_dir, dtype="float64", prefill={"tensor_parallel_size": 2}, decode={"instances": 2},
+        kv_cache={"block_size": 8, "num_blocks": 256},
+        scheduler={"max_num_batched_tokens": 256, "chunk_size": 32},
+        kv_transfer={"transfer_timeout_s": 5.0},
+        router={"worker_timeout_s": 5.0, "shutdown_grace_s": 1.0, "metrics_port": 0},
     )  # fmt: skip
-    ray_cluster = RayCluster(config)
+    ray_cluster = RayCluster(spec)
     progress: list[str] = []
     try:
         ray_cluster.start(progress=progress.append)

@@ -15,9 +15,14 @@ import ray
 from ray.cluster_utils import Cluster
 
 from deploy.runtime.ray.cluster import RayCluster
-from deploy.runtime.ray.config import RayClusterConfig
 from deploy.runtime.ray.node import descendant_pids, process_is_running, use_loopback_node_address
-from tests.deploy.ray_support import hf_greedy, make_prompts, stream_all, tiny_model_with_tokenizer
+from tests.deploy.ray_support import (
+    hf_greedy,
+    make_prompts,
+    serve_spec,
+    stream_all,
+    tiny_model_with_tokenizer,
+)
 
 PROMPTS = make_prompts((4, 9, 17, 26, 31, 12, 40, 6), seed=5)
 MAX_TOKENS = 10
@@ -43,12 +48,14 @@ def test_prefill_on_one_node_decode_on_the_other(tmp_path) -> None:
         )  # fmt: skip
         nodes.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
         nodes.wait_for_nodes()
-        config = RayClusterConfig(
-            model_dir=model_dir, dtype="float64", prefill_tp_size=2, num_decode_instances=2,
-            block_size=8, num_kv_blocks=128, address=nodes.address,
-            prefill_resources={"node_a": 0.01}, decode_resources={"node_b": 0.01},
+        spec = serve_spec(
+            model_dir, dtype="float64", prefill={"tensor_parallel_size": 2},
+            decode={"instances": 2}, kv_cache={"block_size": 8, "num_blocks": 128},
+            router={"shutdown_grace_s": 5.0},
+            ray={"address": nodes.address, "prefill_resources": {"node_a": 0.01},
+                 "decode_resources": {"node_b": 0.01}},
         )  # fmt: skip
-        with RayCluster(config) as cluster:
+        with RayCluster(spec) as cluster:
             cluster.start()
             results = stream_all(cluster.address, PROMPTS, MAX_TOKENS)
             assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(

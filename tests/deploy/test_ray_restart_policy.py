@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.runtime.ray.config import RayClusterConfig
-from tests.router.tiny_tokenizer import add_tiny_tokenizer
-from tests.tiny_models import make_tiny_model
+from deploy.config.serve_config import ConfigError
+from deploy.runtime.ray.cluster import RayCluster
+from tests.deploy.ray_support import serve_spec, tiny_model_with_tokenizer
 
 
 def test_worker_actors_restart_without_limit_unless_configured(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    model_dir = add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("ray"), "llama"))
-    assert RayClusterConfig(model_dir=model_dir).max_restarts == -1
-    assert RayClusterConfig(model_dir=model_dir, max_restarts=5).max_restarts == 5
-    with pytest.raises(ValueError, match="max_restarts must be an integer >= -1"):
-        RayClusterConfig(model_dir=model_dir, max_restarts=-2)
+    model_dir = tiny_model_with_tokenizer(tmp_path_factory.mktemp("ray"))
+    default = RayCluster(serve_spec(model_dir))
+    assert default.actor_options()["max_restarts"] == -1
+    limited = RayCluster(serve_spec(model_dir, ray={"max_restarts": 5}))
+    assert limited.actor_options()["max_restarts"] == 5
+    with pytest.raises(ConfigError, match="ray.max_restarts must be an integer >= -1"):
+        serve_spec(model_dir, ray={"max_restarts": -2})

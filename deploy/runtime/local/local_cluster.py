@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from decode_worker.colocated import ColocatedWorker
+from decode_worker.config import DecodeConfig
 from decode_worker.worker import DecodeWorker
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.local.control_relay import ControlRelay
@@ -43,8 +44,10 @@ from deploy.runtime.local.handles import ProcessHandle
 from deploy.runtime.local.process_host import ProcessWorker
 from deploy.runtime.local.restart_backoff import RestartBackoff
 from deploy.runtime.router_host import RouterHost
+from engine.config import EngineConfig
 from engine.gc_tuning import unfreeze_heap
 from engine.messages import InstanceLoad, Role, WorkerUnavailable
+from prefill_worker.config import PrefillConfig
 from prefill_worker.worker import PrefillWorker
 from router.server import Router
 
@@ -148,24 +151,28 @@ class LocalCluster:
             if errors:
                 raise errors[0]
 
+    def worker_configs(self) -> dict[str, PrefillConfig | DecodeConfig | EngineConfig]:
+        """The config each worker process is built with, by instance id, prefill first."""
+        spec = self.spec
+        by_role: dict[str, PrefillConfig | DecodeConfig | EngineConfig | None] = {
+            "prefill": spec.prefill, "decode": spec.decode, "colocated": spec.colocated,
+        }  # fmt: skip
+        configs = {i: by_role[i.split("-")[0]] for i in spec.instance_ids()}
+        return {i: config for i, config in configs.items() if config is not None}
+
     def _worker_plan(self) -> list[tuple[str, Callable[..., Any], tuple, int]]:
         """(instance_id, factory, factory args, TP size) for each worker, prefill first."""
-        spec = self.spec
         assert self._relay is not None
         control = self._relay.sender()
-        if spec.is_colocated:
-            assert spec.colocated is not None
-            tp = spec.colocated.tensor_parallel_size
-            return [(i, ColocatedWorker, (i, spec.colocated), tp) for i in spec.instance_ids()]
-        assert spec.prefill is not None and spec.decode is not None
         plan: list[tuple[str, Callable[..., Any], tuple, int]] = []
-        for instance_id in spec.instance_ids():
-            if instance_id.startswith("prefill"):
-                tp = spec.prefill.engine.tensor_parallel_size
-                plan.append((instance_id, PrefillWorker, (spec.prefill, instance_id, control), tp))
-            else:
-                tp = spec.decode.engine.tensor_parallel_size
-                plan.append((instance_id, DecodeWorker, (spec.decode, instance_id, control), tp))
+        for instance_id, config in self.worker_configs().items():
+            if isinstance(config, EngineConfig):  # colocated
+                tp = config.tensor_parallel_size
+                plan.append((instance_id, ColocatedWorker, (instance_id, config), tp))
+                continue
+            factory = PrefillWorker if isinstance(config, PrefillConfig) else DecodeWorker
+            tp = config.engine.tensor_parallel_size
+            plan.append((instance_id, factory, (config, instance_id, control), tp))
         return plan
 
     def _start_router(self) -> None:
@@ -323,8 +330,8 @@ class LocalCluster:
 
     def _settle_prefill(self, instance_id: str, worker: ProcessWorker) -> None:
         from deploy.runtime.ray.channels import (
-            settle_prefill_channels,
-        )  # imports ray: only when needed
+            settle_prefill_channels,  # imports ray: only when needed
+        )
 
         decode_ids = [i for i in self.workers if i.startswith("decode")]
         _, _, tp_size = self._plan[instance_id]
@@ -342,7 +349,7 @@ class LocalCluster:
 
 
 class _Remote:
-    """A ProcessWorker as the worker object deploy/runtime/ray/channels.py drives (submit, load)."""
+    """A ProcessWorker as the worker object deploy/runtime/ray/channels drives (submit, load)."""
 
     def __init__(self, worker: ProcessWorker, timeout_s: float) -> None:
         self.worker = worker

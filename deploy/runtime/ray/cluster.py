@@ -1,12 +1,12 @@
 """RayCluster: the one object the command line uses to run pdserve on Ray.
 
-    with RayCluster(RayClusterConfig(model_dir, prefill_tp_size=2, num_decode_instances=2)) as c:
+    with RayCluster(build_cluster_spec(config)) as c:     # the ClusterSpec plain processes take
         address = c.start(progress=print)      # "127.0.0.1:50123", gRPC health SERVING
         c.status()                             # workers, loads, KV usage, health
         c.serve_forever()                      # until SIGINT/SIGTERM, then shutdown()
 
 Start-up, in order (each step reported through `progress` and timed in `startup_timings`):
-1. Ray: a local cluster on 127.0.0.1 (deploy/runtime/ray/node.py), or join `config.address`.
+1. Ray: a local cluster on 127.0.0.1 (deploy/runtime/ray/node.py), or join `spec.ray.address`.
 2. Placement groups (deploy/runtime/ray/placement.py): each prefill instance STRICT_PACK, one bundle
    per TP rank; decode replicas spread; GPUs or CPU shares claimed as Ray resources.
 3. Worker actors (deploy/runtime/ray/actors.py), all at once: each loads the model, forms its TP group
@@ -17,8 +17,8 @@ Start-up, in order (each step reported through `progress` and timed in `startup_
 5. The router, in this process (deploy/runtime/router_host.py) with a RayHandle per worker actor; then
    wait until gRPC health is SERVING.
 
-Failures: a worker actor whose process dies is restarted by Ray (`max_restarts`) behind the same
-name and handle. Its in-flight requests end with UNAVAILABLE ("worker decode-1 became
+Failures: a worker actor whose process dies is restarted by Ray (`ray.max_restarts`) behind the
+same name and handle. Its in-flight requests end with UNAVAILABLE ("worker decode-1 became
 unavailable (...); retry the request"): pdserve does not re-run them, because tokens already
 streamed cannot be taken back and sampling may not be reproducible. New requests avoid the
 instance (the router's pool marks it unhealthy) until its load reports healthy again, which is
@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,10 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from decode_worker.config import DecodeConfig
+from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.ray.actors import WorkerActor
 from deploy.runtime.ray.channels import form_all_channels
-from deploy.runtime.ray.config import ClusterStatus, RayClusterConfig, WorkerStatus
 from deploy.runtime.ray.handles import RayHandle, actor_name
 from deploy.runtime.ray.launcher import rank_actor_name, start_rank_actors
 from deploy.runtime.ray.node import LocalRay, connect_ray, start_local_ray
@@ -62,22 +64,53 @@ from deploy.runtime.ray.placement import (
     wait_until_placed,
 )
 from deploy.runtime.router_host import RouterHost
-from engine.messages import Role
+from engine.messages import InstanceLoad, Role
+from prefill_worker.config import PrefillConfig
 
 logger = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
+@dataclass
+class WorkerStatus:
+    """One worker instance as `RayCluster.status()` sees it."""
+
+    instance_id: str
+    role: Role
+    tp_size: int
+    healthy: bool
+    node_ip: str = ""
+    node_id: str = ""
+    pids: list[int] = field(default_factory=list)
+    load: InstanceLoad | None = None  # None when the actor did not answer
+    error: str | None = None
+
+
+@dataclass
+class ClusterStatus:
+    router_address: str
+    serving: bool  # gRPC health of the router
+    workers: list[WorkerStatus]
+    ray_pids: list[int]  # every process of the local Ray cluster (empty when joined)
+
+
 class RayCluster:
-    def __init__(self, config: RayClusterConfig) -> None:
-        self.config = config
+    """The ClusterSpec on Ray: `spec.ray` holds what only this runtime reads."""
+
+    def __init__(self, spec: ClusterSpec, start_timeout_s: float = 180.0) -> None:
+        if spec.prefill is None or spec.decode is None:
+            raise ValueError("Ray runs the disaggregated layout only; run colocated without Ray")
+        self.spec = spec
+        self.prefill: PrefillConfig = spec.prefill
+        self.decode: DecodeConfig = spec.decode
+        self.start_timeout_s = start_timeout_s
         self.namespace = f"pdserve-{uuid.uuid4().hex[:8]}"
         self.startup_timings: dict[str, float] = {}  # step -> seconds
         self.worker_startup: dict[str, dict[str, float]] = {}  # id -> process start/import/build
         self.placements: list[InstancePlacement] = []
         self.worker_actors: dict[str, Any] = {}
-        self.host = RouterHost(config.router_config())
+        self.host = RouterHost(spec.router)
         self.rank_actors: list[Any] = []  # TP ranks 1..k-1 (a restarted driver makes its own)
         self._node: LocalRay | None = None
         self._address = ""
@@ -101,11 +134,11 @@ class RayCluster:
         """Bring the whole cluster up; returns the router's address once health is SERVING."""
         say = progress or (lambda message: None)
         try:
-            self._step("ray", say, "starting Ray" if self.config.address is None
-                       else f"joining Ray at {self.config.address}", self._start_ray)  # fmt: skip
+            self._step("ray", say, "starting Ray" if self.spec.ray.address is None
+                       else f"joining Ray at {self.spec.ray.address}", self._start_ray)  # fmt: skip
             if self.temp_dir is not None:
                 say(f"Ray temp dir {self.temp_dir}")
-            self._step("placement", say, f"reserving {self.config.num_workers} workers",
+            self._step("placement", say, f"reserving {self.spec.num_workers} workers",
                        self._place)  # fmt: skip
             self._step("workers", say, "loading the model on every worker", self._start_workers)
             self._step("channels", say, "forming the KV channels", self._form_kv_channels)
@@ -126,54 +159,67 @@ class RayCluster:
             self._node.remember_processes()
 
     def _start_ray(self) -> None:
-        if self.config.address is None:
-            self._node = start_local_ray(self.namespace, self.config.num_cpus)
+        if self.spec.ray.address is None:
+            self._node = start_local_ray(self.namespace, self.spec.ray.num_cpus)
         else:
-            self._node = connect_ray(self.config.address, self.namespace)
+            self._node = connect_ray(self.spec.ray.address, self.namespace)
+
+    def placement_plan(self, cluster_cpus: float) -> PlacementPlan:
+        """Where the workers go. Unless `ray.num_cpus_per_worker` is set, they share the
+        cluster's `cluster_cpus` (2 cores and 4 workers: 0.5 each, at most 1)."""
+        spec, options = self.spec, self.spec.ray
+        cpus = options.num_cpus_per_worker
+        if cpus is None:
+            cpus = max(0.01, min(1.0, math.floor(100 * cluster_cpus / spec.num_workers) / 100))
+        return PlacementPlan(
+            spec.num_prefill_instances, self.prefill.engine.tensor_parallel_size,
+            spec.num_decode_instances, self.decode.engine.tensor_parallel_size,
+            self.prefill.engine.device, cpus,
+            dict(options.prefill_resources), dict(options.decode_resources),
+        )  # fmt: skip
 
     def _place(self) -> None:
-        cpus = self.config.num_cpus_per_worker
-        if cpus is None:  # share the CPUs: 2 cores and 4 workers -> 0.5 each
-            total = ray.cluster_resources().get("CPU", 1.0)
-            cpus = max(0.01, min(1.0, math.floor(100 * total / self.config.num_workers) / 100))
-        plan = PlacementPlan(
-            self.config.num_prefill_instances, self.config.prefill_tp_size,
-            self.config.num_decode_instances, self.config.decode_tp_size, self.config.device,
-            cpus, dict(self.config.prefill_resources), dict(self.config.decode_resources),
-        )  # fmt: skip
+        plan = self.placement_plan(ray.cluster_resources().get("CPU", 1.0))
         self.placements = place_instances(plan, f"{self.namespace}-")
-        wait_until_placed(self.placements, self.config.start_timeout_s)
+        wait_until_placed(self.placements, self.start_timeout_s)
+
+    def worker_configs(self) -> dict[str, PrefillConfig | DecodeConfig]:
+        """The config each worker actor is built with, by instance id."""
+        return {
+            i: self.prefill if i.startswith("prefill-") else self.decode
+            for i in self.spec.instance_ids()
+        }
+
+    def actor_options(self) -> dict[str, Any]:
+        """The Ray options of every worker actor, beside its placement."""
+        return {
+            "max_concurrency": 64,
+            # Every request makes several calls (submit, reserve, polls, deliver) and the GCS
+            # would keep an event record of each: memory grew per request served.
+            "enable_task_events": False,
+            "max_restarts": self.spec.ray.max_restarts,
+            "max_task_retries": 0,
+        }
 
     def _start_workers(self) -> None:
         remote = ray.remote(WorkerActor)
-        pin = self.config.pin_cpus and self.config.device == "cpu"
+        pin, num_workers, configs = self.spec.pin_cpus, self.spec.num_workers, self.worker_configs()
         for placement in self.placements:
-            self.rank_actors.extend(
-                start_rank_actors(placement, self.config.num_workers, pin, named=True)
-            )
+            self.rank_actors.extend(start_rank_actors(placement, num_workers, pin, named=True))
             ranks = [rank_actor_name(placement.instance_id, r) for r in range(1, placement.tp_size)]
-            config = (
-                self.config.prefill_config() if placement.role == Role.PREFILL
-                else self.config.decode_config()
-            )  # fmt: skip
             self.worker_actors[placement.instance_id] = remote.options(
                 name=actor_name(placement.instance_id),
-                max_concurrency=64,
-                # Every request makes several calls (submit, reserve, polls, deliver) and the
-                # GCS would keep an event record of each: memory grew per request served.
-                enable_task_events=False,
-                max_restarts=self.config.max_restarts,
-                max_task_retries=0,
                 num_cpus=placement.num_cpus,
                 num_gpus=placement.num_gpus,
                 scheduling_strategy=placement.strategy(0),
+                **self.actor_options(),
             ).remote(
-                config, placement, self.config.num_workers, pin, self.namespace, ranks,
-                self._peers_of(placement.role),
+                configs[placement.instance_id], placement, num_workers, pin, self.namespace,
+                ranks, self._peers_of(placement.role),
             )  # fmt: skip
         created_at = time.time()
         infos = [actor.info.remote() for actor in self.worker_actors.values()]
-        answers = ray.get(infos, timeout=self.config.start_timeout_s)  # built: ready
+        answers = ray.get(infos, timeout=self.start_timeout_s)  # built: ready
         for instance_id, info in zip(self.worker_actors, answers, strict=True):
             startup = dict(info["startup"])
             startup["process_start_s"] = startup.pop("started_at") - created_at
@@ -181,24 +227,24 @@ class RayCluster:
 
     def _form_kv_channels(self) -> None:
         form_all_channels(
-            self._actors_of("prefill-"), self._actors_of("decode-"), self.config.prefill_tp_size,
-            self.config.prefill_config().kv_transfer.transfer_timeout_s + 10,
+            self._actors_of("prefill-"), self._actors_of("decode-"),
+            self.prefill.engine.tensor_parallel_size,
+            self.prefill.kv_transfer.transfer_timeout_s + 10,
         )  # fmt: skip
 
     def _peers_of(self, role: Role) -> dict[str, int]:
         """The instances a worker of `role` hands KV to or from, with their TP sizes."""
-        if role == Role.DECODE:
-            names = [f"prefill-{i}" for i in range(self.config.num_prefill_instances)]
-            return dict.fromkeys(names, self.config.prefill_tp_size)
-        names = [f"decode-{j}" for j in range(self.config.num_decode_instances)]
-        return dict.fromkeys(names, self.config.decode_tp_size)
+        peers = self.prefill if role == Role.DECODE else self.decode
+        prefix = "prefill-" if role == Role.DECODE else "decode-"
+        names = [i for i in self.spec.instance_ids() if i.startswith(prefix)]
+        return dict.fromkeys(names, peers.engine.tensor_parallel_size)
 
     def _actors_of(self, prefix: str) -> dict[str, Any]:
         return {i: a for i, a in self.worker_actors.items() if i.startswith(prefix)}
 
     def _start_router(self) -> None:
         prefill, decode = self._actors_of("prefill-"), self._actors_of("decode-")
-        tp_sizes = dict.fromkeys(prefill, self.config.prefill_tp_size)
+        tp_sizes = dict.fromkeys(prefill, self.prefill.engine.tensor_parallel_size)
         timeout_s = self.host.config.worker_timeout_s
         self._address = self.host.start(
             [RayHandle(i, Role.PREFILL, a, self.namespace, timeout_s) for i, a in prefill.items()],
@@ -215,12 +261,12 @@ class RayCluster:
         return self.host.http_port
 
     def _wait_serving(self) -> None:
-        deadline = time.monotonic() + self.config.start_timeout_s
+        deadline = time.monotonic() + self.start_timeout_s
         while not self.serving():
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"the router at {self._address} did not report SERVING within "
-                    f"{self.config.start_timeout_s:.0f}s"
+                    f"{self.start_timeout_s:.0f}s"
                 )
             time.sleep(0.05)
 
@@ -240,14 +286,14 @@ class RayCluster:
         return bool(reply.status == _SERVING)
 
     def _channel(self) -> grpc.Channel:
-        cert_file = self.config.router_config().tls_cert_file
+        cert_file = self.host.config.tls_cert_file
         if cert_file is None:
             return grpc.insecure_channel(self._address)
         root = Path(cert_file).read_bytes()
         return grpc.secure_channel(self._address, grpc.ssl_channel_credentials(root))
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        token = self.config.router_config().auth_token
+        token = self.host.config.auth_token
         return (("authorization", f"Bearer {token}"),) if token else ()
 
     def status(self, timeout_s: float = 5.0) -> ClusterStatus:
@@ -297,7 +343,7 @@ class RayCluster:
         if self._closed:
             return
         self._closed = True
-        grace = self.config.router_config().shutdown_grace_s if grace_s is None else grace_s
+        grace = self.host.config.shutdown_grace_s if grace_s is None else grace_s
         if ray.is_initialized():
             self._stop_actors(grace)
             remove_placements(self.placements)
