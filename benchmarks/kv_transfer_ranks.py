@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ class BenchWorker:
         )
         self.process.start()
 
-    def post(self, *command: Any) -> None:
+    def post(self, command: RankCommand) -> None:
         self.commands.put(command)
 
     def reply(self, timeout: float = 120.0) -> Any:
@@ -37,12 +38,12 @@ class BenchWorker:
             raise RuntimeError(value)
         return value
 
-    def call(self, *command: Any) -> Any:
-        self.post(*command)
+    def call(self, command: RankCommand) -> Any:
+        self.post(command)
         return self.reply()
 
     def stop(self) -> None:
-        self.post("exit")
+        self.post(Exit())
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
@@ -199,10 +200,68 @@ def _worker_main(role: str, spec: tuple[int, ...], commands: Any, replies: Any) 
     state = _RankState(role, spec)
     replies.put(("ok", "ready"))
     while True:
-        name, *args = commands.get()
-        if name == "exit":
+        command = commands.get()
+        if isinstance(command, Exit):
             return
         try:
-            replies.put(("ok", getattr(state, name)(*args)))
+            replies.put(("ok", command.run(state)))
         except Exception as exc:  # report, keep serving: the parent decides
             replies.put(("error", repr(exc)))
+
+
+# The commands a rank process runs: typed, each calls the _RankState method it names.
+class RankCommand:
+    def run(self, state: _RankState) -> Any:
+        raise NotImplementedError
+
+
+class Exit(RankCommand):
+    """Leave the command loop (the process ends)."""
+
+
+class Endpoint(RankCommand):
+    def run(self, state: _RankState) -> ChannelEndpoint:
+        return state.endpoint()
+
+
+@dataclass(frozen=True)
+class Recv(RankCommand):
+    ticket: KVTicket
+    rank: int
+
+    def run(self, state: _RankState) -> None:
+        state.recv(self.ticket, self.rank)
+
+
+class WaitRecv(RankCommand):
+    def run(self, state: _RankState) -> float:
+        return state.wait_recv()
+
+
+@dataclass(frozen=True)
+class Send(RankCommand):
+    ticket: KVTicket
+    rank: int
+    block_ids: list[int]
+
+    def run(self, state: _RankState) -> float:
+        return state.send(self.ticket, self.rank, self.block_ids)
+
+
+@dataclass(frozen=True)
+class RawRecv(RankCommand):
+    num_bytes: int
+    pair_keys: tuple[str, ...] = ("raw",)
+
+    def run(self, state: _RankState) -> None:
+        state.raw_recv(self.num_bytes, self.pair_keys)
+
+
+@dataclass(frozen=True)
+class RawSend(RankCommand):
+    endpoints: list[ChannelEndpoint]
+    num_bytes: int
+    pair_keys: tuple[str, ...] = ("raw",)
+
+    def run(self, state: _RankState) -> float:
+        return state.raw_send(self.endpoints, self.num_bytes, self.pair_keys)

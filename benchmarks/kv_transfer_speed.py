@@ -42,7 +42,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.kv_transfer_ranks import BenchWorker, start_bench_workers
+from benchmarks.kv_transfer_ranks import (
+    BenchWorker,
+    Endpoint,
+    RawRecv,
+    RawSend,
+    Recv,
+    Send,
+    WaitRecv,
+    start_bench_workers,
+)
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
@@ -87,7 +96,7 @@ class Bench:
     def __init__(self, prefill: list[BenchWorker], decode: list[BenchWorker]) -> None:
         self.prefill = prefill
         self.decode = decode
-        self.endpoints = [worker.call("endpoint") for worker in decode]
+        self.endpoints = [worker.call(Endpoint()) for worker in decode]
         self.next_transfer_id = 1
 
     def one_transfer(self, p: int, d: int, num_tokens: int, layerwise: bool, layout: str) -> float:
@@ -108,20 +117,20 @@ class Bench:
             timeout_s=60.0,
         )
         for rank in range(d):
-            self.decode[rank].call("recv", ticket, rank)
+            self.decode[rank].call(Recv(ticket, rank))
         src_ids = source_ids(num_blocks, layout, tid + 7919)
         for rank in range(p):
-            self.prefill[rank].post("send", ticket, rank, src_ids)
+            self.prefill[rank].post(Send(ticket, rank, src_ids))
         for rank in range(d):
-            self.decode[rank].post("wait_recv")
+            self.decode[rank].post(WaitRecv())
         starts = [self.prefill[rank].reply() for rank in range(p)]
         ends = [self.decode[rank].reply() for rank in range(d)]
         return max(ends) - min(starts)
 
     def one_raw(self, num_bytes: int) -> float:
-        self.decode[0].call("raw_recv", num_bytes)
-        self.prefill[0].post("raw_send", [self.endpoints[0]], num_bytes)
-        self.decode[0].post("wait_recv")
+        self.decode[0].call(RawRecv(num_bytes))
+        self.prefill[0].post(RawSend([self.endpoints[0]], num_bytes))
+        self.decode[0].post(WaitRecv())
         start = self.prefill[0].reply()
         return self.decode[0].reply() - start
 
@@ -132,15 +141,15 @@ class Bench:
         share = num_bytes // len(segments) // 4 * 4
         for rank in range(d):
             keys = tuple(f"raw{s.prefill_rank}-{rank}" for s in segments if s.decode_rank == rank)
-            self.decode[rank].call("raw_recv", share, keys)
+            self.decode[rank].call(RawRecv(share, keys))
         for rank in range(p):
             mine = [s for s in segments if s.prefill_rank == rank]
             keys = tuple(f"raw{rank}-{s.decode_rank}" for s in mine)
             self.prefill[rank].post(
-                "raw_send", [self.endpoints[s.decode_rank] for s in mine], share, keys
+                RawSend([self.endpoints[s.decode_rank] for s in mine], share, keys)
             )
         for rank in range(d):
-            self.decode[rank].post("wait_recv")
+            self.decode[rank].post(WaitRecv())
         starts = [self.prefill[rank].reply() for rank in range(p)]
         ends = [self.decode[rank].reply() for rank in range(d)]
         return max(ends) - min(starts)

@@ -1,13 +1,13 @@
 """One decode TP rank's share of the KV hand-off: receive this rank's KV heads into its cache.
 
-Built on every rank by the Executor (`rank_extension=DecodeRank`, or a partial of it with the
-host address) and driven from the driver with `executor.collective_call`, in step order:
+Built on every rank by the Executor (inside worker/worker.KVRankSides, the rank extension) and
+driven from the driver with `executor.run_on_ranks(command)`, in step order:
 
-    driver                                      every rank (DecodeRank)
-    collective_call("endpoints")           -->  every rank's ChannelEndpoint, gathered
-    collective_call("start_receive", t)    -->  KVRankReceiver.receive: returns at once; threads
-                                                wait for the data (bounded by the deadline)
-    collective_call("poll_receives")       -->  reports of receives that ended, gathered
+    driver                 every rank (DecodeRank)
+    Endpoints()            every rank's ChannelEndpoint, gathered
+    StartReceive(ticket)   KVRankReceiver.receive: returns at once; threads wait for the data
+                           (bounded by the deadline)
+    PollReceives()         reports of receives that ended, gathered
 
 The ticket's blocks stay reserved in the driver's KVReceiver until every rank has reported:
 until then the backend may still write into them.
@@ -16,9 +16,11 @@ until then the backend may still write into them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine import parallel
 from engine.model_runner import ModelRunner
+from engine.ranks import RankCommand
 from kv_transfer.channel import ChannelEndpoint, ChannelHost
 from kv_transfer.errors import KVTransferCancelled, KVTransferError
 from kv_transfer.messages import KVTicket
@@ -85,3 +87,30 @@ class DecodeRank:
 
     def close(self) -> None:
         self.channel_host.close()
+
+
+class ReceivingRanks(Protocol):
+    """A rank extension with a receiving side (worker/worker.KVRankSides)."""
+
+    @property
+    def receiving(self) -> DecodeRank: ...
+
+
+@dataclass(frozen=True)
+class Endpoints(RankCommand[ReceivingRanks, "list[ChannelEndpoint]"]):
+    def run(self, extension: ReceivingRanks) -> list[ChannelEndpoint]:
+        return extension.receiving.endpoints()
+
+
+@dataclass(frozen=True)
+class StartReceive(RankCommand[ReceivingRanks, None]):
+    ticket: KVTicket
+
+    def run(self, extension: ReceivingRanks) -> None:
+        extension.receiving.start_receive(self.ticket)
+
+
+@dataclass(frozen=True)
+class PollReceives(RankCommand[ReceivingRanks, "list[list[RecvReport]]"]):
+    def run(self, extension: ReceivingRanks) -> list[list[RecvReport]]:
+        return extension.receiving.poll_receives()

@@ -4,7 +4,7 @@
     with LLM(model_dir, dtype="float32") as llm:
         outputs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16))
 
-Names are imported lazily (PEP 562), so `import engine.messages` or `engine.block_pool` (the
+Names are imported lazily (PEP 562), so `import engine.block_pool` (the
 router, kv_transfer) does not pull in torch models and transformers.
 """
 

@@ -16,15 +16,16 @@ A process that is itself a TP rank (a prefill/decode worker rank) builds its run
 `init_tp_group(rank, size, port, device)` then `ModelRunner(config, rank, size)`.
 
 Workers add per-rank behaviour (the prefill side's KV sender) with `rank_extension`: a picklable
-factory called on every rank with that rank's runner; `collective_call(method, ...)` then runs the
-extension's method on every rank, in step order with the batches, and returns the driver's result.
+factory called on every rank with that rank's runner; `run_on_ranks(command)` then runs a typed
+RankCommand on every rank's extension, in step order with the batches, and returns the driver's
+result.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,7 +38,7 @@ from engine.model_runner import ModelRunner
 from engine.net import free_port
 from engine.ranks import (
     SHUTDOWN,
-    RankCall,
+    RankCommand,
     RankExtension,
     RankLauncher,
     RankSpec,
@@ -46,7 +47,9 @@ from engine.ranks import (
 )
 from engine.step_queue import StepQueue
 
-__all__ = ["Executor", "RankCall", "RankExtension", "free_port", "run_worker_loop"]
+__all__ = ["Executor", "RankCommand", "RankExtension", "free_port", "run_worker_loop"]
+
+R = TypeVar("R")
 
 
 class _Ranks:
@@ -134,12 +137,11 @@ class Executor:
         """Logits [batch.num_sampled, vocab_size] (float32; float64 for float64 models)."""
         return self._on_all_ranks(batch, lambda: self._runner.execute(batch))
 
-    def collective_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`rank_extension(runner).<method>(*args, **kwargs)` on every rank; the driver's result."""
-        call = RankCall(method, args, kwargs)
-        return self._on_all_ranks(call, lambda: call.apply(self.extension))
+    def run_on_ranks(self, command: RankCommand[Any, R]) -> R:
+        """`command.run(extension)` on every rank, in step order; the driver's result."""
+        return self._on_all_ranks(command, lambda: command.run(self.extension))
 
-    def _on_all_ranks(self, message: Any, run_here: Callable[[], Any]) -> Any:
+    def _on_all_ranks(self, message: Any, run_here: Callable[[], R]) -> R:
         if self._broken is not None:
             raise RuntimeError(f"executor is unusable: {self._broken}")
         if not self._finalizer.alive:

@@ -1,5 +1,6 @@
-"""The in-process engine: `LLMEngine` (one step at a time, the colocated worker's core) and `LLM`
-(the offline `generate` API for scripts, tests and benchmarks).
+"""The in-process engine: `LLMEngine` (one step at a time, every worker's core) and `LLM` (the
+offline `generate` API for scripts, tests and benchmarks). A worker that moves KV in or out
+gives the engine a KV connector (engine/kv_connector.py); the step loop is this one either way.
 
     engine = LLMEngine(EngineConfig(model_dir="..."))
     engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
@@ -16,6 +17,7 @@ from typing import Any
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.executor import Executor
+from engine.kv_connector import KVConnector
 from engine.outputs import RequestOutput, SchedulerStats, StepOutput
 from engine.request import Request
 from engine.sampler import Sampler
@@ -29,8 +31,14 @@ class LLMEngine:
     Not thread-safe: call add_request / abort / step from one thread (a worker's loop).
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        connector: KVConnector | None = None,
+    ) -> None:
         self.config = config
+        self.connector = connector if connector is not None else KVConnector()
         self.executor = executor if executor is not None else Executor(config)
         model_config = self.executor.model_config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -46,6 +54,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=model_config.eos_token_ids,
             seed=config.seed,
+            connector=self.connector,
         )
         self.sampler = Sampler()
 
@@ -55,18 +64,46 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         arrival_time: float = 0.0,
+        decodes_here: bool = True,
     ) -> Request:
-        """Queue a request; raises ValueError if it can never run (see Scheduler.add_request)."""
-        vocab_size = self.executor.model_config.vocab_size
+        """Queue a request; raises ValueError for token ids outside the vocabulary or a prompt
+        that leaves no room for a token (`check_fits`). One whose longest form exceeds the whole
+        pool ends with an error at admission. `decodes_here=False`: the KV connector hands it
+        off after its first token."""
+        params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        self.check_fits(request_id, prompt, None)
+        request = Request(request_id, prompt, params, arrival_time, decodes_here=decodes_here)
+        self.scheduler.add_request(request)
+        return request
+
+    def check_fits(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None
+    ) -> None:
+        """Raise ValueError unless the request can run here: token ids in the vocabulary, a
+        prompt shorter than the model length and, with `params`, room in the whole pool for its
+        longest form (a decode reservation checks that before any KV moves)."""
+        vocab_size = self.executor.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(
                 f"prompt_token_ids must be in [0, {vocab_size}) for this model, got {bad[:5]}"
             )
-        request = Request(request_id, prompt, params or SamplingParams(), arrival_time)
-        self.scheduler.add_request(request)
-        return request
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0 or num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {num_prompt} tokens; it needs 1 to "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len})"
+            )
+        if params is None:
+            return
+        max_len = min(num_prompt + params.max_tokens, self.max_model_len)
+        num_blocks = -(-max_len // self.executor.block_size)
+        if num_blocks > self.block_pool.num_blocks:
+            raise ValueError(
+                f"request {request_id!r} may grow to {max_len} tokens ({num_blocks} KV blocks), "
+                f"but the pool has {self.block_pool.num_blocks}: lower max_tokens"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks; its end comes in the next step()."""
@@ -74,6 +111,8 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Run one step; one StepOutput per request that gained a token or ended."""
+        for request in self.connector.start_step():  # their KV landed: they join as prefilled
+            self.scheduler.add_prefilled(request)
         batch = self.scheduler.schedule()
         sampled: list[int] = []
         if batch:
@@ -83,7 +122,7 @@ class LLMEngine:
         return self.scheduler.update(batch, sampled)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.connector.has_work()
 
     @property
     def stats(self) -> SchedulerStats:

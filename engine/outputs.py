@@ -19,6 +19,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None  # one of engine.request.FINISH_REASONS' values once finished
     error: str | None = None  # what went wrong, when finish_reason == "error"
+    handed_off: bool = False  # finished here with its first token; it decodes elsewhere
 
 
 @dataclass

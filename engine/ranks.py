@@ -1,7 +1,7 @@
 """The non-driver TP ranks: what each one runs, and who starts them.
 
 A rank's body (`run_rank`) is the same wherever it lives: join the TP group, build its
-ModelRunner and extension, report ready, then run every batch or RankCall the driver posts
+ModelRunner and extension, report ready, then run every batch or RankCommand the driver posts
 until the driver posts SHUTDOWN. A `RankLauncher` decides where that body runs:
 `SpawnLauncher` (default) starts local processes; deploy/ starts Ray actors in a placement group
 so that every rank claims its own GPU and sits where the placement logic put it.
@@ -14,9 +14,9 @@ import queue
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.multiprocessing as mp
@@ -31,20 +31,17 @@ from engine.step_queue import DriverWatch, StepQueue
 SHUTDOWN = None  # posted to the ranks to make them leave their loop
 
 RankExtension = Callable[[ModelRunner], Any]
+E = TypeVar("E")
+R = TypeVar("R")
 
 
-@dataclass
-class RankCall:
-    """Run `extension.<method>(*args, **kwargs)` on every TP rank (posted like a batch)."""
+class RankCommand(Generic[E, R]):
+    """Work for the rank extension `E` of every TP rank, posted like a batch: a picklable
+    dataclass whose `run(extension)` calls the extension's method itself, so both ends are typed
+    (no method name travels as a string). Subclasses: the KV connectors' commands."""
 
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def apply(self, extension: Any) -> Any:
-        if extension is None:
-            raise RuntimeError(f"rank call {self.method!r} needs a rank_extension")
-        return getattr(extension, self.method)(*self.args, **self.kwargs)
+    def run(self, extension: E) -> R:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -61,15 +58,15 @@ class RankSpec:
 
 
 def run_worker_loop(runner: ModelRunner, extension: Any = None) -> None:
-    """A non-driver TP rank: run every batch (or RankCall) the driver posts, until SHUTDOWN.
+    """A non-driver TP rank: run every batch (or RankCommand) the driver posts, until SHUTDOWN.
     Between steps it waits with no deadline (see engine/step_queue.py)."""
     steps = StepQueue(parallel.tp_store(), parallel.tp_rank(), parallel.tp_size())
     while True:
         message = steps.take()
         if message is SHUTDOWN:
             return
-        if isinstance(message, RankCall):
-            message.apply(extension)
+        if isinstance(message, RankCommand):
+            message.run(extension)
         else:
             runner.execute(message)
 

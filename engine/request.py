@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5  # max_tokens or the model's length
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    FINISHED_HANDED_OFF = 8  # first token sampled here; the decode runs on another instance
 
     @property
     def is_finished(self) -> bool:
@@ -52,6 +53,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    decodes_here: bool = True  # False: its KV connector hands it off after its first token
 
     @property
     def num_prompt_tokens(self) -> int:

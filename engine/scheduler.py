@@ -7,6 +7,9 @@ One engine step reads:
     sampled = sampler(logits, scheduler.sampling_rows(batch))
     outputs = scheduler.update(batch, sampled)     # append tokens, stop, free, cache blocks
 
+The stop rule lives here, once. A KV connector (engine/kv_connector.py) hooks into `update` and
+`_finish`: a request whose decode runs elsewhere ends here, handed off, with its first token.
+
 `schedule()` fills one step under `max_num_seqs` and `max_num_batched_tokens`, in this order:
   1. running requests that decode (one token each; a new block when one fills up),
   2. running requests whose prefill is partial (the next chunk of at most `chunk_size` tokens),
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.block_pool import BlockPool
+from engine.kv_connector import KVConnector
 from engine.outputs import SchedulerStats, StepOutput
 from engine.prefix_cache import PrefixCache, token_slice
 from engine.request import FINISH_REASONS, Request, RequestStatus
@@ -60,6 +64,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         seed: int = 0,
+        connector: KVConnector | None = None,
     ) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
@@ -69,6 +74,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefix_cache = PrefixCache(block_pool, block_size)
+        self.connector = connector if connector is not None else KVConnector()
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         # Requests whose prompt KV already sits in their own blocks (`add_prefilled`).
@@ -237,7 +243,8 @@ class Scheduler:
 
     def _can_never_fit(self, request: Request) -> bool:
         """Finish (error) the queue head if even the whole pool cannot hold its longest form."""
-        max_len = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
+        max_new = request.params.max_tokens if request.decodes_here else 1
+        max_len = min(request.num_prompt_tokens + max_new, self.max_model_len)
         num_blocks = -(-max_len // self.block_size)
         if num_blocks <= self.block_pool.num_blocks:
             return False
@@ -302,14 +309,21 @@ class Scheduler:
                 continue
             request.output_token_ids.append(token_id)
             status = self._stop_status(request, token_id)
+            if status is None and not request.decodes_here:
+                if self.connector.hand_off(request):  # it holds the blocks from here on
+                    status = RequestStatus.FINISHED_HANDED_OFF
             if status is None:
                 outputs.append(StepOutput(request.request_id, [token_id]))
             else:
                 self._finish(request, status)
                 num_finished += 1
+                handed_off = status == RequestStatus.FINISHED_HANDED_OFF
                 outputs.append(
-                    StepOutput(request.request_id, [token_id], True, FINISH_REASONS[status])
-                )
+                    StepOutput(
+                        request.request_id, [token_id], True, FINISH_REASONS.get(status),
+                        handed_off=handed_off,
+                    )
+                )  # fmt: skip
         if num_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
@@ -330,6 +344,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release its blocks; the caller takes it out of running/waiting."""
         request.status = status
+        if status != RequestStatus.FINISHED_HANDED_OFF:
+            self.connector.request_finished(request)
         self._release_blocks(request)
         del self.requests[request.request_id]
 

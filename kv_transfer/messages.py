@@ -14,9 +14,12 @@ The control plane (Ray calls, pipes in tests) carries them; kv_transfer never se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kv_transfer.channel import ChannelEndpoint
 from kv_transfer.config import DEFAULT_MIN_PIECE_BYTES
+
+if TYPE_CHECKING:  # the control plane (the router included) need not import torch
+    from kv_transfer.channel import ChannelEndpoint
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def breakdown(record: RequestRecord) -> dict[str, float]:
     transfer = timings.get("kv_transfer_s", 0.0)
     before_transfer = timings.get("prefill_queue_s", 0.0) + timings.get("prefill_s", 0.0)
     if transfer > before_transfer:
-        # DecodeWorker reports kv_transfer_s from its reservation, which the router makes before
+        # the decode side reports kv_transfer_s from its reservation, which the router makes before
         # the prefill is queued: the prefill queue and the prefill are inside it.
         transfer -= before_transfer
     decode_queue = timings.get("decode_queue_s", 0.0)

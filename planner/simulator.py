@@ -12,7 +12,7 @@ no prefill instances: their KV is on a decode instance when they arrive), as Dis
 Alg. 1 sizes each phase on its own.
 Colocated, two policies:
   "vllm"     DistServe's model of vLLM: a queued prompt batch runs first, whole; decode otherwise
-  "chunked"  our ColocatedWorker (engine/scheduler.py): each step runs every running decode and
+  "chunked"  our colocated worker (engine/scheduler.py): each step runs every running decode and
              fills the rest of `max_num_batched_tokens` with prompt chunks of <= `chunk_size`.
 
 With `decode_batch_tokens` a decode instance is DistServe's (planner/fifo_decode.py): one FIFO,

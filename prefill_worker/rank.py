@@ -1,12 +1,13 @@
 """One prefill TP rank's share of the KV hand-off: send this rank's KV heads to the decode ranks.
 
-Built on every rank by the Executor (`rank_extension=PrefillRank`) and driven from the driver with
-`executor.collective_call`, in step order with the batches, so every rank starts the same sends:
+Built on every rank by the Executor (inside worker/worker.KVRankSides, the rank extension) and
+driven from the driver with `executor.run_on_ranks(command)`, in step order with the batches, so
+every rank starts the same sends:
 
-    driver                                   every rank (PrefillRank)
-    collective_call("start_send", ...)  -->  a thread: dial, post every message, wait (deadline)
-    collective_call("cancel_send", t)   -->  a thread: dial, send a CANCELLED header only
-    collective_call("poll_sends")       -->  reports of sends that ended, gathered to the driver
+    driver                          every rank (PrefillRank)
+    StartSend(ticket, blocks, t)    a thread: dial, post every message, wait (deadline)
+    CancelSend(ticket)              a thread: dial, send a CANCELLED header only
+    PollSends()                     reports of sends that ended, gathered to the driver
 
 Each send runs on a thread of its own because dialing a channel blocks until the decode rank
 joins (up to the ticket's deadline when it is gone); the step loop must never wait on a peer.
@@ -21,9 +22,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine import parallel
 from engine.model_runner import ModelRunner
+from engine.ranks import RankCommand
 from kv_transfer.channel import ChannelDialer
 from kv_transfer.errors import KVTransferCancelled
 from kv_transfer.messages import KVTicket
@@ -103,3 +106,34 @@ class PrefillRank:
             handle.wait(timeout=None)
         except KVTransferCancelled:
             pass  # the expected end
+
+
+class SendingRanks(Protocol):
+    """A rank extension with a sending side (worker/worker.KVRankSides)."""
+
+    @property
+    def sending(self) -> PrefillRank: ...
+
+
+@dataclass(frozen=True)
+class StartSend(RankCommand[SendingRanks, None]):
+    ticket: KVTicket
+    block_ids: tuple[int, ...]
+    first_token_id: int
+
+    def run(self, extension: SendingRanks) -> None:
+        extension.sending.start_send(self.ticket, self.block_ids, self.first_token_id)
+
+
+@dataclass(frozen=True)
+class CancelSend(RankCommand[SendingRanks, None]):
+    ticket: KVTicket
+
+    def run(self, extension: SendingRanks) -> None:
+        extension.sending.cancel_send(self.ticket)
+
+
+@dataclass(frozen=True)
+class PollSends(RankCommand[SendingRanks, "list[list[SendReport]]"]):
+    def run(self, extension: SendingRanks) -> list[list[SendReport]]:
+        return extension.sending.poll_sends()

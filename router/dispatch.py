@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from router.generation_errors import FailureKind, GenerationFailed
 from router.policies import DecodePolicy, PrefillPolicy
 from router.validation import ValidatedRequest
-from router.worker_api import Overloaded, WorkerRequest
+from router.worker_api import KVTicket, Overloaded, WorkerRequest
 from router.worker_pool import RequestChannel, WorkerPool
 
 
@@ -115,18 +115,18 @@ class Dispatcher:
         decode_id: str | None,
     ) -> tuple[str | None, bool]:
         """Reserve and submit; returns (the instance that refused or failed, was it Overloaded)."""
-        ticket: object | None = None
+        ticket: KVTicket | None = None
         if decode_id is not None:
             channel.holder_ids.add(decode_id)
-            decode = self._pool.handle(decode_id)
+            decode = self._pool.decode_handle(decode_id)
             try:
-                ticket = await asyncio.wait_for(decode.reserve(request), self._timeout_s)  # type: ignore[attr-defined]
+                ticket = await asyncio.wait_for(decode.reserve(request), self._timeout_s)
             except Exception as exc:
                 return decode_id, isinstance(exc, Overloaded)
         channel.holder_ids.add(prefill_id)
-        prefill = self._pool.handle(prefill_id)
+        prefill = self._pool.prefill_handle(prefill_id)
         try:
-            await asyncio.wait_for(prefill.submit(request, ticket), self._timeout_s)  # type: ignore[attr-defined]
+            await asyncio.wait_for(prefill.submit(request, ticket), self._timeout_s)
         except Exception as exc:
             return prefill_id, isinstance(exc, Overloaded)
         return None, False

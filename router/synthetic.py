@@ -27,6 +27,7 @@ from typing import Any
 from engine.block_pool import BlockPool
 from router.worker_api import (
     InstanceLoad,
+    KVTicket,
     Overloaded,
     Role,
     TokenEvent,
@@ -94,12 +95,15 @@ class SyntheticWorker:
         events, self._events = self._events, []
         return events
 
-    async def reserve(self, request: WorkerRequest) -> object:
+    async def reserve(self, request: WorkerRequest) -> KVTicket:
         num_tokens = len(request.prompt_token_ids) + request.params.max_tokens
-        self._allocate(request, num_tokens)
-        return self.instance_id
+        blocks = self._allocate(request, num_tokens)
+        return KVTicket(
+            request.request_id, 0, tuple(blocks), len(request.prompt_token_ids),
+            request.prefill_instance, 1, self.instance_id, 1, (), False, 0.0,
+        )  # fmt: skip
 
-    async def submit(self, request: WorkerRequest, ticket: object | None) -> None:
+    async def submit(self, request: WorkerRequest, ticket: KVTicket | None) -> None:
         self._allocate(request, len(request.prompt_token_ids))
         task = asyncio.create_task(self._prefill(request, ticket))
         self._tasks.add(task)
@@ -107,13 +111,15 @@ class SyntheticWorker:
 
     # -- the made-up work -----------------------------------------------------------------------
 
-    def _allocate(self, request: WorkerRequest, num_tokens: int) -> None:
+    def _allocate(self, request: WorkerRequest, num_tokens: int) -> list[int]:
         num_blocks = math.ceil(num_tokens / self.block_size)
         if not self.pool.can_allocate(num_blocks):
             raise Overloaded(f"{self.instance_id} has {self.pool.num_free_blocks} free blocks")
-        self._sequences[request.request_id] = _Sequence(request, self.pool.allocate(num_blocks))
+        blocks = self.pool.allocate(num_blocks)
+        self._sequences[request.request_id] = _Sequence(request, blocks)
+        return blocks
 
-    async def _prefill(self, request: WorkerRequest, ticket: object | None) -> None:
+    async def _prefill(self, request: WorkerRequest, ticket: KVTicket | None) -> None:
         await asyncio.sleep(self.prefill_delay_s)
         sequence = self._sequences.get(request.request_id)
         if sequence is None:  # aborted while "prefilling"
@@ -125,7 +131,7 @@ class SyntheticWorker:
             return
         self._emit(sequence)
         await self.abort(request.request_id)  # the KV "moved": free the prefill side
-        decode = self.peers.get(str(ticket))
+        decode = None if ticket is None else self.peers.get(ticket.decode_instance_id)
         if decode is not None and sequence.num_emitted < request.params.max_tokens:
             decode.kv_arrived(request.request_id, sequence.num_emitted)
 

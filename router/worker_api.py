@@ -1,8 +1,8 @@
 """What the router needs from workers, and nothing more.
 
 The router imports neither ray nor the worker packages: `deploy/` adapts Ray actors (and tests
-adapt plain processes or in-process engines) to these small async interfaces. Every message that
-crosses the boundary is one of the dataclasses below.
+adapt plain processes or in-process engines) to these small async interfaces, which make the
+calls of worker/protocol.py (the one module for what crosses a process boundary).
 
 One request, disaggregated:
 
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.messages import (
+from kv_transfer.messages import KVTicket
+from worker.protocol import (
     InstanceLoad,
     Overloaded,
     RequestTimings,
@@ -35,6 +36,7 @@ from engine.messages import (
 __all__ = [
     "DecodeHandle",
     "InstanceLoad",
+    "KVTicket",
     "Overloaded",
     "PrefillHandle",
     "RequestTimings",
@@ -64,14 +66,14 @@ class WorkerHandle(Protocol):
 
 
 class DecodeHandle(WorkerHandle, Protocol):
-    async def reserve(self, request: WorkerRequest) -> object:
-        """Reserve KV blocks for the request's prompt; returns an opaque ticket for the prefill
+    async def reserve(self, request: WorkerRequest) -> KVTicket:
+        """Reserve KV blocks for the request's prompt; returns the ticket for the prefill
         instance, or raises Overloaded."""
         ...
 
 
 class PrefillHandle(WorkerHandle, Protocol):
-    async def submit(self, request: WorkerRequest, ticket: object | None) -> None:
+    async def submit(self, request: WorkerRequest, ticket: KVTicket | None) -> None:
         """Queue the prompt. With a ticket, hand the KV off to the decode instance it names;
         a colocated instance takes ticket=None and decodes itself. Raises Overloaded."""
         ...

@@ -136,6 +136,8 @@ class WorkerPool:
             )
         self._prefill_ids = [h.instance_id for h in prefill_handles]
         self._decode_ids = [h.instance_id for h in decode_handles]
+        self._prefill_handles = {h.instance_id: h for h in prefill_handles}
+        self._decode_handles = {h.instance_id: h for h in decode_handles}
         self._channels: dict[str, RequestChannel] = {}  # by worker-side request id
         # A run token keeps ids unique across router restarts too: workers may outlive a router.
         self._id_prefix = uuid.uuid4().hex[:8]
@@ -183,6 +185,12 @@ class WorkerPool:
 
     def handle(self, instance_id: str) -> WorkerHandle:
         return self._instances[instance_id].handle
+
+    def prefill_handle(self, instance_id: str) -> PrefillHandle:
+        return self._prefill_handles[instance_id]
+
+    def decode_handle(self, instance_id: str) -> DecodeHandle:
+        return self._decode_handles[instance_id]
 
     def prefill_candidates(self, exclude: Collection[str] = ()) -> list[InstanceState]:
         return self._candidates(self._prefill_ids, exclude)

@@ -8,7 +8,7 @@ vocabulary is the tokenizer's. `size="tiny"` is a 2-layer, hidden-64 variant for
 
 Layouts (each worker a process of its own, one core each when pinned):
   disaggregated  1 prefill instance + 1 decode instance (TP=1 each)
-  colocated      2 ColocatedWorker replicas (the baseline: chunked prefill mixed into decode)
+  colocated      2 colocated Worker replicas (the baseline: chunked prefill mixed into decode)
 Both get the same EngineConfig (token budget, chunk size, KV pool), so only the layout differs.
 """
 
@@ -102,11 +102,10 @@ def engine_config(model_dir: str | Path, **overrides: Any) -> Any:
 
 def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **engine: Any) -> Any:
     """The deploy ClusterSpec of one layout on this machine (the router on a free port)."""
-    from decode_worker.config import DecodeConfig
     from deploy.config.cluster_spec import ClusterSpec
     from kv_transfer.config import KVTransferConfig
-    from prefill_worker.config import PrefillConfig
     from router.config import RouterConfig
+    from worker.config import WorkerConfig
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -117,14 +116,17 @@ def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **en
     )  # fmt: skip
     if layout == "colocated":
         return ClusterSpec(
-            router=router, colocated=config, num_colocated_instances=2, pin_cpus=pin_cpus
+            router=router,
+            colocated=WorkerConfig(config),
+            num_colocated_instances=2,
+            pin_cpus=pin_cpus,
         )
     # A decode reservation waits for its prefill to start (start_timeout_s): past the knee of a
     # sweep requests queue for minutes, and they should count as late, not as failed transfers.
     kv = KVTransferConfig(start_timeout_s=KV_START_TIMEOUT_S)
     return ClusterSpec(
-        router=router, prefill=PrefillConfig(engine=config, kv_transfer=kv),
-        num_prefill_instances=1, decode=DecodeConfig(engine=config, kv_transfer=kv),
+        router=router, prefill=WorkerConfig.prefill(config, kv),
+        num_prefill_instances=1, decode=WorkerConfig.decode(config, kv),
         num_decode_instances=1, pin_cpus=pin_cpus,
     )  # fmt: skip
 

@@ -32,7 +32,13 @@ def measure_transfer(
     config: Any, tp: int, grid: Any, log: Any
 ) -> tuple[float, float, list[list[float]]]:
     """(GB/s, per-message ms, [[tokens, bytes, ms], ...]) for `grid.transfer_tokens`."""
-    from benchmarks.kv_transfer_ranks import start_bench_workers
+    from benchmarks.kv_transfer_ranks import (
+        Endpoint,
+        Recv,
+        Send,
+        WaitRecv,
+        start_bench_workers,
+    )
     from engine.model_config import ModelConfig
 
     model = ModelConfig.from_model_dir(config.model_dir)
@@ -42,16 +48,16 @@ def measure_transfer(
     prefill, decode = start_bench_workers(1, 1, spec)
     points: list[list[float]] = []
     try:
-        endpoint = decode[0].call("endpoint")
+        endpoint = decode[0].call(Endpoint())
         tid = 0
         for tokens in grid.transfer_tokens:
             times = []
             for _ in range(grid.repeats + 1):  # the first one warms the channel up
                 tid += 1
                 ticket = _ticket(tid, tokens, block_size, tp, endpoint)
-                decode[0].call("recv", ticket, 0)
-                prefill[0].post("send", ticket, 0, list(ticket.block_ids))
-                decode[0].post("wait_recv")
+                decode[0].call(Recv(ticket, 0))
+                prefill[0].post(Send(ticket, 0, list(ticket.block_ids)))
+                decode[0].post(WaitRecv())
                 start = prefill[0].reply()
                 times.append((decode[0].reply() - start) * 1e3)
             blocks = -(-tokens // block_size)

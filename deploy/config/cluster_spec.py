@@ -3,9 +3,10 @@
     spec = build_cluster_spec(load_config(path))   # resolves "demo" to the local demo model
     LocalCluster(spec) / RayCluster(spec)          # both start exactly this
 
-The config file (deploy/config/serve_config.py) is the user's language; a ClusterSpec is the code's: one
-EngineConfig per role with the file's KV, scheduler, dtype and TP settings, the KV hand-off's
-deadlines, the RouterConfig, and the Ray runtime's own settings (unused by plain processes).
+The config file (deploy/config/serve_config.py) is the user's language; a ClusterSpec is the
+code's: one WorkerConfig per role (its engine with the file's KV, scheduler, dtype and TP
+settings, and the KV hand-off's deadlines), the RouterConfig, and the Ray runtime's own settings
+(unused by plain processes).
 Every knob is declared once, in the file's sections; this module is the one translator.
 """
 
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decode_worker.config import DecodeConfig
 from deploy.config.models import resolve_model
 from deploy.config.serve_config import RaySection, ServeConfig
 from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
-from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig
+from worker.config import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -27,17 +27,17 @@ class ClusterSpec:
     """The instances to start and the router in front of them.
 
     Disaggregated: `num_prefill_instances` x `prefill` and `num_decode_instances` x `decode`.
-    Colocated: `num_colocated_instances` x `colocated` (an EngineConfig each), no prefill/decode.
+    Colocated: `num_colocated_instances` x `colocated`, no prefill/decode.
     `pin_cpus` gives each worker process (and its TP ranks) its own cores on CPU. `ray`: what
     only the Ray runtime reads (address, CPUs, custom resources, restarts).
     """
 
     router: RouterConfig
-    prefill: PrefillConfig | None = None
+    prefill: WorkerConfig | None = None
     num_prefill_instances: int = 0
-    decode: DecodeConfig | None = None
+    decode: WorkerConfig | None = None
     num_decode_instances: int = 0
-    colocated: EngineConfig | None = None
+    colocated: WorkerConfig | None = None
     num_colocated_instances: int = 0
     pin_cpus: bool = False
     ray: RaySection = field(default_factory=RaySection)
@@ -45,7 +45,7 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.num_colocated_instances > 0:
             if self.colocated is None:
-                raise ValueError("colocated instances need an EngineConfig in `colocated`")
+                raise ValueError("colocated instances need a WorkerConfig in `colocated`")
             if self.num_prefill_instances or self.num_decode_instances:
                 raise ValueError("a cluster is either colocated or prefill + decode, not both")
             return
@@ -53,7 +53,7 @@ class ClusterSpec:
             raise ValueError("a disaggregated cluster needs >= 1 prefill and >= 1 decode instance")
         if self.prefill is None or self.decode is None:
             raise ValueError(
-                "a disaggregated cluster needs both a PrefillConfig and a DecodeConfig"
+                "a disaggregated cluster needs a `prefill` and a `decode` WorkerConfig"
             )
 
     @property
@@ -67,13 +67,15 @@ class ClusterSpec:
     @property
     def num_workers(self) -> int:
         """Worker processes in all: one per TP rank of every instance."""
-        if self.colocated is not None and self.is_colocated:
-            return self.num_colocated_instances * self.colocated.tensor_parallel_size
-        assert self.prefill is not None and self.decode is not None
-        return (
-            self.num_prefill_instances * self.prefill.engine.tensor_parallel_size
-            + self.num_decode_instances * self.decode.engine.tensor_parallel_size
-        )
+        return sum(self.worker_config(i).engine.tensor_parallel_size for i in self.instance_ids())
+
+    def worker_config(self, instance_id: str) -> WorkerConfig:
+        """The config instance `instance_id` ("prefill-0", "decode-1", ...) is built with."""
+        config = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[
+            instance_id.rsplit("-", 1)[0]
+        ]
+        assert config is not None, f"no config for {instance_id}"
+        return config
 
     def instance_ids(self) -> list[str]:
         """prefill-0.., decode-0.. (or colocated-0..): the names the router and logs use."""
@@ -149,7 +151,9 @@ def build_cluster_spec(config: ServeConfig, model_dir: str | None = None) -> Clu
     if config.mode == "colocated":
         return ClusterSpec(
             router,
-            colocated=engine_config(config, model_dir, config.colocated.tensor_parallel_size),
+            colocated=WorkerConfig(
+                engine_config(config, model_dir, config.colocated.tensor_parallel_size)
+            ),
             num_colocated_instances=config.colocated.instances,
             pin_cpus=pin_cpus,
             ray=config.ray,
@@ -159,9 +163,9 @@ def build_cluster_spec(config: ServeConfig, model_dir: str | None = None) -> Clu
     kv_transfer = kv_transfer_config(config)
     return ClusterSpec(
         router,
-        prefill=PrefillConfig(engine=prefill_engine, kv_transfer=kv_transfer),
+        prefill=WorkerConfig.prefill(prefill_engine, kv_transfer),
         num_prefill_instances=config.prefill.instances,
-        decode=DecodeConfig(engine=decode_engine, kv_transfer=kv_transfer),
+        decode=WorkerConfig.decode(decode_engine, kv_transfer),
         num_decode_instances=config.decode.instances,
         pin_cpus=pin_cpus,
         ray=config.ray,

@@ -22,15 +22,16 @@ import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from decode_worker.colocated import ColocatedWorker
 from deploy.cli.main import main
 from deploy.runtime.local.handles import LocalHandle
 from engine.config import EngineConfig
-from engine.messages import Role
 from router.config import RouterConfig
 from tests.router.harness import RouterThread
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
+from worker.config import WorkerConfig
+from worker.protocol import Role
+from worker.worker import Worker
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 150.0
@@ -257,7 +258,7 @@ def test_generate_sends_the_bearer_token_from_a_file(
     engine = EngineConfig(model_dir=model_dir, num_kv_blocks=32, num_threads=1)
 
     def make_handles() -> tuple[list[LocalHandle], list[LocalHandle]]:
-        worker = ColocatedWorker("colocated-0", engine)
+        worker = Worker(WorkerConfig(engine), "colocated-0")
         return [LocalHandle("colocated-0", Role.COLOCATED, worker)], []
 
     with RouterThread(config, make_handles) as server:

@@ -19,7 +19,6 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from decode_worker.config import DecodeConfig
 from deploy.config.serve_config import ConfigError, ServeConfig, apply_overrides, parse_config
 from deploy.runtime.launch import open_cluster
 from deploy.runtime.local.local_cluster import LocalCluster
@@ -27,10 +26,8 @@ from deploy.runtime.ray import cluster as ray_cluster
 from deploy.runtime.ray.cluster import RayCluster
 from deploy.runtime.ray.placement import PlacementPlan
 from engine.config import EngineConfig
-from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig
-
-WorkerConfig = PrefillConfig | DecodeConfig | EngineConfig
+from worker.config import WorkerConfig
 
 
 def serve_keys() -> list[str]:
@@ -60,7 +57,7 @@ class View:
 
 
 def engines(view: View) -> list[EngineConfig]:
-    return [c if isinstance(c, EngineConfig) else c.engine for c in view.workers.values()]
+    return [c.engine for c in view.workers.values()]
 
 
 def one(values: Any) -> Any:

@@ -8,15 +8,14 @@ import os
 import signal
 import time
 
-from decode_worker.config import DecodeConfig
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.local.local_cluster import LocalCluster
 from deploy.runtime.local.restart_backoff import RestartBackoff
 from engine import EngineConfig
-from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
+from worker.config import WorkerConfig
 
 
 def _spawned_children() -> set[int]:
@@ -44,9 +43,9 @@ def test_shutdown_during_a_restart_kills_the_new_process_and_returns_at_once(
     engine = EngineConfig(model_dir=model_dir, block_size=8, num_kv_blocks=64)
     spec = ClusterSpec(
         router=RouterConfig(model_dir=model_dir, shutdown_grace_s=1.0),
-        prefill=PrefillConfig(engine),
+        prefill=WorkerConfig.prefill(engine),
         num_prefill_instances=1,
-        decode=DecodeConfig(engine),
+        decode=WorkerConfig.decode(engine),
         num_decode_instances=1,
     )
     before = _spawned_children()

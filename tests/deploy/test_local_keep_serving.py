@@ -29,6 +29,7 @@ from deploy.runtime.local.local_cluster import LocalCluster
 from kv_transfer.config import KVTransferConfig
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
+from worker.protocol import ProcessIds
 
 SHORT_S = 2.0  # the TP collective timeout and both KV deadlines
 NUM_BLOCKS = 256
@@ -151,7 +152,7 @@ def test_streams_already_decoding_survive_a_prefill_tp_rank_s_death(cluster: Loc
         ]
         received = [[*next(call).token_ids, *next(call).token_ids] for call in calls]  # decoding
         restarts = cluster.num_restarts.get("prefill-0", 0)
-        rank_pid = cluster.workers["prefill-0"].call("process_ids")[-1]
+        rank_pid = cluster.workers["prefill-0"].call(ProcessIds())[-1]
         os.kill(rank_pid, signal.SIGKILL)
         for tokens, call in zip(received, calls, strict=True):
             tokens += [t for response in call for t in response.token_ids]
@@ -175,7 +176,7 @@ def test_a_killed_process_is_reported_down_restarted_and_serves_again(
     with RouterClient(cluster.address) as client:
         expected = generate(client, "The quick brown fox", f"{instance_id}-before")
         restarts = cluster.num_restarts.get(instance_id, 0)
-        pids = cluster.workers[instance_id].call("process_ids")
+        pids = cluster.workers[instance_id].call(ProcessIds())
         os.kill(pids[-1], signal.SIGKILL)  # prefill: TP rank 1; decode (TP=1): the process
         wait_until(lambda: not healthy(cluster)[instance_id], 5, f"{instance_id} reported down")
         assert {i for i, ok in healthy(cluster).items() if not ok} == {instance_id}

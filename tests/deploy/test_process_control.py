@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -71,6 +72,49 @@ class Peer:
             threading.Thread(target=loop, daemon=True).start()
 
 
+# Calls on a Peer across its pipe: typed commands, as worker/protocol.py's are for workers.
+@dataclass(frozen=True)
+class Send:
+    to: str
+    prefix: str
+    count: int
+
+    def run(self, peer: Peer) -> None:
+        peer.send(self.to, self.prefix, self.count)
+
+
+@dataclass(frozen=True)
+class SendUnreadable:
+    to: str
+
+    def run(self, peer: Peer) -> None:
+        peer.send_unreadable(self.to)
+
+
+@dataclass(frozen=True)
+class SetHold:
+    seconds: float
+
+    def run(self, peer: Peer) -> None:
+        peer.set_hold(self.seconds)
+
+
+@dataclass(frozen=True)
+class ReceivedFrom:
+    prefix: str
+
+    def run(self, peer: Peer) -> int:
+        return peer.received_from(self.prefix)
+
+
+@dataclass(frozen=True)
+class Flood:
+    to: str
+
+    def run(self, peer: Peer) -> None:
+        peer.flood(self.to)
+
+
 @pytest.fixture(scope="module")
 def peers() -> Iterator[tuple[ControlRelay, dict[str, ProcessWorker]]]:
     """Three peers for the module (each process imports torch: slow on 2 cores); the last test
@@ -102,9 +146,9 @@ def test_an_unreadable_message_is_logged_and_the_next_ones_arrive(
 ) -> None:
     relay, workers = peers
     num_failed = relay.num_failed
-    workers["b"].call("send_unreadable", "a")
-    workers["b"].call("send", "a", "after-", 5)
-    _wait_for(lambda: workers["a"].call("received_from", "after-") == 5, 10, "later messages")
+    workers["b"].call(SendUnreadable("a"))
+    workers["b"].call(Send("a", "after-", 5))
+    _wait_for(lambda: workers["a"].call(ReceivedFrom("after-")) == 5, 10, "later messages")
     assert relay.num_failed == num_failed + 1
 
 
@@ -112,11 +156,11 @@ def test_a_slow_peer_does_not_hold_up_messages_to_the_others(
     peers: tuple[ControlRelay, dict[str, ProcessWorker]],
 ) -> None:
     _relay, workers = peers
-    workers["a"].call("set_hold", 2.0)
-    workers["c"].call("send", "a", "slow-", 5)  # 10 s of delivery to a
-    workers["c"].call("send", "b", "fast-", 5)
-    _wait_for(lambda: workers["b"].call("received_from", "fast-") == 5, 3, "b's messages")
-    workers["a"].call("set_hold", 0.0)
+    workers["a"].call(SetHold(2.0))
+    workers["c"].call(Send("a", "slow-", 5))  # 10 s of delivery to a
+    workers["c"].call(Send("b", "fast-", 5))
+    _wait_for(lambda: workers["b"].call(ReceivedFrom("fast-")) == 5, 3, "b's messages")
+    workers["a"].call(SetHold(0.0))
 
 
 def test_messages_queued_for_a_busy_peer_reach_it_together(
@@ -125,22 +169,22 @@ def test_messages_queued_for_a_busy_peer_reach_it_together(
     """A prefill busy in a step took one ack per step when the relay waited for each delivery:
     under load the acks lagged by seconds, and the blocks they free stayed held."""
     _relay, workers = peers
-    workers["a"].call("set_hold", 0.5)
+    workers["a"].call(SetHold(0.5))
     try:
-        workers["b"].call("send", "a", "batch-", 10)  # 5 s one at a time
-        _wait_for(lambda: workers["a"].call("received_from", "batch-") == 10, 3, "the batch")
+        workers["b"].call(Send("a", "batch-", 10))  # 5 s one at a time
+        _wait_for(lambda: workers["a"].call(ReceivedFrom("batch-")) == 10, 3, "the batch")
     finally:
-        workers["a"].call("set_hold", 0.0)
+        workers["a"].call(SetHold(0.0))
 
 
 def test_a_worker_killed_while_sending_does_not_stop_the_others_messages(
     peers: tuple[ControlRelay, dict[str, ProcessWorker]],
 ) -> None:
     _relay, workers = peers
-    workers["c"].call("flood", "nobody")  # big messages, to an instance that does not exist
+    workers["c"].call(Flood("nobody"))  # big messages, to an instance that does not exist
     time.sleep(1.0)
     os.kill(workers["c"].pid, signal.SIGKILL)  # most likely mid-write
     for round_ in range(3):  # and it keeps flowing
-        workers["b"].call("send", "a", f"r{round_}-", 20)
+        workers["b"].call(Send("a", f"r{round_}-", 20))
         prefix = f"r{round_}-"
-        _wait_for(lambda p=prefix: workers["a"].call("received_from", p) == 20, 10, "b's messages")
+        _wait_for(lambda p=prefix: workers["a"].call(ReceivedFrom(p)) == 20, 10, "b's messages")

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 
 from deploy.runtime.local.process_host import ProcessWorker
-from engine.messages import WorkerUnavailable
+from worker.protocol import WorkerUnavailable
 
 
 class Echo:
@@ -31,22 +32,49 @@ class Echo:
         raise ValueError("bad value: 7")
 
 
+# Calls on an Echo across the pipe: typed commands, as worker/protocol.py's are for workers.
+@dataclass(frozen=True)
+class Hello:
+    name: str
+
+    def run(self, echo: Echo) -> str:
+        return echo.hello(self.name)
+
+
+@dataclass(frozen=True)
+class BlockUntilReleased:
+    timeout_s: float
+
+    def run(self, echo: Echo) -> bool:
+        return echo.block_until_released(self.timeout_s)
+
+
+class Release:
+    def run(self, echo: Echo) -> None:
+        echo.release()
+
+
+class Fail:
+    def run(self, echo: Echo) -> None:
+        echo.fail()
+
+
 def test_calls_run_in_the_child_and_do_not_block_each_other() -> None:
     worker = ProcessWorker(Echo, "hi", name="echo")
     try:
         assert worker.pid != os.getpid()
-        assert worker.call("hello", "ann") == f"hi ann from {worker.pid}"
+        assert worker.call(Hello("ann")) == f"hi ann from {worker.pid}"
         results: list[bool] = []
         poller = threading.Thread(
-            target=lambda: results.append(worker.call("block_until_released", 10.0, timeout_s=15))
+            target=lambda: results.append(worker.call(BlockUntilReleased(10.0), timeout_s=15))
         )
         poller.start()
         time.sleep(0.2)
-        worker.call("release")  # served while the long call is still waiting
+        worker.call(Release())  # served while the long call is still waiting
         poller.join(15)
         assert results == [True]
         with pytest.raises(ValueError, match="bad value: 7"):
-            worker.call("fail")
+            worker.call(Fail())
     finally:
         worker.shutdown()
     assert not worker.is_alive()
@@ -58,7 +86,7 @@ def test_a_killed_child_fails_pending_and_later_calls() -> None:
 
     def long_call() -> None:
         try:
-            worker.call("block_until_released", 30.0, timeout_s=20)
+            worker.call(BlockUntilReleased(30.0), timeout_s=20)
         except BaseException as exc:
             errors.append(exc)
 
@@ -71,5 +99,5 @@ def test_a_killed_child_fails_pending_and_later_calls() -> None:
     assert isinstance(errors[0], WorkerUnavailable)
     assert time.monotonic() - start < 5
     with pytest.raises(WorkerUnavailable):
-        worker.call("hello", "x")
+        worker.call(Hello("x"))
     worker.shutdown()

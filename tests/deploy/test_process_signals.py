@@ -15,9 +15,10 @@ import time
 
 from deploy.runtime.local.process_host import ProcessWorker
 from engine.config import EngineConfig
-from prefill_worker.config import PrefillConfig
-from prefill_worker.worker import PrefillWorker
 from tests.engine.test_tp_idle import _alive
+from worker.config import WorkerConfig
+from worker.protocol import Load, ProcessIds
+from worker.worker import Worker
 
 
 def _noted(signum: int, frame: object) -> None:
@@ -29,11 +30,11 @@ def _serve_stand_in(model_dir: str, commands: mp.Queue, answers: mp.Queue) -> No
     for signum in (signal.SIGINT, signal.SIGTERM):  # the real serve drains; this one just stays
         signal.signal(signum, _noted)  # a handler, not SIG_IGN: children would inherit that
     engine = EngineConfig(model_dir, tensor_parallel_size=2, block_size=8, num_kv_blocks=16)
-    worker = ProcessWorker(PrefillWorker, PrefillConfig(engine), "prefill-0", name="prefill-0")
-    answers.put(worker.call("process_ids"))
+    worker = ProcessWorker(Worker, WorkerConfig.prefill(engine), "prefill-0", name="prefill-0")
+    answers.put(worker.call(ProcessIds()))
     while True:
         commands.get()
-        answers.put(worker.call("load").healthy)
+        answers.put(worker.call(Load()).healthy)
 
 
 def test_workers_ignore_group_signals_and_exit_with_their_parent(tiny_model) -> None:

@@ -20,7 +20,6 @@ from deploy.cli.client import fetch_metrics
 from deploy.cli.status import format_status, parse_metrics
 from deploy.runtime.ray.cluster import RayCluster, WorkerStatus
 from deploy.runtime.ray.node import process_is_running
-from engine.messages import Role
 from tests.deploy.ray_support import (
     hf_greedy,
     make_prompts,
@@ -30,6 +29,7 @@ from tests.deploy.ray_support import (
     stream_all,
     tiny_model_with_tokenizer,
 )
+from worker.protocol import Role
 
 MAX_TOKENS = 12
 PROMPTS = make_prompts(tuple(3 + (7 * i) % 41 for i in range(32)), seed=3)

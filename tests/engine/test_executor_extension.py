@@ -1,7 +1,9 @@
-"""`rank_extension` + `collective_call`: per-rank behaviour that workers hang on the executor
-(the prefill side's KV sender runs this way on every TP rank)."""
+"""`rank_extension` + `run_on_ranks`: per-rank behaviour that workers hang on the executor (the
+KV connectors' rank sides run this way on every TP rank), reached by typed RankCommands."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -10,10 +12,11 @@ from engine import parallel
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.model_runner import ModelRunner
+from engine.ranks import RankCommand
 
 
 class RankProbe:
-    """Built on every rank; its methods run on every rank when the driver calls them."""
+    """Built on every rank; its methods run on every rank when the driver posts a command."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -29,20 +32,27 @@ class RankProbe:
         return self.runner.kv_cache.spec.num_kv_heads
 
 
+@dataclass(frozen=True)
+class SumOfRanks(RankCommand[RankProbe, tuple[int, float]]):
+    offset: int
+
+    def run(self, extension: RankProbe) -> tuple[int, float]:
+        return extension.sum_of_ranks(self.offset)
+
+
+class NumLocalKVHeads(RankCommand[RankProbe, int]):
+    def run(self, extension: RankProbe) -> int:
+        return extension.num_local_kv_heads()
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_collective_call_runs_on_every_rank(tiny_model, tp_size: int) -> None:
+def test_run_on_ranks_runs_on_every_rank(tiny_model, tp_size: int) -> None:
     config = EngineConfig(
         model_dir=tiny_model("llama"), dtype="float64", tensor_parallel_size=tp_size,
         num_kv_blocks=8, block_size=8,
-    )
+    )  # fmt: skip
     with Executor(config, rank_extension=RankProbe) as executor:
-        assert executor.collective_call("sum_of_ranks", 10) == (1, 10.0 * tp_size + (tp_size == 2))
-        # calls interleave with batches in step order on every rank
-        assert executor.collective_call("sum_of_ranks", offset=1) == (2, float(tp_size) + (tp_size == 2))
-        assert executor.collective_call("num_local_kv_heads") == 2 // tp_size
-
-
-def test_collective_call_without_extension_is_a_clear_error(tiny_model) -> None:
-    config = EngineConfig(model_dir=tiny_model("llama"), dtype="float64", num_kv_blocks=8)
-    with Executor(config) as executor, pytest.raises(RuntimeError, match="rank_extension"):
-        executor.collective_call("anything")
+        assert executor.run_on_ranks(SumOfRanks(10)) == (1, 10.0 * tp_size + (tp_size == 2))
+        # commands interleave with batches in step order on every rank
+        assert executor.run_on_ranks(SumOfRanks(1)) == (2, float(tp_size) + (tp_size == 2))
+        assert executor.run_on_ranks(NumLocalKVHeads()) == 2 // tp_size

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from engine.messages import TokenEvent, WorkerUnavailable
-from engine.worker_loop import WorkerLoop
+from worker.loop import WorkerLoop
+from worker.protocol import TokenEvent, WorkerUnavailable
 
 
 class Counter(WorkerLoop):

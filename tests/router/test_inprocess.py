@@ -1,5 +1,6 @@
 """The router in front of a real tiny model: `engine.LLMEngine` in-process behind
-deploy.runtime.local.inprocess.InProcessColocatedHandle, served over gRPC on 127.0.0.1."""
+a colocated Worker in the router's process behind a LocalHandle, served over gRPC on
+127.0.0.1."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from deploy.runtime.local.inprocess import InProcessColocatedHandle
+from deploy.runtime.local.handles import LocalHandle
 from engine.config import EngineConfig
 from router.config import RouterConfig
 from router.tokenizer import RouterTokenizer
 from tests.router.harness import RouterThread
+from worker.config import WorkerConfig
+from worker.protocol import Role
+from worker.worker import Worker
 
 NUM_KV_BLOCKS = 48
 
@@ -29,7 +33,8 @@ def server(tiny_model_dir: str) -> Iterator[RouterThread]:
     config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
 
     def make_handles():
-        return [InProcessColocatedHandle("colocated-0", engine_config)], []
+        worker = Worker(WorkerConfig(engine_config), "colocated-0")
+        return [LocalHandle("colocated-0", Role.COLOCATED, worker)], []
 
     with RouterThread(config, make_handles) as running:
         yield running

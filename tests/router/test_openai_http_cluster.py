@@ -17,13 +17,12 @@ import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from decode_worker.config import DecodeConfig
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.local.local_cluster import LocalCluster
 from engine import EngineConfig
 from kv_transfer.config import KVTransferConfig
-from prefill_worker.config import PrefillConfig
 from router.config import RouterConfig
+from worker.config import WorkerConfig
 
 BLOCK_SIZE = 8
 NUM_KV_BLOCKS = 128
@@ -41,9 +40,9 @@ def cluster(tiny_model_dir: str) -> Iterator[LocalCluster]:
     kv = KVTransferConfig(transfer_timeout_s=10.0)
     spec = ClusterSpec(
         router=RouterConfig(model_dir=tiny_model_dir, http_port=0, load_refresh_interval_s=0.05),
-        prefill=PrefillConfig(_engine(tiny_model_dir), kv),
+        prefill=WorkerConfig.prefill(_engine(tiny_model_dir), kv),
         num_prefill_instances=1,
-        decode=DecodeConfig(_engine(tiny_model_dir), kv),
+        decode=WorkerConfig.decode(_engine(tiny_model_dir), kv),
         num_decode_instances=1,
     )
     with LocalCluster(spec) as running:

@@ -59,7 +59,7 @@ def _wait_for_free_blocks(server: RouterThread, timeout_s: float = 5.0) -> None:
 
 class FailingAfterDecodeStarts(SyntheticWorker):
     """A prefill instance that hands the KV off, then, once the decode instance has sent a few
-    steps, errors the request as PrefillWorker does when its loop dies (fail_all) or when the
+    steps, errors the request as a prefill Worker does when its loop dies (fail_all) or when the
     decode side's ack never reached it (`failed_peer` names the decode instance)."""
 
     failed_peer = ""

@@ -70,7 +70,7 @@ def test_dead_worker_fails_its_requests_with_unavailable_and_recovers(tiny_model
 
 
 class HandOffFailingPrefill(SyntheticWorker):
-    """Emits the first token, then fails the request the way PrefillWorker does when a KV
+    """Emits the first token, then fails the request the way a prefill Worker does when a KV
     hand-off breaks (`failed_peer` names the decode instance), or with a plain error."""
 
     failed_peer = "decode-0"

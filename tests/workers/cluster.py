@@ -1,11 +1,11 @@
 """A disaggregated cluster in real processes for tests: workers, a control plane, and a relay.
 
     test process                                           worker processes (ProcessWorker)
-    Relay: reserve on a decode (round robin) ──────────▶   DecodeWorker   (TP=1)
-           submit to the prefill with the ticket ──────▶   PrefillWorker  (TP=k, spawns ranks)
+    Relay: reserve on a decode (round robin) ──────────▶   Worker, role DECODE  (TP=1)
+           submit to the prefill with the ticket ──────▶   Worker, role PREFILL (TP=k, spawns ranks)
            poll_events on every worker ◀──────────────     TokenEvents
     ControlForwarder ◀── one queue ── send_control(instance_id, message) in every worker
-                     ──▶ registry[instance_id].call("deliver", message)
+                     ──▶ registry[instance_id].call(Deliver(message))
 
 The relay does what the router will; the forwarder does what deploy/ will (Ray calls there).
 """
@@ -18,14 +18,23 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from decode_worker.config import DecodeConfig
-from decode_worker.worker import DecodeWorker
 from deploy.runtime.local.control_relay import ControlRelay
 from deploy.runtime.local.process_host import ProcessWorker
-from engine.messages import Overloaded, TokenEvent, WorkerRequest, WorkerUnavailable
 from engine.sampling_params import SamplingParams
-from prefill_worker.config import PrefillConfig
-from prefill_worker.worker import PrefillWorker
+from worker.config import WorkerConfig
+from worker.protocol import (
+    Abort,
+    Load,
+    Overloaded,
+    PollEvents,
+    ProcessIds,
+    Reserve,
+    Submit,
+    TokenEvent,
+    WorkerRequest,
+    WorkerUnavailable,
+)
+from worker.worker import Worker
 
 CALL_TIMEOUT_S = 30.0
 
@@ -38,17 +47,17 @@ class Cluster:
         self.process_ids: list[int] = []
         self.relay = ControlRelay(self.workers, call_timeout_s=10.0)
 
-    def start(self, specs: Iterable[tuple[str, PrefillConfig | DecodeConfig]]) -> None:
+    def start(self, specs: Iterable[tuple[str, WorkerConfig]]) -> None:
         """Start workers concurrently (process start-up dominates the tests' time)."""
         specs = list(specs)
         with ThreadPoolExecutor(len(specs)) as pool:
             started = pool.map(lambda spec: (spec[0], self._start_one(*spec)), specs)
             for instance_id, worker in started:
                 self.workers[instance_id] = worker
-                self.process_ids.extend(worker.call("process_ids"))
+                self.process_ids.extend(worker.call(ProcessIds()))
 
-    def _start_one(self, instance_id: str, config: PrefillConfig | DecodeConfig) -> ProcessWorker:
-        factory = PrefillWorker if isinstance(config, PrefillConfig) else DecodeWorker
+    def _start_one(self, instance_id: str, config: WorkerConfig) -> ProcessWorker:
+        factory = Worker
         control = self.relay.sender()
         return ProcessWorker(factory, config, instance_id, control, name=instance_id)
 
@@ -126,13 +135,12 @@ class Relay:
         for _ in self.decode_ids:
             decode_id = next(self._next_decode)
             try:
-                ticket = self.worker(decode_id).call(
-                    "reserve", request, self.prefill_id, self.prefill_tp_size
-                )
+                reserve = Reserve(request, self.prefill_id, self.prefill_tp_size)
+                ticket = self.worker(decode_id).call(reserve)
             except Overloaded:
                 continue
             self.expect(request.request_id, decode_id)
-            self.worker(self.prefill_id).call("submit", request, ticket)
+            self.worker(self.prefill_id).call(Submit(request, ticket))
             return True
         return False
 
@@ -147,7 +155,7 @@ class Relay:
         """One round of event polls (default: the prefill and every decode instance)."""
         events: list[TokenEvent] = []
         for instance_id in instance_ids or [self.prefill_id, *self.decode_ids]:
-            batch = self.worker(instance_id).call("poll_events", timeout_s)
+            batch = self.worker(instance_id).call(PollEvents(timeout_s))
             events.extend(batch)
             for event in batch:
                 self._record(event)
@@ -169,7 +177,7 @@ class Relay:
                 decode = self.cluster.workers.get(self.decode_of[event.request_id])
                 try:
                     if decode is not None:
-                        decode.call("abort", event.request_id)
+                        decode.call(Abort(event.request_id))
                 except WorkerUnavailable:
                     pass  # a dead decode instance holds nothing any more
 
@@ -234,4 +242,4 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> floa
 
 
 def free_blocks(cluster: Cluster, instance_id: str) -> int:
-    return cluster.workers[instance_id].call("load").num_free_blocks
+    return cluster.workers[instance_id].call(Load()).num_free_blocks

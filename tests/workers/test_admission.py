@@ -15,14 +15,12 @@ from typing import Any
 
 import pytest
 
-from decode_worker.config import DecodeConfig
-from decode_worker.worker import DecodeWorker
 from engine import EngineConfig, SamplingParams
-from engine.messages import Overloaded, TokenEvent, WorkerRequest
 from kv_transfer.config import KVTransferConfig
-from prefill_worker.config import PrefillConfig
-from prefill_worker.worker import PrefillWorker
 from tests.workers.cluster import wait_for
+from worker.config import WorkerConfig
+from worker.protocol import Overloaded, TokenEvent, WorkerRequest
+from worker.worker import Worker
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 32
@@ -84,24 +82,24 @@ def make_decode(
     timeout_s: float = 30.0,
     watermark_blocks: int = 0,
     **overrides: Any,
-) -> DecodeWorker:
+) -> Worker:
     """`timeout_s` bounds both the wait for the send to start and the transfer itself."""
-    config = DecodeConfig(
+    config = WorkerConfig.decode(
         engine_config(model_dir, **overrides),
         KVTransferConfig(transfer_timeout_s=timeout_s, start_timeout_s=timeout_s),
         watermark_blocks=watermark_blocks,
     )
-    worker = DecodeWorker(config, "d", board.send)
+    worker = Worker(config, "d", board.send)
     board.workers["d"] = worker
     return worker
 
 
-def make_prefill(board: Switchboard, model_dir: str, **overrides: Any) -> PrefillWorker:
+def make_prefill(board: Switchboard, model_dir: str, **overrides: Any) -> Worker:
     max_queued_tokens = overrides.pop("max_queued_tokens", 65536)
-    config = PrefillConfig(
+    config = WorkerConfig.prefill(
         engine_config(model_dir, **overrides), max_queued_tokens=max_queued_tokens
     )
-    worker = PrefillWorker(config, "p", board.send)
+    worker = Worker(config, "p", board.send)
     board.workers["p"] = worker
     return worker
 
@@ -177,8 +175,6 @@ def test_submit_checks_the_ticket(board, tiny_model) -> None:
     model_dir = tiny_model("llama")
     decode = make_decode(board, model_dir, block_size=16)
     prefill = make_prefill(board, model_dir)
-    with pytest.raises(ValueError, match="needs the KVTicket"):
-        prefill.submit(request("a", 20), None)
     ticket = decode.reserve(request("a", 20), "p")  # 2 blocks of 16; the prefill needs 3 of 8
     with pytest.raises(ValueError, match="number of blocks"):
         prefill.submit(request("a", 20), ticket)

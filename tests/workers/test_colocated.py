@@ -1,4 +1,4 @@
-"""ColocatedWorker (the baseline): greedy outputs equal engine.LLM's and transformers' in-process
+"""The colocated worker (the baseline: a Worker with no KV connector side): greedy outputs equal engine.LLM's and transformers' in-process
 and in a real child process, abort in each stage frees every block, a tiny pool preempts with
 identical outputs, and a full queue answers Overloaded. Tiny llama, float64."""
 
@@ -9,23 +9,30 @@ from collections.abc import Callable
 
 import pytest
 
-from decode_worker.colocated import ColocatedWorker
 from deploy.runtime.local.process_host import ProcessWorker
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.messages import Overloaded, Role, TokenEvent, WorkerRequest
+from engine import LLM, EngineConfig, SamplingParams
 from engine.request import Request, RequestStatus
 from tests.engine.test_llm import hf_greedy, make_prompts
+from worker.config import WorkerConfig
+from worker.protocol import (
+    Abort,
+    Load,
+    Overloaded,
+    PollEvents,
+    Role,
+    Submit,
+    TokenEvent,
+    WorkerRequest,
+)
+from worker.worker import Worker
 
 MAX_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 # chunk 16 under a budget of 32: long prompts are prefilled in chunks that share steps with the
 # decodes of the shorter ones, the colocated (SARATHI) schedule.
 ENGINE_KWARGS = {
-    "dtype": "float64",
-    "block_size": 8,
-    "num_kv_blocks": 128,
-    "chunk_size": 16,
-    "max_num_batched_tokens": 32,
+    "dtype": "float64", "block_size": 8, "num_kv_blocks": 128,
+    "chunk_size": 16, "max_num_batched_tokens": 32,
 }
 PROMPTS = make_prompts((5, 70, 12, 19, 45, 33))
 
@@ -41,6 +48,10 @@ def reference(tiny_model) -> list[list[int]]:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert len({t for tokens in expected for t in tokens}) > 20, "degenerate reference output"
     return expected
+
+
+def colocated(instance_id: str, engine: EngineConfig, **limits: int) -> Worker:
+    return Worker(WorkerConfig(engine, **limits), instance_id)  # type: ignore[arg-type]
 
 
 def config(model_dir: str, **overrides: object) -> EngineConfig:
@@ -95,7 +106,7 @@ def run_all(submit: Callable[[WorkerRequest], None], poll: Poll) -> dict[str, li
 
 
 def test_greedy_outputs_equal_llm_and_transformers_in_process(tiny_model, reference) -> None:
-    worker = ColocatedWorker("colo-0", config(tiny_model("llama")))
+    worker = colocated("colo-0", config(tiny_model("llama")))
     try:
         assert worker.role == Role.COLOCATED
         start = worker.load()
@@ -117,9 +128,7 @@ def test_greedy_outputs_equal_llm_and_transformers_in_process(tiny_model, refere
 
 
 def test_prefix_hit_counts_skipped_tokens_and_equals_miss(tiny_model, reference) -> None:
-    engine = LLMEngine(config(tiny_model("llama")))  # a ready engine is taken over as it is
-    worker = ColocatedWorker("colo-prefix", engine)
-    assert worker.engine is engine
+    worker = colocated("colo-prefix", config(tiny_model("llama")))
     try:
         worker.submit(request("first", PROMPTS[1]))
         collect(worker.poll_events, ["first"])
@@ -135,27 +144,26 @@ def test_prefix_hit_counts_skipped_tokens_and_equals_miss(tiny_model, reference)
 
 
 def test_process_worker_outputs_and_abort_while_decoding(tiny_model, reference) -> None:
-    host = ProcessWorker(ColocatedWorker, "colo-p", config(tiny_model("llama")), name="colo-p")
+    host = ProcessWorker(Worker, WorkerConfig(config(tiny_model("llama"))), "colo-p", name="colo-p")
     try:
-
         def poll(timeout_s: float) -> list[TokenEvent]:
-            return host.call("poll_events", timeout_s, timeout_s=timeout_s + 10)
+            return host.call(PollEvents(timeout_s), timeout_s=timeout_s + 10)
 
-        start = host.call("load")
-        events = run_all(lambda req: host.call("submit", req), poll)
+        start = host.call(Load())
+        events = run_all(lambda req: host.call(Submit(req, None)), poll)
         assert [tokens_of(events[f"r{i}"]) for i in range(len(PROMPTS))] == reference
         check_stream(events["r1"], MAX_NEW_TOKENS, "colo-p")
 
-        host.call("submit", request("doomed", PROMPTS[4], SamplingParams(max_tokens=400)))
+        host.call(Submit(request("doomed", PROMPTS[4], SamplingParams(max_tokens=400)), None))
         seen: list[TokenEvent] = []
         while len(tokens_of(seen)) < 3:
             seen += [e for e in poll(0.5) if e.request_id == "doomed"]
-        assert host.call("abort", "doomed") is True
+        assert host.call(Abort("doomed")) == "decoding"
         rest = collect(poll, ["doomed"])["doomed"]
         assert (rest[-1].finish_reason, rest[-1].token_ids) == ("abort", [])
         assert tokens_of(seen + rest) == reference[4][: len(tokens_of(seen + rest))]
-        assert host.call("abort", "doomed") is False
-        end = host.call("load")
+        assert host.call(Abort("doomed")) is None
+        end = host.call(Load())
         assert end.num_free_blocks == start.num_free_blocks == 128
         assert end.num_running == 0
     finally:
@@ -163,7 +171,7 @@ def test_process_worker_outputs_and_abort_while_decoding(tiny_model, reference) 
     assert not host.is_alive()
 
 
-def abort_when(worker: ColocatedWorker, request_id: str, stage: Callable[[Request], bool]) -> int:
+def abort_when(worker: Worker, request_id: str, stage: Callable[[Request], bool]) -> int:
     """Abort `request_id` between two steps as soon as it is in `stage` (checked on the loop
     thread, so the check and the abort see the same state); returns its output token count."""
 
@@ -183,8 +191,7 @@ def abort_when(worker: ColocatedWorker, request_id: str, stage: Callable[[Reques
 def test_abort_in_each_stage_returns_every_block(tiny_model, reference) -> None:
     # One sequence at a time: "keeper" runs while "queued" waits; a 400-token prompt in chunks
     # of 16 spends 25 steps mid-prefill.
-    worker = ColocatedWorker(
-        "colo-abort", config(tiny_model("llama"), max_num_seqs=1, max_num_batched_tokens=16)
+    worker = colocated("colo-abort", config(tiny_model("llama"), max_num_seqs=1, max_num_batched_tokens=16)
     )
     long_prompt = make_prompts((400,), seed=5)[0]
     stages: dict[str, Callable[[Request], bool]] = {
@@ -217,7 +224,7 @@ def test_abort_in_each_stage_returns_every_block(tiny_model, reference) -> None:
 
 def test_tiny_pool_preempts_with_identical_outputs(tiny_model, reference) -> None:
     # The 6 sequences grow to 37..102 tokens (5..13 blocks of 8, 46 in all): 24 hold about half.
-    worker = ColocatedWorker("colo-tight", config(tiny_model("llama"), num_kv_blocks=24))
+    worker = colocated("colo-tight", config(tiny_model("llama"), num_kv_blocks=24))
     try:
         events = run_all(worker.submit, worker.poll_events)
         load = worker.load()
@@ -229,18 +236,15 @@ def test_tiny_pool_preempts_with_identical_outputs(tiny_model, reference) -> Non
 
 
 def test_overloaded_past_the_queue_bound(tiny_model) -> None:
-    worker = ColocatedWorker(
-        "colo-full",
-        config(tiny_model("llama"), max_num_seqs=1),
-        max_waiting_requests=2,
-        max_waiting_tokens=30,
+    worker = colocated("colo-full", config(tiny_model("llama"), max_num_seqs=1),
+        max_waiting_requests=2, max_queued_tokens=30,
     )
     try:
         worker.submit(request("running", PROMPTS[0], SamplingParams(max_tokens=400)))
         while not worker.poll_events(0.5):
             pass  # admitted and decoding: it no longer counts as waiting
         worker.submit(request("w1", PROMPTS[0]))  # 5 tokens
-        with pytest.raises(Overloaded, match="prompt tokens waiting"):
+        with pytest.raises(Overloaded, match="prompt tokens queued"):
             worker.submit(request("too-long", PROMPTS[4]))  # 5 + 45 > 30
         worker.submit(request("w2", PROMPTS[2]))  # 12 tokens
         with pytest.raises(Overloaded, match="2 requests waiting"):

@@ -14,11 +14,9 @@ import signal
 
 import pytest
 
-from decode_worker.config import DecodeConfig
 from engine import LLM, EngineConfig, SamplingParams
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.receiver import RANK_REPORT_GRACE_S
-from prefill_worker.config import PrefillConfig
 from tests.engine.test_llm import hf_greedy, make_prompts
 from tests.workers.cluster import (
     Cluster,
@@ -29,6 +27,8 @@ from tests.workers.cluster import (
     wait_for,
     wait_for_event,
 )
+from worker.config import WorkerConfig
+from worker.protocol import Abort, Load, Reserve, Submit
 
 BLOCK_SIZE = 8
 PREFILL_TP = 2
@@ -54,7 +54,7 @@ def cluster(tiny_model):
     model_dir = tiny_model("llama")
     # Chunks of 16 under a budget of 16: one chunk per step, so a long prompt takes many steps
     # (the abort tests catch requests queued behind it and mid-prefill).
-    prefill = PrefillConfig(
+    prefill = WorkerConfig.prefill(
         engine_config(
             model_dir, tensor_parallel_size=PREFILL_TP, chunk_size=16, max_num_batched_tokens=16
         )
@@ -62,13 +62,13 @@ def cluster(tiny_model):
     decode_kv = KVTransferConfig(transfer_timeout_s=10.0)
     specs = [
         ("prefill", prefill),
-        ("decode-0", DecodeConfig(engine_config(model_dir), decode_kv)),
-        ("decode-1", DecodeConfig(engine_config(model_dir), decode_kv)),
-        ("decode-small", DecodeConfig(engine_config(model_dir, num_kv_blocks=16), decode_kv)),
-        ("decode-tp2", DecodeConfig(engine_config(model_dir, tensor_parallel_size=2), decode_kv)),
+        ("decode-0", WorkerConfig.decode(engine_config(model_dir), decode_kv)),
+        ("decode-1", WorkerConfig.decode(engine_config(model_dir), decode_kv)),
+        ("decode-small", WorkerConfig.decode(engine_config(model_dir, num_kv_blocks=16), decode_kv)),
+        ("decode-tp2", WorkerConfig.decode(engine_config(model_dir, tensor_parallel_size=2), decode_kv)),
         (
             "decode-doomed",
-            DecodeConfig(
+            WorkerConfig.decode(
                 engine_config(model_dir), KVTransferConfig(transfer_timeout_s=DOOMED_TIMEOUT_S)
             ),
         ),
@@ -153,7 +153,7 @@ def test_chunked_prefill_equals_unchunked(cluster, chunk_size: int) -> None:
     expected = reference(cluster.model_dir, prompts, params)  # one chunk per prompt (512)
     instance_id = f"prefill-chunk{chunk_size}"
     config = engine_config(cluster.model_dir, chunk_size=chunk_size, max_num_batched_tokens=256)
-    cluster.start([(instance_id, PrefillConfig(config))])
+    cluster.start([(instance_id, WorkerConfig.prefill(config))])
     try:
         relay = Relay(cluster, instance_id, ["decode-0", "decode-1"], 1)
         results = relay.run(make_requests(prompts, params, f"chunk{chunk_size}"))
@@ -169,7 +169,7 @@ def test_prefix_cache_hit_equals_miss_and_counts_skipped_tokens(cluster) -> None
     relay = Relay(cluster, "prefill", ["decode-0"], PREFILL_TP)
 
     def hit_tokens() -> float:
-        return relay.worker("prefill").call("load").extra["num_prefix_hit_tokens"]
+        return relay.worker("prefill").call(Load()).extra["num_prefix_hit_tokens"]
 
     before = hit_tokens()
     miss = relay.run(make_requests([prompt], GREEDY, "miss"))["miss-0"]
@@ -179,7 +179,7 @@ def test_prefix_cache_hit_equals_miss_and_counts_skipped_tokens(cluster) -> None
     assert miss.token_ids == hit.token_ids == expected
     assert after_miss == before
     assert after_hit - after_miss == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 40 skipped
-    assert relay.worker("prefill").call("load").prefix_cache_hit_rate > 0
+    assert relay.worker("prefill").call(Load()).prefix_cache_hit_rate > 0
     assert_pools_back(cluster, ["prefill", "decode-0"])
 
 
@@ -190,10 +190,10 @@ def test_small_decode_pool_preempts_and_outputs_stay_identical(cluster) -> None:
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     expected = reference(cluster.model_dir, prompts, params)
     relay = Relay(cluster, "prefill", ["decode-small"], PREFILL_TP)
-    preemptions_before = relay.worker("decode-small").call("load").num_preemptions
+    preemptions_before = relay.worker("decode-small").call(Load()).num_preemptions
     results = relay.run(make_requests(prompts, params, "small"))
     assert [r.token_ids for r in results.values()] == expected
-    assert relay.worker("decode-small").call("load").num_preemptions > preemptions_before
+    assert relay.worker("decode-small").call(Load()).num_preemptions > preemptions_before
     assert_pools_back(cluster, ["prefill", "decode-small"])
 
 
@@ -204,13 +204,13 @@ def test_abort_queued_and_mid_prefill_frees_every_pool(cluster) -> None:
     for attempt in range(5):  # the stages depend on timing; retry until both were hit
         requests = make_requests([long_prompt, short_prompt], GREEDY, f"abort{attempt}")
         for request in requests:
-            ticket = decode.call("reserve", request, "prefill", PREFILL_TP)
-            prefill.call("submit", request, ticket)
+            ticket = decode.call(Reserve(request, "prefill", PREFILL_TP))
+            prefill.call(Submit(request, ticket))
         # The short prompt waits behind the long one (one 16-token chunk per step, first come
         # first served); the long one is mid-prefill for 25 steps.
-        stages = [prefill.call("abort", request.request_id) for request in reversed(requests)]
+        stages = [prefill.call(Abort(request.request_id)) for request in reversed(requests)]
         for request in requests:  # the router aborts everywhere
-            decode.call("abort", request.request_id)
+            decode.call(Abort(request.request_id))
         assert_pools_back(cluster, ["prefill", "decode-0"])
         if stages == ["queued", "prefilling"]:
             break
@@ -222,16 +222,16 @@ def test_abort_mid_transfer_frees_every_pool(cluster) -> None:
     prefill, decode = relay.worker("prefill"), relay.worker("decode-1")
     (request,) = make_requests(make_prompts((40,), seed=31), GREEDY, "transfer")
     relay.expect(request.request_id, "decode-1")
-    ticket = decode.call("reserve", request, "prefill", PREFILL_TP)
+    ticket = decode.call(Reserve(request, "prefill", PREFILL_TP))
     os.kill(decode.pid, signal.SIGSTOP)  # the decode side cannot take the KV: it stays in flight
     try:
-        prefill.call("submit", request, ticket)
+        prefill.call(Submit(request, ticket))
         wait_for_event(relay, "prefill", lambda r: bool(r.token_ids), request.request_id)
         assert free_blocks(cluster, "prefill") < cluster.start_free["prefill"]  # held by the send
-        assert prefill.call("abort", request.request_id) == "sending"
+        assert prefill.call(Abort(request.request_id)) == "sending"
     finally:
         os.kill(decode.pid, signal.SIGCONT)
-    assert decode.call("abort", request.request_id) in ("receiving", "decoding", None)
+    assert decode.call(Abort(request.request_id)) in ("receiving", "decoding", None)
     assert_pools_back(cluster, ["prefill", "decode-1"])
 
 
@@ -241,8 +241,8 @@ def test_abort_while_decoding_frees_every_pool(cluster) -> None:
     (request,) = make_requests(make_prompts((30,), seed=41), params, "decoding")
     assert relay.dispatch(request)
     wait_for_event(relay, "decode-0", lambda r: len(r.token_ids) > 3, request.request_id)
-    assert relay.worker("decode-0").call("abort", request.request_id) == "decoding"
-    relay.worker("prefill").call("abort", request.request_id)  # the router aborts everywhere
+    assert relay.worker("decode-0").call(Abort(request.request_id)) == "decoding"
+    relay.worker("prefill").call(Abort(request.request_id))  # the router aborts everywhere
     result = wait_for_event(relay, "decode-0", lambda r: r.done, request.request_id)
     assert result.finish_reason == "abort"
     assert_pools_back(cluster, ["prefill", "decode-0"])
@@ -253,9 +253,9 @@ def test_killed_decode_mid_transfer_releases_prefill_blocks_within_deadline(clus
     prefill, doomed = relay.worker("prefill"), relay.worker("decode-doomed")
     (request,) = make_requests(make_prompts((40,), seed=51), GREEDY, "doomed")
     relay.expect(request.request_id, "decode-doomed")
-    ticket = doomed.call("reserve", request, "prefill", PREFILL_TP)
+    ticket = doomed.call(Reserve(request, "prefill", PREFILL_TP))
     os.kill(doomed.pid, signal.SIGSTOP)  # the KV stays in flight ...
-    prefill.call("submit", request, ticket)
+    prefill.call(Submit(request, ticket))
     wait_for_event(relay, "prefill", lambda r: bool(r.token_ids), request.request_id)
     assert free_blocks(cluster, "prefill") < cluster.start_free["prefill"]
     os.kill(doomed.pid, signal.SIGKILL)  # ... until the decode process dies

@@ -8,7 +8,7 @@ the relay, which delivers it with `deliver` on the addressed worker:
 
     worker A ──A's pipe──▶ ProcessWorker A's reader ──▶ ControlRelay.deliver("B", data)
                                                          └─▶ B's queue ─▶ B's delivery thread
-                                                              ─▶ workers["B"].post("deliver", msg)
+                                                              ─▶ workers["B"].post(Deliver(msg))
 
 One delivery thread per addressed instance posts what is queued for it as one batch and then waits
 for the answers, so a peer busy in a long step takes them all between two steps, and a slow or
@@ -30,7 +30,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from deploy.runtime.local.process_host import PipeControl, ProcessWorker
-from engine.messages import WorkerUnavailable
+from worker.protocol import Deliver, WorkerUnavailable
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -110,7 +110,7 @@ class ControlRelay:
         for data in batch:
             try:
                 message = pickle.loads(data)  # noqa: S301 - from our own worker processes
-                futures.append(worker.post("deliver", message))
+                futures.append(worker.post(Deliver(message)))
             except WorkerUnavailable:
                 return  # a dead or stopped instance: its peer's transfer deadline covers it
             except Exception:

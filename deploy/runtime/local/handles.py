@@ -1,18 +1,34 @@
 """Router handles (router/worker_api.py) over worker objects, wherever those live.
 
-A worker object (PrefillWorker, DecodeWorker, ColocatedWorker) has blocking, thread-safe methods
-with the same names as the handle's. The router's interface is async, so each call runs on a
-thread of the default executor with its own timeout. `LocalHandle` calls a worker in this
-process; `ProcessHandle` calls one hosted by deploy/process_host.ProcessWorker.
+A worker object (worker/worker.Worker) has blocking, thread-safe methods; each handle method
+makes the matching typed call (worker/protocol.py: Submit, Reserve, Abort, Load, PollEvents).
+The router's interface is async, so each call runs on a thread of the default executor with its
+own timeout. `LocalHandle` runs the call on a worker in this process; `ProcessHandle` sends it to
+one hosted by deploy/process_host.ProcessWorker; deploy/ray_handles.RayHandle to a Ray actor.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeVar
 
 from deploy.runtime.local.process_host import ProcessWorker
-from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
+from kv_transfer.messages import KVTicket
+from worker.protocol import (
+    Abort,
+    InstanceLoad,
+    Load,
+    PollEvents,
+    Reserve,
+    Role,
+    Submit,
+    TokenEvent,
+    Worker,
+    WorkerCall,
+    WorkerRequest,
+)
+
+R = TypeVar("R")
 
 
 class HandleBase:
@@ -31,48 +47,45 @@ class HandleBase:
         # decode handles: the TP size of each prefill instance (the ticket's re-sharding plan)
         self.prefill_tp_sizes = prefill_tp_sizes or {}
 
-    def _invoke(self, method: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+    def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
         raise NotImplementedError
 
     def _alive(self) -> bool:
         return True
 
-    async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    async def _call(self, command: WorkerCall[R], timeout_s: float | None = None) -> R:
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
-        return await asyncio.to_thread(self._invoke, method, args, timeout)
+        return await asyncio.to_thread(self._invoke, command, timeout)
 
     async def load(self) -> InstanceLoad:
-        load: InstanceLoad = await self._call("load")
+        load = await self._call(Load())
         if not self._alive():
             load.healthy = False
         return load
 
     async def abort(self, request_id: str) -> None:
-        await self._call("abort", request_id)
+        await self._call(Abort(request_id))
 
     async def poll_events(self, timeout_s: float) -> list[TokenEvent]:
-        events: list[TokenEvent] = await self._call(
-            "poll_events", timeout_s, timeout_s=timeout_s + self.call_timeout_s
-        )
-        return events
+        return await self._call(PollEvents(timeout_s), timeout_s + self.call_timeout_s)
 
-    async def submit(self, request: WorkerRequest, ticket: object | None) -> None:
-        await self._call("submit", request, ticket)
+    async def submit(self, request: WorkerRequest, ticket: KVTicket | None) -> None:
+        await self._call(Submit(request, ticket))
 
-    async def reserve(self, request: WorkerRequest) -> object:
+    async def reserve(self, request: WorkerRequest) -> KVTicket:
         tp_size = self.prefill_tp_sizes.get(request.prefill_instance, 1)
-        return await self._call("reserve", request, request.prefill_instance, tp_size)
+        return await self._call(Reserve(request, request.prefill_instance, tp_size))
 
 
 class LocalHandle(HandleBase):
     """A worker object in this process."""
 
-    def __init__(self, instance_id: str, role: Role, worker: Any, **kwargs: Any) -> None:
+    def __init__(self, instance_id: str, role: Role, worker: Worker, **kwargs: Any) -> None:
         super().__init__(instance_id, role, **kwargs)
         self.worker = worker
 
-    def _invoke(self, method: str, args: tuple[Any, ...], timeout_s: float) -> Any:
-        return getattr(self.worker, method)(*args)
+    def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
+        return command.run(self.worker)
 
     def _alive(self) -> bool:
         return bool(getattr(self.worker, "healthy", True))
@@ -88,8 +101,8 @@ class ProcessHandle(HandleBase):
         super().__init__(instance_id, role, **kwargs)
         self.worker = worker
 
-    def _invoke(self, method: str, args: tuple[Any, ...], timeout_s: float) -> Any:
-        return self.worker.call(method, *args, timeout_s=timeout_s)
+    def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
+        return self.worker.call(command, timeout_s)
 
     def _alive(self) -> bool:
         return self.worker.is_alive()

@@ -6,13 +6,13 @@
     # shutdown: router drains, every worker process (and its TP ranks) stopped and joined
 
     this process                                         worker processes (ProcessWorker)
-    Router (asyncio loop thread) ─ ProcessHandle ──────▶ PrefillWorker (TP=k spawns k-1 ranks)
-                                 ─ ProcessHandle ──────▶ DecodeWorker  x N
+    Router (asyncio loop thread) ─ ProcessHandle ──────▶ Worker, role PREFILL (TP=k spawns k-1 ranks)
+                                 ─ ProcessHandle ──────▶ Worker, role DECODE  x N
     control relay ◀── each worker's own pipe ── send_control(instance_id, message) in a worker
-                  ──▶ workers[instance_id].call("deliver", message), one thread per addressee
+                  ──▶ workers[instance_id].post(Deliver(message)), one thread per addressee
 
 The same shape as the Ray runtime (deploy/runtime/ray/cluster.py), with a pipe where Ray has actor calls.
-Benchmarks use it for colocated layouts too (N ColocatedWorker replicas), optionally with each
+Benchmarks use it for colocated layouts too (N colocated Worker replicas), optionally with each
 worker pinned to its own cores (`spec.pin_cpus`).
 
 Keeping serving: a watch thread restarts every worker process that died (killed, or exited
@@ -35,21 +35,25 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from decode_worker.colocated import ColocatedWorker
-from decode_worker.config import DecodeConfig
-from decode_worker.worker import DecodeWorker
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.local.control_relay import ControlRelay
 from deploy.runtime.local.handles import ProcessHandle
 from deploy.runtime.local.process_host import ProcessWorker
 from deploy.runtime.local.restart_backoff import RestartBackoff
 from deploy.runtime.router_host import RouterHost
-from engine.config import EngineConfig
 from engine.gc_tuning import unfreeze_heap
-from engine.messages import InstanceLoad, Role, WorkerUnavailable
-from prefill_worker.config import PrefillConfig
-from prefill_worker.worker import PrefillWorker
 from router.server import Router
+from worker.config import WorkerConfig
+from worker.protocol import (
+    InstanceLoad,
+    Load,
+    ProcessIds,
+    Reserve,
+    Role,
+    Submit,
+    WorkerUnavailable,
+)
+from worker.worker import Worker
 
 Progress = Callable[[str], None]
 _WATCH_INTERVAL_S = 0.2
@@ -151,14 +155,9 @@ class LocalCluster:
             if errors:
                 raise errors[0]
 
-    def worker_configs(self) -> dict[str, PrefillConfig | DecodeConfig | EngineConfig]:
+    def worker_configs(self) -> dict[str, WorkerConfig]:
         """The config each worker process is built with, by instance id, prefill first."""
-        spec = self.spec
-        by_role: dict[str, PrefillConfig | DecodeConfig | EngineConfig | None] = {
-            "prefill": spec.prefill, "decode": spec.decode, "colocated": spec.colocated,
-        }  # fmt: skip
-        configs = {i: by_role[i.split("-")[0]] for i in spec.instance_ids()}
-        return {i: config for i, config in configs.items() if config is not None}
+        return {i: self.spec.worker_config(i) for i in self.spec.instance_ids()}
 
     def _worker_plan(self) -> list[tuple[str, Callable[..., Any], tuple, int]]:
         """(instance_id, factory, factory args, TP size) for each worker, prefill first."""
@@ -166,13 +165,8 @@ class LocalCluster:
         control = self._relay.sender()
         plan: list[tuple[str, Callable[..., Any], tuple, int]] = []
         for instance_id, config in self.worker_configs().items():
-            if isinstance(config, EngineConfig):  # colocated
-                tp = config.tensor_parallel_size
-                plan.append((instance_id, ColocatedWorker, (instance_id, config), tp))
-                continue
-            factory = PrefillWorker if isinstance(config, PrefillConfig) else DecodeWorker
             tp = config.engine.tensor_parallel_size
-            plan.append((instance_id, factory, (config, instance_id, control), tp))
+            plan.append((instance_id, Worker, (config, instance_id, control), tp))
         return plan
 
     def _start_router(self) -> None:
@@ -257,7 +251,7 @@ class LocalCluster:
             try:
                 if instance_id in self._restarting:
                     raise WorkerUnavailable(f"{instance_id} is restarting")
-                loads.append(worker.call("load", timeout_s=10.0))
+                loads.append(worker.call(Load(), timeout_s=10.0))
             except WorkerUnavailable:
                 role = Role.DECODE if instance_id.startswith("decode") else Role.PREFILL
                 loads.append(InstanceLoad(instance_id, role, healthy=False))
@@ -268,8 +262,8 @@ class LocalCluster:
         ids: list[int] = []
         for worker in self.workers.values():
             try:
-                ids.extend(worker.call("process_ids", timeout_s=10.0))
-            except AttributeError:  # a worker without TP ranks of its own to report
+                ids.extend(worker.call(ProcessIds(), timeout_s=10.0))
+            except WorkerUnavailable:
                 ids.append(worker.pid)
         return ids
 
@@ -338,9 +332,7 @@ class LocalCluster:
         timeout_s = self.spec.router.worker_timeout_s
 
         def reserve(peer_id: str, request: Any, prefill_id: str, tp: int) -> Any:
-            return self.workers[peer_id].call(
-                "reserve", request, prefill_id, tp, timeout_s=timeout_s
-            )
+            return self.workers[peer_id].call(Reserve(request, prefill_id, tp), timeout_s)
 
         settle_prefill_channels(
             _Remote(worker, timeout_s), instance_id, tp_size, dict.fromkeys(decode_ids, 1), "",
@@ -356,8 +348,7 @@ class _Remote:
         self.timeout_s = timeout_s
 
     def submit(self, request: Any, ticket: Any) -> None:
-        self.worker.call("submit", request, ticket, timeout_s=self.timeout_s)
+        self.worker.call(Submit(request, ticket), timeout_s=self.timeout_s)
 
     def load(self) -> InstanceLoad:
-        load: InstanceLoad = self.worker.call("load", timeout_s=self.timeout_s)
-        return load
+        return self.worker.call(Load(), timeout_s=self.timeout_s)

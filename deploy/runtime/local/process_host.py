@@ -4,8 +4,11 @@ The plain-process control plane: tests, and running without Ray. (deploy/runtime
 worker objects in Ray actors.) Calls are pickled over a pipe; the child serves each call on its
 own thread, so a long poll (`poll_events`) never blocks a `submit` or an `abort`.
 
-    parent: ProcessWorker.call("submit", req) ──pipe──▶ child: getattr(worker, "submit")(req)
+    parent: ProcessWorker.call(Submit(req, ticket)) ──pipe──▶ child: command.run(worker)
             ◀── ("ok", result) | ("error", exception) ──
+
+A call is a typed command object (worker/protocol.py's WorkerCall for workers): no method name
+travels as a string, and `call` returns the command's own result type.
 
 Every call has a timeout; a dead child turns every pending and later call into WorkerUnavailable.
 
@@ -17,6 +20,7 @@ pair to the relay. Each worker has a pipe of its own, so one killed mid-write br
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import multiprocessing as mp
@@ -26,17 +30,34 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from engine.child_signals import ignore_terminal_signals, terminal_signals_blocked
 from engine.gc_tuning import freeze_startup_heap
-from engine.messages import WorkerUnavailable
+from worker.protocol import WorkerUnavailable
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class HostedCall(Protocol[R_co]):
+    """A call on the hosted object: `run(obj)` calls the object's own method."""
+
+    def run(self, worker: Any) -> R_co: ...
+
+
+class _Shutdown:
+    """Shut the hosted object down and end the process."""
+
+    def run(self, worker: Any) -> None:
+        if hasattr(worker, "shutdown"):
+            worker.shutdown()
 
 _FAILED_EXIT_DELAY_S = 1.0
 CONTROL = -1  # the call id of a control message going up the pipe (call ids start at 0)
@@ -92,32 +113,28 @@ def _child_main(conn: Connection, factory: Callable[..., Any], args: tuple, kwar
     if isinstance(getattr(worker, "failed", None), threading.Event):
         threading.Thread(target=exit_when_failed, args=(worker,), daemon=True).start()
 
-    def serve(call_id: int, method: str, call_args: tuple, call_kwargs: dict) -> None:
+    def serve(call_id: int, command: HostedCall[Any]) -> None:
         try:
-            reply(call_id, "ok", getattr(worker, method)(*call_args, **call_kwargs))
+            reply(call_id, "ok", command.run(worker))
         except BaseException as exc:
             reply(call_id, "error", exc)
 
     while True:
         try:
-            call_id, method, call_args, call_kwargs = conn.recv()
+            call_id, command = conn.recv()
         except (EOFError, OSError):  # the parent is gone: still stop what the worker started
-            if hasattr(worker, "shutdown"):
-                try:
-                    worker.shutdown()
-                except Exception:
-                    traceback.print_exc()
-            break
-        if method == "__shutdown__":
             try:
-                if hasattr(worker, "shutdown"):
-                    worker.shutdown()
+                _Shutdown().run(worker)
+            except Exception:
+                traceback.print_exc()
+            break
+        if isinstance(command, _Shutdown):
+            try:
+                command.run(worker)
             finally:
                 reply(call_id, "ok", None)
             break
-        threading.Thread(
-            target=serve, args=(call_id, method, call_args, call_kwargs), daemon=True
-        ).start()
+        threading.Thread(target=serve, args=(call_id, command), daemon=True).start()
 
     # Leave without interpreter teardown: with torch and transformers loaded it costs about 2 s
     # of CPU per process (a cluster shutting down on few cores waits many times that), and gloo
@@ -140,6 +157,17 @@ def exit_when_failed(worker: Any) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+_LIVE: weakref.WeakSet[ProcessWorker] = weakref.WeakSet()
+
+
+@atexit.register  # registered after multiprocessing's own exit hook, so it runs before it
+def _kill_leftovers() -> None:
+    """A parent exiting (a failed test, a crash) kills the workers it did not shut down: each
+    child waits on the parent's pipe, and multiprocessing's exit hook would wait on the child."""
+    for worker in list(_LIVE):
+        worker.kill()
 
 
 class ProcessWorker:
@@ -167,6 +195,7 @@ class ProcessWorker:
         )
         self._pending: dict[int, Future[Any]] = {}
         self._lock = threading.Lock()
+        self._kill_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
         started: Future[Any] = Future()
@@ -174,6 +203,7 @@ class ProcessWorker:
         with terminal_signals_blocked():
             self._process.start()
         child_conn.close()
+        _LIVE.add(self)
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()
         try:
@@ -194,35 +224,35 @@ class ProcessWorker:
     def exitcode(self) -> int | None:
         return self._process.exitcode
 
-    def call(self, method: str, *args: Any, timeout_s: float = 30.0, **kwargs: Any) -> Any:
-        call_id, future = self._send(method, args, kwargs)
+    def call(self, command: HostedCall[R], timeout_s: float = 30.0) -> R:
+        call_id, future = self._send(command)
         try:
             return future.result(timeout=timeout_s)
         except FutureTimeout:
             raise WorkerUnavailable(
-                f"{self.name} did not answer {method} within {timeout_s:.1f}s"
+                f"{self.name} did not answer {type(command).__name__} within {timeout_s:.1f}s"
             ) from None
         finally:
             with self._lock:
                 self._pending.pop(call_id, None)
 
-    def post(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+    def post(self, command: HostedCall[R]) -> Future[R]:
         """Send a call without waiting for it: the child serves each call on a thread of its own,
         so calls posted together run together. The future holds the answer, or WorkerUnavailable
         if the child exits first."""
-        call_id, future = self._send(method, args, kwargs)
+        call_id, future = self._send(command)
         future.add_done_callback(lambda _: self._forget(call_id))
         return future
 
-    def _send(self, method: str, args: tuple, kwargs: dict) -> tuple[int, Future[Any]]:
+    def _send(self, command: HostedCall[R]) -> tuple[int, Future[R]]:
         with self._lock:
             if self._closed or not self._process.is_alive():
                 raise WorkerUnavailable(f"{self.name} is not running")
             call_id = next(self._ids)
-            future: Future[Any] = Future()
+            future: Future[R] = Future()
             self._pending[call_id] = future
             try:
-                self._conn.send((call_id, method, args, kwargs))
+                self._conn.send((call_id, command))
             except (OSError, ValueError) as exc:
                 self._pending.pop(call_id, None)
                 raise WorkerUnavailable(f"{self.name}: {exc}") from None
@@ -238,7 +268,7 @@ class ProcessWorker:
             return
         try:
             if self._process.is_alive():
-                self.call("__shutdown__", timeout_s=timeout_s)
+                self.call(_Shutdown(), timeout_s=timeout_s)
         except WorkerUnavailable:
             pass
         finally:
@@ -247,11 +277,14 @@ class ProcessWorker:
             self.kill()
 
     def kill(self) -> None:
-        self._closed = True
-        if self._process.is_alive():
-            self._process.kill()
-        self._process.join(10)
-        self._conn.close()
+        # One at a time: a cluster stopping kills a worker whose start (another thread) is
+        # failing and killing it too; two closes of one pipe at once fail with EBADF.
+        with self._kill_lock:
+            self._closed = True
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join(10)
+            self._conn.close()
 
     def _read(self) -> None:
         while True:

@@ -1,7 +1,7 @@
 """The Ray actors of a pdserve cluster: one per worker instance (its TP rank 0).
 
-    WorkerActor  "pdserve-prefill-0"  PrefillWorker, rank 0 in bundle 0 (RankActors in 1..k-1)
-    WorkerActor  "pdserve-decode-j"   DecodeWorker
+    WorkerActor  "pdserve-prefill-0"  Worker (role PREFILL), rank 0 in bundle 0 (RankActors in 1..k-1)
+    WorkerActor  "pdserve-decode-j"   Worker (role DECODE)
 
 A WorkerActor is threaded (many concurrent calls: a long `poll_events` never blocks `submit` or
 `abort`; the worker object serialises them on its own loop thread). Its constructor builds the
@@ -16,18 +16,19 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from deploy.runtime.local.process_host import exit_when_failed
 from deploy.runtime.ray.channels import form_channels, settle_prefill_channels
 from deploy.runtime.ray.handles import ActorControl
 from deploy.runtime.ray.placement import InstancePlacement, core_set, pin_to_core_set
 from engine.gc_tuning import freeze_startup_heap
-from engine.messages import InstanceLoad, Role, TokenEvent, WorkerRequest
+from worker.protocol import Role, WorkerCall
 
 if TYPE_CHECKING:  # imported in the actor only: the driver needs neither torch nor the model code
-    from decode_worker.config import DecodeConfig
-    from prefill_worker.config import PrefillConfig
+    from worker.config import WorkerConfig
+
+R = TypeVar("R")
 
 
 class WorkerActor:
@@ -35,7 +36,7 @@ class WorkerActor:
 
     def __init__(
         self,
-        config: PrefillConfig | DecodeConfig,
+        config: WorkerConfig,
         placement: InstancePlacement,
         num_workers: int,
         pin_cores: bool,
@@ -47,9 +48,8 @@ class WorkerActor:
         import ray
         import torch
 
-        from decode_worker.worker import DecodeWorker
         from deploy.runtime.ray.launcher import RayRankLauncher
-        from prefill_worker.worker import PrefillWorker
+        from worker.worker import Worker
 
         imported_at = time.time()
         if pin_cores:
@@ -71,12 +71,8 @@ class WorkerActor:
             launcher = RayRankLauncher(placement, num_workers, pin_cores, rank_actors)
         control = ActorControl(namespace)
         self.instance_id = placement.instance_id
-        if placement.role == Role.PREFILL:
-            self.worker: Any = PrefillWorker(config, self.instance_id, control, launcher=launcher)
-        else:
-            self.worker = DecodeWorker(config, self.instance_id, control, launcher=launcher)
+        self.worker = Worker(config, self.instance_id, control, launcher=launcher)
         built_at = time.time()
-        self._ready = threading.Event()
         restarted = ray.get_runtime_context().was_current_actor_reconstructed and bool(peers)
         timeout_s = config.kv_transfer.transfer_timeout_s + 5
         if restarted and placement.role == Role.DECODE:
@@ -88,12 +84,11 @@ class WorkerActor:
         if restarted and placement.role == Role.PREFILL:
             # Acks (KVTransferDone) reach this actor only once its constructor returned: settle
             # the channels on a thread, reporting unhealthy (so the router avoids it) until then.
+            self.worker.ready.clear()
             threading.Thread(
                 target=self._settle, args=(placement.tp_size, peers or {}, namespace, timeout_s),
                 daemon=True,
             ).start()  # fmt: skip
-        else:
-            self._ready.set()
         # where start-up time goes: process start (driver side), imports, model + TP group + KV
         self.startup = {
             "started_at": started_at,
@@ -106,23 +101,9 @@ class WorkerActor:
         threading.Thread(target=exit_when_failed, args=(self.worker,), daemon=True).start()
         freeze_startup_heap()
 
-    # The worker's API, one actor method each (see router/worker_api.py).
-    def submit(self, request: WorkerRequest, ticket: Any) -> None:
-        self.worker.submit(request, ticket)
-
-    def reserve(self, request: WorkerRequest, prefill_instance_id: str, tp_size: int) -> Any:
-        return self.worker.reserve(request, prefill_instance_id, tp_size)
-
-    def abort(self, request_id: str) -> str | None:
-        return self.worker.abort(request_id)
-
-    def deliver(self, message: Any) -> None:
-        self.worker.deliver(message)
-
-    def load(self) -> InstanceLoad:
-        load: InstanceLoad = self.worker.load()
-        load.healthy = load.healthy and self._ready.is_set()
-        return load
+    def call(self, command: WorkerCall[R]) -> R:
+        """The worker's API (worker/protocol.py): every router and peer call is one command."""
+        return command.run(self.worker)
 
     def _settle(self, tp_size: int, peers: dict[str, int], namespace: str, timeout: float) -> None:
         try:
@@ -130,11 +111,7 @@ class WorkerActor:
                 self.worker, self.instance_id, tp_size, peers, namespace, timeout
             )
         finally:
-            self._ready.set()
-
-    def poll_events(self, timeout_s: float) -> list[TokenEvent]:
-        events: list[TokenEvent] = self.worker.poll_events(timeout_s)
-        return events
+            self.worker.ready.set()
 
     def info(self) -> dict[str, Any]:
         """Where this instance runs: node address and id, process ids (rank 0 first)."""

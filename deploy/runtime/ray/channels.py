@@ -30,8 +30,8 @@ from typing import Any
 import ray
 
 from deploy.runtime.ray.handles import actor_name
-from engine.messages import Role, WorkerRequest
 from engine.sampling_params import SamplingParams
+from worker.protocol import PollEvents, Reserve, Role, Submit, WorkerRequest
 
 logger = logging.getLogger(__name__)
 _ATTEMPTS = 3
@@ -119,15 +119,15 @@ def form_all_channels(
     for prefill_id, prefill_actor in prefill.items():
         for decode_id, decode_actor in decode.items():
             request = warmup_request(prefill_id, decode_id)
-            reserve = decode_actor.reserve.remote(request, prefill_id, prefill_tp_size)
-            ticket = ray.get(reserve, timeout=timeout_s)
-            ray.get(prefill_actor.submit.remote(request, ticket), timeout=timeout_s)
+            reserve = Reserve(request, prefill_id, prefill_tp_size)
+            ticket = ray.get(decode_actor.call.remote(reserve), timeout=timeout_s)
+            ray.get(prefill_actor.call.remote(Submit(request, ticket)), timeout=timeout_s)
             pending.add(request.request_id)
     deadline = time.monotonic() + timeout_s
     while pending:
         if time.monotonic() > deadline:
             raise RuntimeError(f"KV channels did not form within {timeout_s:.0f}s: {pending}")
-        polls = [a.poll_events.remote(0.05) for a in [*prefill.values(), *decode.values()]]
+        polls = [a.call.remote(PollEvents(0.05)) for a in [*prefill.values(), *decode.values()]]
         for event in (e for events in ray.get(polls, timeout=timeout_s) for e in events):
             if event.finish_reason == "error":
                 raise RuntimeError(f"forming KV channels failed: {event.error}")
@@ -156,7 +156,7 @@ def settle_prefill_channels(
 
     def reserve_on_actor(peer_id: str, request: WorkerRequest, prefill_id: str, tp: int) -> Any:
         peer = ray.get_actor(actor_name(peer_id), namespace)
-        return ray.get(peer.reserve.remote(request, prefill_id, tp), timeout=timeout_s)
+        return ray.get(peer.call.remote(Reserve(request, prefill_id, tp)), timeout=timeout_s)
 
     reserve = reserve or reserve_on_actor
     for _ in range(2):

@@ -49,7 +49,6 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_worker.config import DecodeConfig
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.ray.actors import WorkerActor
 from deploy.runtime.ray.channels import form_all_channels
@@ -64,8 +63,8 @@ from deploy.runtime.ray.placement import (
     wait_until_placed,
 )
 from deploy.runtime.router_host import RouterHost
-from engine.messages import InstanceLoad, Role
-from prefill_worker.config import PrefillConfig
+from worker.config import WorkerConfig
+from worker.protocol import InstanceLoad, Role
 
 logger = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -102,8 +101,8 @@ class RayCluster:
         if spec.prefill is None or spec.decode is None:
             raise ValueError("Ray runs the disaggregated layout only; run colocated without Ray")
         self.spec = spec
-        self.prefill: PrefillConfig = spec.prefill
-        self.decode: DecodeConfig = spec.decode
+        self.prefill: WorkerConfig = spec.prefill
+        self.decode: WorkerConfig = spec.decode
         self.start_timeout_s = start_timeout_s
         self.namespace = f"pdserve-{uuid.uuid4().hex[:8]}"
         self.startup_timings: dict[str, float] = {}  # step -> seconds
@@ -183,7 +182,7 @@ class RayCluster:
         self.placements = place_instances(plan, f"{self.namespace}-")
         wait_until_placed(self.placements, self.start_timeout_s)
 
-    def worker_configs(self) -> dict[str, PrefillConfig | DecodeConfig]:
+    def worker_configs(self) -> dict[str, WorkerConfig]:
         """The config each worker actor is built with, by instance id."""
         return {
             i: self.prefill if i.startswith("prefill-") else self.decode

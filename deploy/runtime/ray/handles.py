@@ -1,8 +1,9 @@
 """The router's handles over worker actors, and the workers' control path to each other.
 
 `RayHandle` is the PrefillHandle / DecodeHandle of router/worker_api.py over a worker actor
-(deploy/runtime/ray/actors.WorkerActor): each method is one actor call, made and waited for (with its own
-timeout) on a thread, and awaited from the router's event loop. Failures map onto what the router understands:
+(deploy/ray_actors.WorkerActor): each method is one typed call (worker/protocol.py) sent to the
+actor's `call`, made and waited for (with its own timeout) on a thread, and awaited from the
+router's event loop. Failures map onto what the router understands:
 
     the actor died / is restarting / did not answer in time  -> WorkerUnavailable
     the worker raised (Overloaded, ValueError, ...)           -> that same exception, unwrapped
@@ -12,7 +13,7 @@ reaches it again; after an error the handle also looks the actor up by name agai
 an actor that someone re-created under the same name.
 
 `ActorControl` is the `send_control(instance_id, message)` every worker is built with
-(KVTransferDone decode -> prefill, KVAbort either way): a fire-and-forget `deliver` call on the
+(KVTransferDone decode -> prefill, KVAbort either way): a fire-and-forget Deliver call on the
 named peer actor. Only these small messages travel through Ray; KV travels over the
 kv_transfer channels.
 """
@@ -22,13 +23,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from deploy.runtime.local.handles import HandleBase
-from engine.messages import Role, WorkerUnavailable
+from worker.protocol import Deliver, Role, WorkerCall, WorkerUnavailable
 
 # Actor calls run on these threads, submission and result alike, as ProcessHandle's pipe calls
 # do. Made on the router's event loop, submitting them and unpickling their results (poll_events'
@@ -36,6 +37,7 @@ from engine.messages import Role, WorkerUnavailable
 # under a burst the excess waited inside gRPC core, where admission never sees a call, instead
 # of being refused. Enough threads for every instance's long poll plus a burst's calls.
 _CALLS = ThreadPoolExecutor(64, thread_name_prefix="ray-call")
+R = TypeVar("R")
 
 
 def actor_name(instance_id: str) -> str:
@@ -67,12 +69,12 @@ class RayHandle(HandleBase):
                 raise WorkerUnavailable(f"{self.instance_id}: no such actor (yet)") from None
         return self._actor
 
-    async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    async def _call(self, command: WorkerCall[R], timeout_s: float | None = None) -> R:
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
         actor = self._resolve()
 
-        def invoke() -> Any:
-            ref = getattr(actor, method).remote(*args)
+        def invoke() -> R:
+            ref = actor.call.remote(command)
             try:
                 return ray.get(ref, timeout=timeout)
             except GetTimeoutError:
@@ -83,7 +85,7 @@ class RayHandle(HandleBase):
             return await asyncio.get_running_loop().run_in_executor(_CALLS, invoke)
         except (TimeoutError, asyncio.TimeoutError, GetTimeoutError):
             raise WorkerUnavailable(
-                f"{self.instance_id} did not answer {method} within {timeout:.1f}s"
+                f"{self.instance_id} did not answer {type(command).__name__} within {timeout:.1f}s"
             ) from None
         except RayActorError as exc:
             self._actor = None  # look it up again next time
@@ -109,7 +111,7 @@ class ActorControl:
             if actor is None:
                 actor = ray.get_actor(actor_name(instance_id), self.namespace)
                 self._actors[instance_id] = actor
-        actor.deliver.remote(message)  # a lost message is covered by the peer's deadline
+        actor.call.remote(Deliver(message))  # a lost message is covered by the peer's deadline
 
 
 def _first_line(exc: BaseException) -> str:

@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.messages import Role
+from worker.protocol import Role
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from engine.messages import TokenEvent, WorkerUnavailable
+from worker.protocol import TokenEvent, WorkerUnavailable
 
 T = TypeVar("T")
 
@@ -47,6 +47,10 @@ class WorkerLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # set when the loop died; the worker is then unhealthy
+        # Cleared by a host that readies the worker further after building it (a restarted
+        # prefill settling its KV channels): until set again, the worker reports unhealthy.
+        self.ready = threading.Event()
+        self.ready.set()
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -64,7 +68,8 @@ class WorkerLoop:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        alive = self._thread is not None and self._thread.is_alive()
+        return self.error is None and alive and self.ready.is_set()
 
     # ---------------------------------------------------------- thread-safe API
     def call(self, fn: Callable[[], T], timeout_s: float = 30.0) -> T:

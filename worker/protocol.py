@@ -1,0 +1,211 @@
+"""Everything that crosses a process boundary around a worker, typed: one module.
+
+    router ──Reserve / Submit / Abort / Load / PollEvents──▶ a worker (any role)
+    worker ──KVTransferDone / KVAbort (ControlMessage)─────▶ its peer worker (through Deliver)
+
+The messages are plain, picklable dataclasses; protobuf conversion happens once, in the router.
+A call is a `WorkerCall[R]` dataclass whose `run(worker)` calls the worker's own method, so the
+host of a worker (a child process, a Ray actor, the test harness) forwards one object and types
+hold at both ends: no method name travels as a string. `Worker` is the protocol every worker
+implements (worker/worker.py, router/synthetic.py); the router's async handles
+(router/worker_api.py) make the same calls.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from engine.outputs import SchedulerStats
+from engine.sampling_params import SamplingParams
+
+from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
+
+ControlMessage = KVTransferDone | KVAbort  # between the two sides of a hand-off
+
+R = TypeVar("R")
+
+
+class Role(str, enum.Enum):
+    """What the router uses an instance for. A PREFILL instance prefills for decode instances,
+    a DECODE instance decodes KV it received; a COLOCATED one runs both phases of its own
+    requests. One worker may hold both connector sides (worker/config.py)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+class Overloaded(Exception):
+    """A worker refused work because it is full (the router answers RESOURCE_EXHAUSTED)."""
+
+
+class WorkerUnavailable(Exception):
+    """A worker died or does not answer (the router answers UNAVAILABLE or retries elsewhere)."""
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.time() when the router accepted the request
+    prefill_instance: str = ""
+    decode_instance: str = ""
+
+
+@dataclass
+class RequestTimings:
+    """Seconds, measured by the workers; the router adds its own queue time."""
+
+    prefill_queue_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    decode_queue_s: float = 0.0
+    decode_s: float = 0.0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the last event
+    error: str | None = None  # what went wrong, when finish_reason == "error"
+    source: str = ""  # instance id that produced these tokens
+    timings: RequestTimings | None = None  # on the first token event and on the last
+    # On an error: the other instance whose failure ended the request (the decode side of a KV
+    # hand-off that broke), so the router can answer UNAVAILABLE, retryable, instead of INTERNAL.
+    failed_peer: str = ""
+
+
+@dataclass
+class InstanceLoad:
+    instance_id: str
+    role: Role
+    num_waiting_requests: int = 0
+    num_waiting_tokens: int = 0  # prompt tokens queued, not yet prefilled
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    healthy: bool = True
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_stats(
+        cls,
+        instance_id: str,
+        role: Role,
+        stats: SchedulerStats,
+        healthy: bool,
+        num_other_waiting: int = 0,
+        **extra: float,
+    ) -> InstanceLoad:
+        """A worker's load from its scheduler's counters; `extra` adds worker-specific ones."""
+        return cls(
+            instance_id,
+            role,
+            num_waiting_requests=stats.num_waiting + num_other_waiting,
+            num_waiting_tokens=stats.num_queued_prompt_tokens,
+            num_running=stats.num_running,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            prefix_cache_hit_rate=stats.prefix_hit_rate,
+            num_preemptions=stats.num_preemptions,
+            healthy=healthy,
+            extra={
+                "num_prefix_hit_tokens": float(stats.num_prefix_hit_tokens),
+                "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
+                **{name: float(value) for name, value in extra.items()},
+            },
+        )
+
+
+class Worker(Protocol):
+    """One instance's worker object: thread-safe, blocking methods (its loop thread runs them
+    between steps). `submit` with a ticket prefills for the decode instance the ticket names;
+    without one the request runs both phases here. `reserve` readies this instance to receive a
+    prompt's KV from a prefill instance."""
+
+    instance_id: str
+
+    def submit(self, request: WorkerRequest, ticket: KVTicket | None) -> None: ...
+
+    def reserve(
+        self, request: WorkerRequest, prefill_instance_id: str | None, prefill_tp_size: int
+    ) -> KVTicket: ...
+
+    def abort(self, request_id: str) -> str | None: ...
+
+    def deliver(self, message: ControlMessage) -> None: ...
+
+    def load(self) -> InstanceLoad: ...
+
+    def poll_events(self, timeout_s: float) -> list[TokenEvent]: ...
+
+    def process_ids(self) -> list[int]: ...
+
+
+class WorkerCall(Generic[R]):
+    """One call on a worker, as it crosses a process boundary."""
+
+    def run(self, worker: Worker) -> R:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Submit(WorkerCall[None]):
+    request: WorkerRequest
+    ticket: KVTicket | None
+
+    def run(self, worker: Worker) -> None:
+        worker.submit(self.request, self.ticket)
+
+
+@dataclass(frozen=True)
+class Reserve(WorkerCall[KVTicket]):
+    request: WorkerRequest
+    prefill_instance_id: str | None
+    prefill_tp_size: int
+
+    def run(self, worker: Worker) -> KVTicket:
+        return worker.reserve(self.request, self.prefill_instance_id, self.prefill_tp_size)
+
+
+@dataclass(frozen=True)
+class Abort(WorkerCall["str | None"]):
+    request_id: str
+
+    def run(self, worker: Worker) -> str | None:
+        return worker.abort(self.request_id)
+
+
+@dataclass(frozen=True)
+class Deliver(WorkerCall[None]):
+    message: ControlMessage
+
+    def run(self, worker: Worker) -> None:
+        worker.deliver(self.message)
+
+
+@dataclass(frozen=True)
+class Load(WorkerCall[InstanceLoad]):
+    def run(self, worker: Worker) -> InstanceLoad:
+        return worker.load()
+
+
+@dataclass(frozen=True)
+class PollEvents(WorkerCall["list[TokenEvent]"]):
+    timeout_s: float
+
+    def run(self, worker: Worker) -> list[TokenEvent]:
+        return worker.poll_events(self.timeout_s)
+
+
+@dataclass(frozen=True)
+class ProcessIds(WorkerCall["list[int]"]):
+    def run(self, worker: Worker) -> list[int]:
+        return worker.process_ids()

@@ -1,0 +1,378 @@
+"""The one worker: an LLMEngine on a loop thread, with the KV connector sides its config names.
+
+    Worker(WorkerConfig(engine, Role.PREFILL), "prefill-0", send_control)    prefill instance
+    Worker(WorkerConfig(engine, Role.DECODE), "decode-0", send_control)      decode instance
+    Worker(WorkerConfig(engine), "colocated-0")                              both phases here
+    Worker(WorkerConfig(engine, Role.DECODE, sends_kv=True), ...)            decodes its own and
+                                                                             prefills for others
+
+One request, by what the router calls (worker/protocol.py):
+
+    submit(request, None)     the engine runs both phases here; every token is an event
+    submit(request, ticket)   the engine prefills; at the first token the sending connector
+                              (prefill_worker/connector.py) hands the KV off to the ticket's
+                              decode instance: one event, the first token
+    reserve(request)          the receiving connector (decode_worker/connector.py) reserves
+                              blocks; when the KV lands the request joins the engine as
+                              prefilled and decodes here: an event per step
+
+The step loop is the engine's (`LLMEngine.step`; the connector hooks sit inside it); this class
+turns its outputs into TokenEvents with their timings, and answers the calls between steps on
+its loop thread (worker/loop.py), so none of its state needs a lock.
+
+Timings (seconds, time.perf_counter, measured here; the router adds its own queue time):
+  prefill_queue_s  submit -> the start of the first step that computed any of its prompt
+  prefill_s        that step's start -> its first token
+  kv_transfer_s    (received requests) reservation -> the KV landed here
+  decode_queue_s   the KV landed -> its first decode step ended
+  decode_s         first token (or the KV landing) -> last token, on the last event
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass, replace
+
+from decode_worker.connector import ReceiveConnector
+from decode_worker.rank import DecodeRank
+from engine.executor import Executor
+from engine.kv_connector import KVConnectors
+from engine.llm import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.outputs import StepOutput
+from engine.ranks import RankCommand, RankLauncher
+from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
+from prefill_worker.connector import SendConnector, SendControl
+from prefill_worker.rank import PrefillRank
+from worker.config import WorkerConfig
+from worker.loop import WorkerLoop
+from worker.protocol import InstanceLoad, Overloaded, RequestTimings, TokenEvent, WorkerRequest
+
+
+class KVRankSides:
+    """The rank extension: every TP rank's share of the connector sides its worker holds."""
+
+    def __init__(
+        self, runner: ModelRunner, sends: bool, receives: bool, host: str = "127.0.0.1"
+    ) -> None:
+        self._sending = PrefillRank(runner) if sends else None
+        self._receiving = DecodeRank(runner, host) if receives else None
+
+    @property
+    def sending(self) -> PrefillRank:
+        assert self._sending is not None, "this worker does not send KV"
+        return self._sending
+
+    @property
+    def receiving(self) -> DecodeRank:
+        assert self._receiving is not None, "this worker does not receive KV"
+        return self._receiving
+
+    def close(self) -> None:
+        for side in (self._sending, self._receiving):
+            if side is not None:
+                side.close()
+
+
+@dataclass
+class _Tracked:
+    """A request's clocks (time.perf_counter) from its start here to its last event."""
+
+    start: float  # submit, or the reservation of a request whose KV came from elsewhere
+    started_at: float | None = None  # prefilled here: the first step that computed its prompt
+    landed_at: float | None = None  # received: when its KV landed
+    first_token_at: float | None = None
+    timings: RequestTimings | None = None  # set with its first event
+    error: str | None = None  # why it ended before its first token, when not a plain abort
+    num_cached_tokens: int = 0
+
+
+class Worker(WorkerLoop):
+    """`submit`, `reserve`, `abort`, `deliver`, `load`, `poll_events`, `shutdown`; thread-safe."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        instance_id: str,
+        send_control: SendControl | None = None,
+        start: bool = True,
+        launcher: RankLauncher | None = None,
+    ) -> None:
+        super().__init__(instance_id)
+        self.config = config
+        self.role = config.role
+        sends, receives = bool(config.sends_kv), bool(config.receives_kv)
+        extension = functools.partial(
+            KVRankSides, sends=sends, receives=receives, host=config.kv_transfer.host
+        )
+        executor = Executor(config.engine, rank_extension=extension, launcher=launcher)
+        control = send_control or (lambda instance_id, message: None)
+        sides = KVConnectors()
+        self.engine = LLMEngine(config.engine, executor, sides)
+        pool = self.engine.block_pool
+        self.sending: SendConnector | None = None
+        self.receiving: ReceiveConnector | None = None
+        if sends:
+            self.sending = SendConnector(instance_id, executor, pool, control, self._emit)
+            sides.add(self.sending)
+        if receives:
+            self.receiving = ReceiveConnector(
+                instance_id, executor, pool, config.kv_transfer, config.watermark_blocks,
+                config.engine.seed, control, self._emit,
+            )  # fmt: skip
+            sides.add(self.receiving)
+        self._tracked: dict[str, _Tracked] = {}  # loop thread only, like the engine
+        self._not_started: dict[str, _Tracked] = {}  # prompts no step has computed yet
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ worker API
+    def submit(self, request: WorkerRequest, ticket: KVTicket | None = None) -> None:
+        """Queue the prompt. With a ticket (from a decode instance's `reserve`) it decodes
+        there; without one it decodes here. Raises Overloaded past the queue bounds, ValueError
+        for a request that cannot run; either way the ticket's reservation is cancelled."""
+        submitted_at = time.perf_counter()
+        self.call(lambda: self._submit(request, ticket, submitted_at))
+
+    def reserve(
+        self,
+        request: WorkerRequest,
+        prefill_instance_id: str | None = None,
+        prefill_tp_size: int = 1,
+    ) -> KVTicket:
+        """Reserve blocks for the prompt's KV and post the receive on every rank; the ticket
+        goes to the prefill instance (`prefill_instance_id`, default `request.prefill_instance`).
+        Raises Overloaded when the pool is short, ValueError for a request that cannot run."""
+        return self.call(lambda: self._reserve(request, prefill_instance_id, prefill_tp_size))
+
+    def abort(self, request_id: str) -> str | None:
+        """Drop the request in any stage; a no-op if this instance holds nothing for it.
+        Returns the stage it was in: "queued", "prefilling", "decoding", "receiving" (its KV),
+        "sending" (its KV) or None."""
+        return self.call(lambda: self._abort(request_id))
+
+    def deliver(self, message: KVTransferDone | KVAbort) -> None:
+        """A control message from the other side of a hand-off."""
+        self.call(lambda: self._deliver(message))
+
+    def load(self) -> InstanceLoad:
+        return self.call(self._load)
+
+    def process_ids(self) -> list[int]:
+        """This process and the TP ranks it spawned (tests check they are all gone at the end)."""
+        return [os.getpid(), *self.engine.executor.worker_pids]
+
+    def shutdown(self) -> None:
+        self.stop()
+        try:  # drop every rank's KV channels first, so that no peer waits on them
+            self.engine.executor.run_on_ranks(_CloseChannels())
+        except RuntimeError:
+            pass  # a rank died: the executor's shutdown below still reaps the rest
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ commands
+    def _submit(self, request: WorkerRequest, ticket: KVTicket | None, submitted_at: float) -> None:
+        request_id = request.request_id
+        if ticket is not None:
+            if self.sending is None:
+                raise ValueError(
+                    f"{self.instance_id} does not prefill for other instances: submit with "
+                    "ticket=None, or give it a role that sends KV"
+                )
+            self.sending.check(request, ticket)
+        try:
+            if request_id in self._tracked or request_id in self.engine.scheduler.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._check_queue(len(request.prompt_token_ids))
+            self.engine.add_request(
+                request_id, request.prompt_token_ids, request.params, request.arrival_time,
+                decodes_here=ticket is None,
+            )  # fmt: skip
+        except (Overloaded, ValueError):
+            if ticket is not None:
+                self.sending.cancel(ticket)  # type: ignore[union-attr]
+            raise
+        if ticket is not None:
+            self.sending.track(ticket)  # type: ignore[union-attr]
+        self._tracked[request_id] = self._not_started[request_id] = _Tracked(submitted_at)
+
+    def _check_queue(self, num_tokens: int) -> None:
+        stats = self.engine.stats
+        if stats.num_waiting >= self.config.max_waiting_requests:
+            raise Overloaded(
+                f"{self.instance_id} has {stats.num_waiting} requests waiting "
+                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later"
+            )
+        if stats.num_queued_prompt_tokens + num_tokens > self.config.max_queued_tokens:
+            raise Overloaded(
+                f"{self.instance_id} has {stats.num_queued_prompt_tokens} prompt tokens queued "
+                f"(max_queued_tokens={self.config.max_queued_tokens}); retry later"
+            )
+
+    def _reserve(
+        self, request: WorkerRequest, prefill_instance_id: str | None, prefill_tp_size: int
+    ) -> KVTicket:
+        request_id = request.request_id
+        if self.receiving is None:
+            raise ValueError(f"{self.instance_id} does not receive KV: it cannot reserve")
+        prefill_id = prefill_instance_id or request.prefill_instance
+        if not prefill_id:
+            raise ValueError(f"request {request_id!r}: name the prefill instance that sends it")
+        if (
+            request_id in self._tracked
+            or request_id in self.engine.scheduler.requests
+            or self.receiving.holds(request_id)
+        ):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.engine.check_fits(request_id, request.prompt_token_ids, request.params)
+        return self.receiving.reserve(request, prefill_id, prefill_tp_size)
+
+    def _abort(self, request_id: str) -> str | None:
+        request = self.engine.scheduler.requests.get(request_id)
+        stage = "queued"
+        if request is not None and request.num_output_tokens:
+            stage = "decoding"
+        elif request is not None and request.num_computed_tokens:
+            stage = "prefilling"
+        if self.engine.abort(request_id):  # its end comes with the next step
+            return stage
+        if self.receiving is not None and self.receiving.abort(request_id):
+            return "receiving"
+        if self.sending is not None and self.sending.abort(request_id):
+            return "sending"
+        return None
+
+    def _deliver(self, message: KVTransferDone | KVAbort) -> None:
+        if not isinstance(message, (KVTransferDone, KVAbort)):
+            raise TypeError(f"unexpected control message {type(message).__name__}")
+        receiving = self.receiving
+        if isinstance(message, KVAbort) and receiving and receiving.holds(message.request_id):
+            receiving.deliver(message)
+            return
+        if self.sending is None:
+            return  # a late abort of a transfer that landed: the request decodes here
+        error = self.sending.deliver(message)
+        if error is not None:
+            tracked = self._tracked.get(message.request_id)
+            if tracked is not None:
+                tracked.error = error
+            self.engine.abort(message.request_id)
+
+    def _load(self) -> InstanceLoad:
+        extra: dict[str, float] = {}
+        num_receiving = 0
+        if self.sending is not None:
+            extra["num_transfers_in_flight"] = self.sending.kv_sender.num_in_flight
+        if self.receiving is not None:
+            num_receiving = self.receiving.num_receiving
+            extra["num_receiving"] = num_receiving
+        return InstanceLoad.from_stats(
+            self.instance_id, self.role, self.engine.stats, self.healthy,
+            num_other_waiting=num_receiving, **extra,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ loop thread
+    def step(self) -> bool:
+        engine = self.engine
+        if not engine.has_unfinished():
+            return False
+        step_started_at = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if self._not_started:
+            self._mark_started(step_started_at)
+        self._emit([self._to_event(output, now) for output in outputs])
+        return True
+
+    def _mark_started(self, step_started_at: float) -> None:
+        """Stop the queue clock of every request this step computed (or ended)."""
+        requests = self.engine.scheduler.requests
+        started = [
+            request_id
+            for request_id in self._not_started
+            if request_id not in requests or requests[request_id].num_computed_tokens > 0
+        ]
+        for request_id in started:
+            tracked = self._not_started.pop(request_id)
+            tracked.started_at = step_started_at
+            request = requests.get(request_id)
+            tracked.num_cached_tokens = request.num_cached_tokens if request else 0
+
+    def _to_event(self, output: StepOutput, now: float) -> TokenEvent:
+        request_id = output.request_id
+        tracked = self._tracked.get(request_id)
+        if tracked is None and self.receiving is not None:
+            tracked = self._arrived(request_id)
+        timings = None
+        if tracked is not None:
+            if tracked.timings is None and output.new_token_ids:
+                tracked.first_token_at = now
+                timings = tracked.timings = self._first_timings(tracked, now)
+            if output.finished:  # handed off: the first token's timings are the last here
+                if not output.handed_off:
+                    timings = self._final_timings(tracked, now)
+                del self._tracked[request_id]
+                self._not_started.pop(request_id, None)
+        if tracked is not None and tracked.error is not None and not output.new_token_ids:
+            return TokenEvent(request_id, [], "error", tracked.error, self.instance_id, timings)
+        return TokenEvent(
+            request_id, list(output.new_token_ids), output.finish_reason, output.error,
+            self.instance_id, timings,
+        )  # fmt: skip
+
+    def _arrived(self, request_id: str) -> _Tracked | None:
+        """The tracker of a request whose KV landed here (made at its first event)."""
+        assert self.receiving is not None
+        clocks = self.receiving.arrivals.pop(request_id, None)
+        if clocks is None:
+            return None
+        tracked = _Tracked(start=clocks[0], landed_at=clocks[1])
+        self._tracked[request_id] = tracked
+        return tracked
+
+    @staticmethod
+    def _first_timings(tracked: _Tracked, now: float) -> RequestTimings:
+        if tracked.landed_at is not None:
+            return RequestTimings(
+                kv_transfer_s=tracked.landed_at - tracked.start,
+                decode_queue_s=now - tracked.landed_at,
+            )
+        started_at = tracked.started_at if tracked.started_at is not None else now
+        return RequestTimings(
+            prefill_queue_s=started_at - tracked.start,
+            prefill_s=now - started_at,
+            num_cached_tokens=tracked.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _final_timings(tracked: _Tracked, now: float) -> RequestTimings:
+        """The last event's timings: the first event's, plus the decode time since then."""
+        if tracked.timings is None:  # ended before any token
+            started_at = tracked.started_at if tracked.started_at is not None else now
+            return RequestTimings(prefill_queue_s=started_at - tracked.start)
+        since = tracked.landed_at if tracked.landed_at is not None else tracked.first_token_at
+        assert since is not None
+        return replace(tracked.timings, decode_s=now - since)
+
+    def check_liveness(self) -> None:
+        self.engine.executor.check_ranks()  # a dead TP rank: this instance must be replaced
+
+    def fail_all(self, message: str) -> None:
+        """The loop crashed: end every request it holds with an error event."""
+        ids = set(self._tracked)
+        for side in (self.sending, self.receiving):
+            if side is not None:
+                ids.update(side.fail_all())
+        self._emit([TokenEvent(i, [], "error", message, self.instance_id) for i in sorted(ids)])
+        self._tracked.clear()
+        self._not_started.clear()
+
+
+@dataclass(frozen=True)
+class _CloseChannels(RankCommand[KVRankSides, None]):
+    """Close every rank's KV channels."""
+
+    def run(self, extension: KVRankSides) -> None:
+        extension.close()
