@@ -145,14 +145,22 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, max_positions, config.rope_parameters, param.dtype, param.device
         )
 
+    def _attention_layers(self) -> list[LlamaAttention]:
+        """Each layer's attention, typed (iterating an nn.ModuleList yields plain Modules)."""
+        attention = []
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer), "self.layers holds decoder layers only"
+            attention.append(layer.self_attn)
+        return attention
+
     @property
     def num_local_kv_heads(self) -> int:
-        return self.layers[0].self_attn.num_local_kv_heads
+        return self._attention_layers()[0].num_local_kv_heads
 
     def bind_kv_cache(self, kv_cache: KVCache) -> None:
-        for layer_idx, layer in enumerate(self.layers):
-            layer.self_attn.key_cache = kv_cache.key(layer_idx)
-            layer.self_attn.value_cache = kv_cache.value(layer_idx)
+        for layer_idx, attention in enumerate(self._attention_layers()):
+            attention.key_cache = kv_cache.key(layer_idx)
+            attention.value_cache = kv_cache.value(layer_idx)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
