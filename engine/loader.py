@@ -53,8 +53,11 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Itera
 
 
 def build_model(
-    model_config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-    device: torch.device, max_positions: int,
+    model_config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
 ) -> LlamaForCausalLM:
     """An unloaded model for this TP rank (TP group already set up, see engine.parallel)."""
     model_class = get_model_class(model_config.architecture)
@@ -89,7 +92,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                         _copy_whole(param, tensor_slice[:], checkpoint_name)
                 loaded_shards[param_name].add(shard_id)
     missing = [
-        name for name, param in params.items()
+        name
+        for name, param in params.items()
         if len(loaded_shards[name]) != getattr(param, "num_shards", 1)
     ]
     if missing:
@@ -103,8 +107,12 @@ def _copy_whole(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 
 
 def load_model(
-    model_config: ModelConfig, model_dir: str | Path, backend: AttentionBackend,
-    dtype: torch.dtype, device: torch.device, max_positions: int,
+    model_config: ModelConfig,
+    model_dir: str | Path,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
 ) -> LlamaForCausalLM:
     model = build_model(model_config, backend, dtype, device, max_positions)
     load_weights(model, model_dir)

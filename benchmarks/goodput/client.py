@@ -76,8 +76,12 @@ async def _one_request(
 
 
 async def run_shard_async(
-    address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
-    request_timeout_s: float = 300.0, clock: WallClock | None = None,
+    address: str,
+    requests: list[BenchRequest],
+    start_wall_time: float,
+    shard: int = 0,
+    request_timeout_s: float = 300.0,
+    clock: WallClock | None = None,
 ) -> list[RequestRecord]:
     """Send each request at start_wall_time + its offset; every record, in request order."""
     from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
@@ -100,7 +104,10 @@ async def run_shard_async(
 
 
 def run_shard(
-    address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
+    address: str,
+    requests: list[BenchRequest],
+    start_wall_time: float,
+    shard: int = 0,
     request_timeout_s: float = 300.0,
 ) -> dict[str, Any]:
     """`run_shard_async` (or, for an http:// address, http_client's) in a fresh event loop, as JSON (picklable anywhere: a spawned process

@@ -47,7 +47,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
             bias=config.qkv_bias,
         )
         self.num_local_heads = self.qkv_proj.num_local_heads
@@ -64,7 +67,10 @@ class LlamaAttention(nn.Module):
         self.value_cache: torch.Tensor | None = None
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         assert self.key_cache is not None and self.value_cache is not None, "KV cache not bound"
@@ -108,7 +114,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, metadata)
