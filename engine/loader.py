@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.model_config import ModelConfig
 from engine.models import get_model_class
+from engine.models.llama import LlamaForCausalLM
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -53,17 +53,23 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Itera
 
 
 def build_model(
-    model_config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-    device: torch.device, max_positions: int,
-) -> nn.Module:
+    model_config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> LlamaForCausalLM:
     """An unloaded model for this TP rank (TP group already set up, see engine.parallel)."""
     model_class = get_model_class(model_config.architecture)
     with _default_dtype_and_device(dtype, device):
         model = model_class(model_config, backend, max_positions)
+    # Every family extends LlamaForCausalLM: the runner and the loader use its interface
+    # (bind_kv_cache, checkpoint_param, compute_logits, num_local_kv_heads).
+    assert isinstance(model, LlamaForCausalLM), f"{model_class.__name__} must extend it"
     return model.eval()
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     """Copy this rank's slices of every checkpoint tensor into `model`; check nothing is missing."""
     params = dict(model.named_parameters())
     loaded_shards: dict[str, set[int]] = defaultdict(set)
@@ -86,7 +92,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                         _copy_whole(param, tensor_slice[:], checkpoint_name)
                 loaded_shards[param_name].add(shard_id)
     missing = [
-        name for name, param in params.items()
+        name
+        for name, param in params.items()
         if len(loaded_shards[name]) != getattr(param, "num_shards", 1)
     ]
     if missing:
@@ -100,9 +107,13 @@ def _copy_whole(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 
 
 def load_model(
-    model_config: ModelConfig, model_dir: str | Path, backend: AttentionBackend,
-    dtype: torch.dtype, device: torch.device, max_positions: int,
-) -> nn.Module:
+    model_config: ModelConfig,
+    model_dir: str | Path,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> LlamaForCausalLM:
     model = build_model(model_config, backend, dtype, device, max_positions)
     load_weights(model, model_dir)
     return model

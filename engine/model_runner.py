@@ -26,7 +26,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] long, in step order (decode chunks first)
     positions: torch.Tensor  # [num_tokens] long
     metadata: AttentionMetadata
-    sample_indices: torch.Tensor  # [num_sampled] long: last token of each sampled chunk, batch order
+    # [num_sampled] long: the last token of each sampled chunk, in batch order
+    sample_indices: torch.Tensor
 
 
 def runner_device(config: EngineConfig, tp_rank: int) -> torch.device:
@@ -65,7 +66,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = select_backend(self.device, self.block_size)
         self.model = load_model(
-            self.model_config, config.model_dir, self.backend, self.dtype, self.device,
+            self.model_config,
+            config.model_dir,
+            self.backend,
+            self.dtype,
+            self.device,
             max_positions=self.max_model_len,
         )
         self.kv_cache = KVCache(self._kv_cache_spec(), self.device)
@@ -81,8 +86,12 @@ class ModelRunner:
         num_kv_heads = self.model.num_local_kv_heads
         cfg = self.model_config
         num_blocks = self.config.num_kv_blocks or KVCacheSpec.num_blocks_for_budget(
-            self.config.kv_cache_memory_bytes, cfg.num_layers, self.block_size, num_kv_heads,
-            cfg.head_dim, self.dtype,
+            self.config.kv_cache_memory_bytes,
+            cfg.num_layers,
+            self.block_size,
+            num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
         )
         if num_blocks < 1:
             raise ValueError(
@@ -90,8 +99,12 @@ class ModelRunner:
                 "block of this model; raise it or set num_kv_blocks"
             )
         return KVCacheSpec(
-            num_layers=cfg.num_layers, num_blocks=num_blocks, block_size=self.block_size,
-            num_kv_heads=num_kv_heads, head_dim=cfg.head_dim, dtype=self.dtype,
+            num_layers=cfg.num_layers,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
         )
 
     @torch.no_grad()
@@ -110,12 +123,18 @@ class ModelRunner:
         for chunk in chunks:
             self._check_chunk(chunk)
         is_decode = [chunk.num_new_tokens == 1 for chunk in chunks]
-        order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
+        decodes = [i for i, d in enumerate(is_decode) if d]
+        prefills = [i for i, d in enumerate(is_decode) if not d]
+        order = decodes + prefills
         ordered = [chunks[i] for i in order]
         num_new_tokens = [c.num_new_tokens for c in ordered]
         metadata, positions = build_attention_metadata(
-            [c.start_pos for c in ordered], num_new_tokens, [c.block_table for c in ordered],
-            num_decodes=sum(is_decode), block_size=self.block_size, device=self.device,
+            [c.start_pos for c in ordered],
+            num_new_tokens,
+            [c.block_table for c in ordered],
+            num_decodes=sum(is_decode),
+            block_size=self.block_size,
+            device=self.device,
         )
         token_ends = list(itertools.accumulate(num_new_tokens))
         last_token = [0] * len(chunks)

@@ -34,13 +34,19 @@ _IDLE_WAIT = datetime.timedelta(days=7)
 _QUEUE = "tp/steps/{rank}"
 
 
+def _clone(store: dist.Store) -> dist.Store:
+    """The same store over a connection of its own."""
+    # Store.clone exists since torch 2.8, but torch's stub (_C/_distributed_c10d.pyi) omits it.
+    return store.clone()  # type: ignore[attr-defined]
+
+
 class StepQueue:
     """The driver's `post` and a rank's `take`, over a connection of its own to the TP store."""
 
     def __init__(self, store: dist.Store, tp_rank: int, tp_size: int) -> None:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self._store = store.clone()  # its own connection: a blocked pop holds it
+        self._store = _clone(store)  # its own connection: a blocked pop holds it
         self._store.set_timeout(_IDLE_WAIT)
         self._key = _QUEUE.format(rank=tp_rank)
 
@@ -68,7 +74,7 @@ class DriverWatch:
     holds is of use to anyone."""
 
     def __init__(self, store: dist.Store, interval_s: float = 1.0, timeout_s: float = 10.0) -> None:
-        self._store = store.clone()
+        self._store = _clone(store)
         self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self._interval_s = interval_s
         self._stop = threading.Event()

@@ -28,6 +28,7 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,22 @@ class ChannelEndpoint:
     host: str
     port: int
     receiver_is_rank0: bool = True  # the decode side takes rank 0 of every pair's group
+
+
+class _PairGroup(Protocol):
+    """The calls a channel makes on its 2-rank group (a gloo or NCCL backend object)."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int, /) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int, /) -> dist.Work: ...
+
+    def abort(self) -> None: ...
+
+
+def _pair_group(backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL) -> _PairGroup:
+    # torch's stub declares send/recv on ProcessGroup only; ProcessGroupGloo and ProcessGroupNCCL
+    # are Backend subclasses at runtime and have both.
+    return backend  # type: ignore[return-value]
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -71,7 +88,7 @@ class Channel:
         self.peer_rank = 1 - rank
         self.device = device
         self._store = dist.PrefixStore(f"{pair_key}/{epoch}", store)
-        self._group: dist.ProcessGroup | None = None
+        self._group: _PairGroup | None = None
         self._connected = threading.Event()
         self._connect_error: BaseException | None = None
         self._closed = threading.Event()
@@ -138,14 +155,14 @@ class Channel:
         if self._connect_error is not None:
             raise KVTransferTimeout(f"{self}: connecting failed ({self._connect_error})")
 
-    def _make_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    def _make_group(self, timeout: datetime.timedelta) -> _PairGroup:
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            return dist.ProcessGroupNCCL(self._store, self.rank, 2, options)
-        return dist.ProcessGroupGloo(self._store, self.rank, 2, timeout)
+            return _pair_group(dist.ProcessGroupNCCL(self._store, self.rank, 2, options))
+        return _pair_group(dist.ProcessGroupGloo(self._store, self.rank, 2, timeout))
 
-    def _live_group(self) -> dist.ProcessGroup:
+    def _live_group(self) -> _PairGroup:
         if self.broken or self._group is None:
             raise KVTransferError(f"{self} is broken or not connected")
         return self._group
@@ -189,7 +206,7 @@ class Channel:
             _abort(group)
 
 
-def _abort(group: dist.ProcessGroup) -> None:
+def _abort(group: _PairGroup) -> None:
     try:
         group.abort()
     except Exception:  # noqa: S110 - best effort: the peer may be gone already

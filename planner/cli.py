@@ -134,7 +134,7 @@ def _write(args: argparse.Namespace, placement: Any, summary: dict[str, Any]) ->
 
     from planner.serve_config import write_serve_config
 
-    base = {}
+    base: dict[str, Any] = {}
     if args.base_config:
         with open(args.base_config, encoding="utf-8") as handle:
             base = yaml.safe_load(handle) or {}

@@ -27,12 +27,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
 from planner.decode_group import DecodeSide, Group, RequestTable
-from planner.fifo_decode import FifoDecodeSide
+from planner.fifo_decode import FifoBatch, FifoDecodeSide
 from planner.latency import StepModel, transfer_ms
 
 COLOCATED_POLICIES = ("vllm", "chunked")
@@ -122,7 +124,8 @@ class _Pipeline:
         return t
 
 
-_ARRIVE, _STAGE0_FREE, _PREFILL_DONE, _KV_ARRIVED, _DECODE_DONE, _CHUNK_DONE = range(6)
+# An event: what happens at its time; called with that time (ms).
+_Action = Callable[[float], None]
 
 
 class Simulator:
@@ -158,7 +161,8 @@ class Simulator:
         self.decode = [_Pipeline(s) for s in decode or []]
         self.sides = {id(p): self._side(p.spec) for p in self.colocated + self.decode}
         self.link_free: dict[tuple[int, int], float] = {}
-        self.events: list[tuple[float, int, int, object]] = []
+        # (time, push order, action): the push order breaks ties, so actions are never compared.
+        self.events: list[tuple[float, int, _Action]] = []
         self._seq = 0
         self.transfer_total = 0.0
 
@@ -168,9 +172,9 @@ class Simulator:
         return DecodeSide(self.table, spec.kv_capacity, self.opts.max_num_seqs)
 
     # ------------------------------------------------------------------ loop
-    def _push(self, when: float, kind: int, payload: object) -> None:
+    def _push(self, when: float, action: _Action) -> None:
         self._seq += 1
-        heapq.heappush(self.events, (when, self._seq, kind, payload))
+        heapq.heappush(self.events, (when, self._seq, action))
 
     def run(self) -> SimResult:
         arrivals, num = self.arrivals, len(self.arrivals)
@@ -182,34 +186,16 @@ class Simulator:
                 self._arrive(next_arrival, now)
                 next_arrival += 1
                 continue
-            now, _, kind, payload = heapq.heappop(events)
-            self._handle(kind, payload, now)
+            now, _, action = heapq.heappop(events)
+            action(now)
         return self._result(now)
-
-    def _handle(self, kind: int, payload: object, now: float) -> None:
-        if kind == _STAGE0_FREE:
-            self._try_start(payload, now)  # type: ignore[arg-type]
-        elif kind == _PREFILL_DONE:
-            pipe, batch = payload  # type: ignore[misc]
-            self._prefill_done(pipe, batch, now)
-        elif kind == _KV_ARRIVED:
-            rid, pipe = payload  # type: ignore[misc]
-            self.sides[id(pipe)].waiting.append(rid)
-            self._push(now, _STAGE0_FREE, pipe)
-        elif kind == _DECODE_DONE:
-            pipe, group = payload  # type: ignore[misc]
-            self.sides[id(pipe)].advance(group, now)
-            self._try_start(pipe, now)
-        elif kind == _CHUNK_DONE:
-            pipe, group, chunks = payload  # type: ignore[misc]
-            self._chunk_done(pipe, group, chunks, now)
 
     def _arrive(self, rid: int, now: float) -> None:
         if not (self.colocated or self.prefill):  # decode alone: the prompt's KV is there
             self.table.first_ms[rid] = now
             target = min(self.decode, key=lambda p: self.sides[id(p)].load())
             self.sides[id(target)].waiting.append(rid)
-            self._push(now, _STAGE0_FREE, target)
+            self._push(now, partial(self._try_start, target))
             return
         pool = self.colocated or self.prefill
         if self.colocated:
@@ -218,7 +204,7 @@ class Simulator:
             pipe = min(pool, key=lambda p: len(p.queue) + p.in_first_stage)
         pipe.queue.append(rid)
         # Start after every arrival of this instant has queued, so they share one batch.
-        self._push(now, _STAGE0_FREE, pipe)
+        self._push(now, partial(self._try_start, pipe))
 
     def _try_start(self, pipe: _Pipeline, now: float) -> None:
         if pipe.free[0] > now:
@@ -233,12 +219,13 @@ class Simulator:
 
     def _after_first_stage(self, pipe: _Pipeline, now: float) -> None:
         if len(pipe.free) > 1 and pipe.free[0] > now:
-            self._push(pipe.free[0], _STAGE0_FREE, pipe)
+            self._push(pipe.free[0], partial(self._try_start, pipe))
 
     # ------------------------------------------------------------------ prefill
     def _start_prefill(self, pipe: _Pipeline, now: float) -> None:
         cap = self.opts.prefill_max_tokens or pipe.spec.kv_capacity or math.inf
-        batch, sum_len, sum_sq = [], 0, 0
+        batch: list[int] = []
+        sum_len, sum_sq = 0, 0
         prompt = self.table.prompt
         while pipe.queue and (not batch or sum_len + prompt[pipe.queue[0]] <= cap):
             rid = pipe.queue.popleft()
@@ -251,7 +238,7 @@ class Simulator:
         first = (stage + model.overhead_ms(sum_len, len(batch))) * scale
         done = pipe.run(now, first, stage * scale)
         pipe.in_first_stage = len(batch)
-        self._push(done, _PREFILL_DONE, (pipe, batch))
+        self._push(done, partial(self._prefill_done, pipe, batch))
         self._after_first_stage(pipe, now)
 
     def _prefill_done(self, pipe: _Pipeline, batch: list[int], now: float) -> None:
@@ -270,7 +257,8 @@ class Simulator:
         target = min(self.decode, key=lambda p: self.sides[id(p)].load())
         if not self.link.enabled:
             self.sides[id(target)].waiting.append(rid)
-            self._push(now, _STAGE0_FREE, target)  # after the rest of this batch has landed
+            # After the rest of this batch has landed, so it joins the same decode step.
+            self._push(now, partial(self._try_start, target))
             return
         link = self.link
         same_node = source.spec.node == target.spec.node
@@ -281,7 +269,11 @@ class Simulator:
         start = max(now, self.link_free.get(key, 0.0))
         self.link_free[key] = start + cost
         self.transfer_total += cost
-        self._push(start + cost + link.handoff_ms, _KV_ARRIVED, (rid, target))
+        self._push(start + cost + link.handoff_ms, partial(self._kv_arrived, rid, target))
+
+    def _kv_arrived(self, rid: int, target: _Pipeline, now: float) -> None:
+        self.sides[id(target)].waiting.append(rid)
+        self._push(now, partial(self._try_start, target))  # after every KV landing this instant
 
     # ------------------------------------------------------------------ decode
     def _start_decode(self, pipe: _Pipeline, now: float) -> None:
@@ -297,12 +289,29 @@ class Simulator:
         scale = self.opts.step_scale
         first = (stage + model.overhead_ms(sum_ctx, group.n)) * scale
         done = pipe.run(now, first, stage * scale)
-        self._push(done, _DECODE_DONE, (pipe, group))
+        self._push(done, partial(self._decode_done, pipe, group))
         self._after_first_stage(pipe, now)
 
-    # ------------------------------------------------------------------ chunked colocated
-    def _start_chunked(self, pipe: _Pipeline, now: float) -> None:
+    def _decode_done(self, pipe: _Pipeline, batch: Group | FifoBatch, now: float) -> None:
         side = self.sides[id(pipe)]
+        # `batch` came from this side's `form`, so the two types pair up.
+        if isinstance(side, FifoDecodeSide):
+            assert isinstance(batch, FifoBatch), "a FifoDecodeSide forms FifoBatches"
+            side.advance(batch, now)
+        else:
+            assert isinstance(batch, Group), "a DecodeSide forms Groups"
+            side.advance(batch, now)
+        self._try_start(pipe, now)
+
+    # ------------------------------------------------------------------ chunked colocated
+    def _chunked_side(self, pipe: _Pipeline) -> DecodeSide:
+        side = self.sides[id(pipe)]
+        # SimOptions refuses decode_batch_tokens (the FIFO model) with the chunked policy.
+        assert isinstance(side, DecodeSide), "the chunked policy runs on DecodeSide"
+        return side
+
+    def _start_chunked(self, pipe: _Pipeline, now: float) -> None:
+        side = self._chunked_side(pipe)
         group, recomputed, recomputed_sq = side.form()
         budget = self.opts.max_num_batched_tokens - group.n
         chunks = self._pick_chunks(pipe, side, budget)
@@ -316,14 +325,14 @@ class Simulator:
         seqs = group.n + len(chunks)
         first = (step + model.overhead_ms(sum_ctx + sum_chunk, seqs)) * self.opts.step_scale
         done = pipe.run(now, first, step * self.opts.step_scale)
-        self._push(done, _CHUNK_DONE, (pipe, group, chunks))
+        self._push(done, partial(self._chunk_done, pipe, group, chunks))
 
     def _pick_chunks(
         self, pipe: _Pipeline, side: DecodeSide, budget: int
     ) -> list[tuple[int, int, int]]:
         """(rid, computed before, chunk) for the partial prompts, then new ones FCFS."""
         table, chunk_size = self.table, self.opts.chunk_size
-        chunks = []
+        chunks: list[tuple[int, int, int]] = []
         for entry in pipe.prefilling:
             if budget <= 0:
                 break
@@ -349,7 +358,7 @@ class Simulator:
     def _chunk_done(
         self, pipe: _Pipeline, group: Group, chunks: list[tuple[int, int, int]], now: float
     ) -> None:
-        side = self.sides[id(pipe)]
+        side = self._chunked_side(pipe)
         if group.n:
             side.advance(group, now)
         table = self.table

@@ -6,6 +6,8 @@ over HTTP with prometheus-client when a metrics port is configured.
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from router.worker_api import InstanceLoad, Role
@@ -19,7 +21,7 @@ _LATENCY_BUCKETS = (
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._http_server = None
+        self._http_server: WSGIServer | None = None
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)

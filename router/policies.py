@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockHash, hash_prompt_blocks
@@ -120,7 +120,7 @@ class PrefixAffinity(PrefillPolicy):
 
     def num_matching_blocks(self, instance_id: str, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the prompt were sent to the instance before."""
-        known = self._hashes.get(instance_id, {})
+        known: Mapping[BlockHash, None] = self._hashes.get(instance_id, {})
         for num_blocks, block_hash in enumerate(block_hashes):
             if block_hash not in known:
                 return num_blocks

@@ -8,7 +8,7 @@ INVALID_ARGUMENT instead of an INTERNAL deserialization error.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from pdserve_proto.v1 import generation_pb2 as pb
@@ -64,7 +64,7 @@ class GenerationServicer:
     ) -> AsyncIterator[pb.GenerateResponse]:
         validated = await self._validate(request, context)
         async with self._failures_as_status(context):
-            chunks = self._runner.generate(validated, context.time_remaining())
+            chunks = self._generate(validated, context)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk_to_response(chunk)
@@ -77,7 +77,7 @@ class GenerationServicer:
         texts: list[str] = []
         last: GenerationChunk | None = None
         async with self._failures_as_status(context):
-            chunks = self._runner.generate(validated, context.time_remaining())
+            chunks = self._generate(validated, context)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     token_ids += chunk.token_ids
@@ -89,6 +89,15 @@ class GenerationServicer:
         response.token_ids.extend(token_ids)
         response.text = "".join(texts)
         return response
+
+    def _generate(
+        self, request: ValidatedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        chunks = self._runner.generate(request, context.time_remaining())
+        # Closed at once (aclosing) when the client goes, which aborts the request on its
+        # workers, instead of whenever the garbage collector finalizes the generator.
+        assert isinstance(chunks, AsyncGenerator), "GenerationRunner.generate is an async generator"
+        return chunks
 
     async def _validate(
         self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext

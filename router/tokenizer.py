@@ -69,4 +69,6 @@ class RouterTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._fast_backend is not None:
             return self._fast_backend.decode(list(token_ids), skip_special_tokens=True)
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        text = self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        assert isinstance(text, str), "one sequence of ids decodes to one string"
+        return text

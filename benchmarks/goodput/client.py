@@ -14,6 +14,7 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -37,6 +38,14 @@ class WallClock:
 
     def now(self) -> float:
         return self.wall_anchor + (time.perf_counter() - self.monotonic_anchor)
+
+
+# (address, requests, start_wall_time, shard, request_timeout_s, clock) -> the shard's records:
+# run_shard_async here, or http_client's run_http_shard_async for an OpenAI-compatible server.
+ShardRunner = Callable[
+    [str, list[BenchRequest], float, int, float, WallClock],
+    Coroutine[Any, Any, list[RequestRecord]],
+]
 
 
 async def _one_request(
@@ -67,8 +76,12 @@ async def _one_request(
 
 
 async def run_shard_async(
-    address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
-    request_timeout_s: float = 300.0, clock: WallClock | None = None,
+    address: str,
+    requests: list[BenchRequest],
+    start_wall_time: float,
+    shard: int = 0,
+    request_timeout_s: float = 300.0,
+    clock: WallClock | None = None,
 ) -> list[RequestRecord]:
     """Send each request at start_wall_time + its offset; every record, in request order."""
     from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
@@ -91,12 +104,16 @@ async def run_shard_async(
 
 
 def run_shard(
-    address: str, requests: list[BenchRequest], start_wall_time: float, shard: int = 0,
+    address: str,
+    requests: list[BenchRequest],
+    start_wall_time: float,
+    shard: int = 0,
     request_timeout_s: float = 300.0,
 ) -> dict[str, Any]:
     """`run_shard_async` (or, for an http:// address, http_client's) in a fresh event loop, as JSON (picklable anywhere: a spawned process
     or a Ray task): {"records": [...], "clock": this process's host, pid and clock anchors}."""
     clock = WallClock()
+    run: ShardRunner
     if address.startswith(("http://", "https://")):  # any OpenAI-compatible server
         from benchmarks.goodput.http_client import run_http_shard_async
 

@@ -47,7 +47,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
             bias=config.qkv_bias,
         )
         self.num_local_heads = self.qkv_proj.num_local_heads
@@ -64,7 +67,10 @@ class LlamaAttention(nn.Module):
         self.value_cache: torch.Tensor | None = None
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         assert self.key_cache is not None and self.value_cache is not None, "KV cache not bound"
@@ -108,7 +114,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, metadata)
@@ -145,14 +154,22 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, max_positions, config.rope_parameters, param.dtype, param.device
         )
 
+    def _attention_layers(self) -> list[LlamaAttention]:
+        """Each layer's attention, typed (iterating an nn.ModuleList yields plain Modules)."""
+        attention = []
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer), "self.layers holds decoder layers only"
+            attention.append(layer.self_attn)
+        return attention
+
     @property
     def num_local_kv_heads(self) -> int:
-        return self.layers[0].self_attn.num_local_kv_heads
+        return self._attention_layers()[0].num_local_kv_heads
 
     def bind_kv_cache(self, kv_cache: KVCache) -> None:
-        for layer_idx, layer in enumerate(self.layers):
-            layer.self_attn.key_cache = kv_cache.key(layer_idx)
-            layer.self_attn.value_cache = kv_cache.value(layer_idx)
+        for layer_idx, attention in enumerate(self._attention_layers()):
+            attention.key_cache = kv_cache.key(layer_idx)
+            attention.value_cache = kv_cache.value(layer_idx)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
