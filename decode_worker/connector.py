@@ -25,6 +25,7 @@ from engine.block_pool import BlockPool
 from engine.executor import Executor
 from engine.kv_connector import KVConnector
 from engine.request import Request
+from kv_transfer.channel import ChannelEndpoint
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.messages import KVAbort, KVRefusal, KVReserveRequest, KVTicket, KVTransferDone
 from kv_transfer.receiver import KVReceiver
@@ -60,9 +61,8 @@ class ReceiveConnector(KVConnector):
         self.executor = executor
         self.pool = pool
         self.watermark_blocks = watermark_blocks
-        self.kv_receiver = KVReceiver(
-            pool, executor.block_size, instance_id, executor.run_on_ranks(Endpoints()), config
-        )
+        endpoints: list[ChannelEndpoint] = executor.run_on_ranks(Endpoints())
+        self.kv_receiver = KVReceiver(pool, executor.block_size, instance_id, endpoints, config)
         self._send_control = send_control
         self._emit = emit
         self._incoming: dict[str, _Incoming] = {}

@@ -148,6 +148,8 @@ class Worker(Protocol):
 
     def process_ids(self) -> list[int]: ...
 
+    def shutdown(self) -> None: ...
+
 
 class WorkerCall(Generic[R]):
     """One call on a worker, as it crosses a process boundary."""

@@ -109,7 +109,7 @@ def ensure_demo_model(model_dir: str | Path | None = None) -> str:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ from tests.deploy.ray_support import (
     stream_all,
     tiny_model_with_tokenizer,
 )
-from worker.protocol import Role
+from worker.protocol import Load, Role
 
 MAX_TOKENS = 12
 PROMPTS = make_prompts(tuple(3 + (7 * i) % 41 for i in range(32)), seed=3)
@@ -123,7 +123,7 @@ def test_killed_decode_actor_fails_its_streams_and_is_restarted(
     decodes = [w for w in cluster.status().workers if w.role == Role.DECODE]
     actors = [ray.get_actor(f"pdserve-{w.instance_id}", cluster.namespace) for w in decodes]
     while True:
-        loads = ray.get([actor.load.remote() for actor in actors], timeout=10)
+        loads = ray.get([actor.call.remote(Load()) for actor in actors], timeout=10)
         running = [load.num_running for load in loads]
         victim = decodes[running.index(max(running))]
         if max(running) > 0:

@@ -31,7 +31,7 @@ import ray
 
 from deploy.runtime.ray.handles import actor_name
 from engine.sampling_params import SamplingParams
-from worker.protocol import PollEvents, Reserve, Role, Submit, WorkerRequest
+from worker.protocol import PollEvents, Reserve, Role, Submit, Worker, WorkerRequest
 
 logger = logging.getLogger(__name__)
 _ATTEMPTS = 3
@@ -67,7 +67,7 @@ def form_channels(
 
 
 def _one_round(
-    worker: Any, role: Role, instance_id: str, tp_size: int, peers: dict[str, int],
+    worker: Worker, role: Role, instance_id: str, tp_size: int, peers: dict[str, int],
     peer_ids: list[str], namespace: str, timeout_s: float,
 ) -> list[str]:  # fmt: skip
     pending: dict[str, str] = {}  # request id -> peer id
@@ -76,17 +76,18 @@ def _one_round(
         if role == Role.DECODE:
             request = warmup_request(peer_id, instance_id)
             ticket = worker.reserve(request, peer_id, peers[peer_id])
-            ray.get(peer.submit.remote(request, ticket), timeout=timeout_s)
+            ray.get(peer.call.remote(Submit(request, ticket)), timeout=timeout_s)
         else:
             request = warmup_request(instance_id, peer_id)
-            ticket = ray.get(peer.reserve.remote(request, instance_id, tp_size), timeout=timeout_s)
+            reserve = Reserve(request, instance_id, tp_size)
+            ticket = ray.get(peer.call.remote(reserve), timeout=timeout_s)
             worker.submit(request, ticket)
         pending[request.request_id] = peer_id
     failed = _wait(worker, role, pending, timeout_s)
     return sorted({pending[request_id] for request_id in failed})
 
 
-def _wait(worker: Any, role: Role, pending: dict[str, str], timeout_s: float) -> set[str]:
+def _wait(worker: Worker, role: Role, pending: dict[str, str], timeout_s: float) -> set[str]:
     """The request ids that failed; the rest succeeded (see the module docstring)."""
     waiting, failed, started = set(pending), set(), set()
     deadline = time.monotonic() + timeout_s

@@ -34,6 +34,7 @@ object started is stopped with every one of its processes, checked by process id
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import signal
@@ -64,7 +65,7 @@ from deploy.runtime.ray.placement import (
 )
 from deploy.runtime.router_host import RouterHost
 from worker.config import WorkerConfig
-from worker.protocol import InstanceLoad, Role
+from worker.protocol import InstanceLoad, Load, Role
 
 logger = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -302,7 +303,10 @@ class RayCluster:
             actor = self.worker_actors.get(placement.instance_id)
             status = WorkerStatus(placement.instance_id, placement.role, placement.tp_size, False)
             try:
-                info, load = ray.get([actor.info.remote(), actor.load.remote()], timeout=timeout_s)
+                if actor is None:
+                    raise RuntimeError("never started")
+                calls = [actor.info.remote(), actor.call.remote(Load())]
+                info, load = ray.get(calls, timeout=timeout_s)
                 status.node_ip, status.node_id = info["node_ip"], info["node_id"]
                 status.pids, status.load = info["pids"], load
                 status.healthy = bool(load.healthy)
@@ -358,7 +362,7 @@ class RayCluster:
             # after the drain, all of shutdown fits in ~15 s: workers 5, Ray's processes 6
             ray.wait(stops, num_returns=len(stops), timeout=5)
         for actor in [*self.worker_actors.values(), *self.rank_actors]:
-            _best_effort(lambda a=actor: ray.kill(a, no_restart=True))
+            _best_effort(functools.partial(ray.kill, actor, no_restart=True))
 
     def __enter__(self) -> RayCluster:
         return self

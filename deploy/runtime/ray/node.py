@@ -83,7 +83,7 @@ def ray_processes_in_own_session() -> Iterator[None]:
     from ray._private import services
 
     original = services.ConsolePopen
-    services.ConsolePopen = _NewSessionPopen  # type: ignore[misc]
+    services.ConsolePopen = _NewSessionPopen  # type: ignore[misc,assignment]
     try:
         yield
     finally:
