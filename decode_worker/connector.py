@@ -40,7 +40,6 @@ _MAX_REMEMBERED_ABORTS = 65536  # a few MB; a late reserve trails its abort by m
 class _Incoming:
     request: WorkerRequest
     ticket: KVTicket
-    reserved_at: float  # time.perf_counter()
     first_token_id: int | None = None
     cancelled: bool = False  # the prefill side cancelled the transfer on purpose
 
@@ -72,7 +71,7 @@ class ReceiveConnector(KVConnector):
         # calls on several threads, so a client's cancel can overtake the reserve it follows;
         # a reservation made after its abort would sit until the start deadline (60 s+).
         self._aborted_early: OrderedDict[str, None] = OrderedDict()
-        # request_id -> (reserved, landed) clocks of a landed request, until its first event
+        # request_id -> when its KV landed (time.perf_counter, time.time), until its first event
         self.arrivals: dict[str, tuple[float, float]] = {}
 
     @property
@@ -105,7 +104,7 @@ class ReceiveConnector(KVConnector):
         if not params.greedy and params.seed is None:
             # Drawn once, so a preempted request replays the same draws when recomputed.
             request = replace(request, params=replace(params, seed=self._seeds.getrandbits(63)))
-        self._incoming[request_id] = _Incoming(request, answer, time.perf_counter())
+        self._incoming[request_id] = _Incoming(request, answer)
         return answer
 
     def holds(self, request_id: str) -> bool:
@@ -186,7 +185,7 @@ class ReceiveConnector(KVConnector):
             self._emit([TokenEvent(request_id, [], "error", error, self.instance_id)])
             return []
         request = incoming.request
-        self.arrivals[request_id] = (incoming.reserved_at, time.perf_counter())
+        self.arrivals[request_id] = (time.perf_counter(), time.time())
         return [
             Request(
                 request_id,

@@ -147,18 +147,14 @@ def goodput(points: Sequence[tuple[float, float]], target: float = ATTAINMENT_TA
 def breakdown(record: RequestRecord) -> dict[str, float]:
     """Where one request's time went, from the response's Timings and the client's clock.
 
-    router_queue, prefill_queue, prefill and transfer, decode_queue come from the workers; decode
-    is the rest of the time after the first token (client-measured last - first token, less the
-    transfer and decode queue, which happen after the first token has left the prefill side).
+    router_queue, prefill_queue, prefill, transfer and decode_queue are the response's stages,
+    each measured where it happens; decode is the rest of the time after the first token
+    (client-measured last - first token, less the transfer and decode queue, which happen after
+    the first token has left the prefill side).
     """
     timings = record.timings
     after_first = record.token_times[-1] - record.token_times[0] if record.ok else 0.0
     transfer = timings.get("kv_transfer_s", 0.0)
-    before_transfer = timings.get("prefill_queue_s", 0.0) + timings.get("prefill_s", 0.0)
-    if transfer > before_transfer:
-        # the decode side reports kv_transfer_s from its reservation, which the router makes before
-        # the prefill is queued: the prefill queue and the prefill are inside it.
-        transfer -= before_transfer
     decode_queue = timings.get("decode_queue_s", 0.0)
     return {
         "router_queue": timings.get("router_queue_s", 0.0),

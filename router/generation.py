@@ -41,6 +41,7 @@ class RouterTimings:
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
     decode_queue_s: float = 0.0
+    decode_s: float = 0.0
     first_token_s: float = 0.0
     per_token_s: float = 0.0
     e2e_s: float = 0.0
@@ -259,6 +260,7 @@ class GenerationRunner:
             prefill_s=worker.prefill_s,
             kv_transfer_s=worker.kv_transfer_s,
             decode_queue_s=worker.decode_queue_s,
+            decode_s=worker.decode_s,
             first_token_s=progress.first_token_at - progress.accepted_at,
             per_token_s=per_token_s,
             e2e_s=progress.last_token_at - progress.accepted_at,
@@ -314,7 +316,8 @@ def _concat(earlier: GenerationChunk, later: GenerationChunk) -> GenerationChunk
 
 def _merge_timings(merged: RequestTimings, update: RequestTimings) -> None:
     """Prefill fields come with the first token, decode fields with the last: keep each set one."""
-    for name in ("prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "decode_s"):
+    names = ("prefill_queue_s", "prefill_s", "handed_off_at", "landed_at", "decode_queue_s")
+    for name in (*names, "decode_s"):
         value = getattr(update, name)
         if value:
             setattr(merged, name, value)

@@ -145,6 +145,7 @@ def _copy_timings(timings: RouterTimings, out: pb.Timings) -> None:
     out.prefill_s = timings.prefill_s
     out.kv_transfer_s = timings.kv_transfer_s
     out.decode_queue_s = timings.decode_queue_s
+    out.decode_s = timings.decode_s
     out.first_token_s = timings.first_token_s
     out.per_token_s = timings.per_token_s
     out.e2e_s = timings.e2e_s

@@ -19,7 +19,6 @@ from typing import Generic, Protocol, TypeVar
 
 from engine.outputs import SchedulerStats
 from engine.sampling_params import SamplingParams
-
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
 
 ControlMessage = KVTransferDone | KVAbort  # between the two sides of a hand-off
@@ -57,14 +56,32 @@ class WorkerRequest:
 
 @dataclass
 class RequestTimings:
-    """Seconds, measured by the workers; the router adds its own queue time."""
+    """Each stage measured once, where it happens (seconds; the router adds its own queue time
+    and the transfer, from the two wall-clock stamps):
+
+        prefill_queue_s  submit -> the first step that computed any of the prompt
+        prefill_s        that step's start -> the first token
+        handed_off_at    wall clock (time.time) when the prefill side started sending the KV
+        landed_at        wall clock when the KV had landed on the decode side
+        decode_queue_s   landed -> the start of its first decode step
+        decode_s         that step's start (colocated: the first token) -> the last token
+    """
 
     prefill_queue_s: float = 0.0
     prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0
+    handed_off_at: float = 0.0
+    landed_at: float = 0.0
     decode_queue_s: float = 0.0
     decode_s: float = 0.0
     num_cached_tokens: int = 0
+
+    @property
+    def kv_transfer_s(self) -> float:
+        """Hand-off to landing: the two stamps come from two processes (on two nodes, their
+        clocks agree to what NTP gives, about a millisecond); 0 when the KV did not move."""
+        if not self.handed_off_at or not self.landed_at:
+            return 0.0
+        return max(0.0, self.landed_at - self.handed_off_at)
 
 
 @dataclass

@@ -20,12 +20,9 @@ The step loop is the engine's (`LLMEngine.step`; the connector hooks sit inside 
 turns its outputs into TokenEvents with their timings, and answers the calls between steps on
 its loop thread (worker/loop.py), so none of its state needs a lock.
 
-Timings (seconds, time.perf_counter, measured here; the router adds its own queue time):
-  prefill_queue_s  submit -> the start of the first step that computed any of its prompt
-  prefill_s        that step's start -> its first token
-  kv_transfer_s    (received requests) reservation -> the KV landed here
-  decode_queue_s   the KV landed -> its first decode step ended
-  decode_s         first token (or the KV landing) -> last token, on the last event
+Timings: each stage measured here, once (worker/protocol.RequestTimings); the router adds its
+queue time and the transfer (from the hand-off and landing stamps), and the stages add up to the
+request's end-to-end time, less the router-to-worker call hops.
 """
 
 from __future__ import annotations
@@ -80,9 +77,9 @@ class KVRankSides:
 class _Tracked:
     """A request's clocks (time.perf_counter) from its start here to its last event."""
 
-    start: float  # submit, or the reservation of a request whose KV came from elsewhere
-    started_at: float | None = None  # prefilled here: the first step that computed its prompt
-    landed_at: float | None = None  # received: when its KV landed
+    start: float  # submit; for a request whose KV came from elsewhere, when the KV landed
+    landed_at_wall: float = 0.0  # received: time.time() when the KV landed
+    started_at: float | None = None  # the first step that computed it (prompt, or decode)
     first_token_at: float | None = None
     timings: RequestTimings | None = None  # set with its first event
     error: str | None = None  # why it ended before its first token, when not a plain abort
@@ -283,7 +280,7 @@ class Worker(WorkerLoop):
         now = time.perf_counter()
         if self._not_started:
             self._mark_started(step_started_at)
-        self._emit([self._to_event(output, now) for output in outputs])
+        self._emit([self._to_event(output, step_started_at, now) for output in outputs])
         return True
 
     def _mark_started(self, step_started_at: float) -> None:
@@ -300,16 +297,18 @@ class Worker(WorkerLoop):
             request = requests.get(request_id)
             tracked.num_cached_tokens = request.num_cached_tokens if request else 0
 
-    def _to_event(self, output: StepOutput, now: float) -> TokenEvent:
+    def _to_event(self, output: StepOutput, step_started_at: float, now: float) -> TokenEvent:
         request_id = output.request_id
         tracked = self._tracked.get(request_id)
         if tracked is None and self.receiving is not None:
-            tracked = self._arrived(request_id)
+            tracked = self._arrived(request_id, step_started_at)
         timings = None
         if tracked is not None:
             if tracked.timings is None and output.new_token_ids:
                 tracked.first_token_at = now
                 timings = tracked.timings = self._first_timings(tracked, now)
+                if output.handed_off:
+                    timings.handed_off_at = time.time()
             if output.finished:  # handed off: the first token's timings are the last here
                 if not output.handed_off:
                     timings = self._final_timings(tracked, now)
@@ -322,22 +321,23 @@ class Worker(WorkerLoop):
             self.instance_id, timings,
         )  # fmt: skip
 
-    def _arrived(self, request_id: str) -> _Tracked | None:
-        """The tracker of a request whose KV landed here (made at its first event)."""
+    def _arrived(self, request_id: str, step_started_at: float) -> _Tracked | None:
+        """The tracker of a request whose KV landed here (made at its first event, which the
+        step that started at `step_started_at` produced)."""
         assert self.receiving is not None
         clocks = self.receiving.arrivals.pop(request_id, None)
         if clocks is None:
             return None
-        tracked = _Tracked(start=clocks[0], landed_at=clocks[1])
+        tracked = _Tracked(clocks[0], landed_at_wall=clocks[1], started_at=step_started_at)
         self._tracked[request_id] = tracked
         return tracked
 
     @staticmethod
     def _first_timings(tracked: _Tracked, now: float) -> RequestTimings:
-        if tracked.landed_at is not None:
+        if tracked.landed_at_wall:
+            assert tracked.started_at is not None
             return RequestTimings(
-                kv_transfer_s=tracked.landed_at - tracked.start,
-                decode_queue_s=now - tracked.landed_at,
+                landed_at=tracked.landed_at_wall, decode_queue_s=tracked.started_at - tracked.start
             )
         started_at = tracked.started_at if tracked.started_at is not None else now
         return RequestTimings(
@@ -352,7 +352,8 @@ class Worker(WorkerLoop):
         if tracked.timings is None:  # ended before any token
             started_at = tracked.started_at if tracked.started_at is not None else now
             return RequestTimings(prefill_queue_s=started_at - tracked.start)
-        since = tracked.landed_at if tracked.landed_at is not None else tracked.first_token_at
+        # received: from its first decode step's start; prefilled here: from its first token
+        since = tracked.started_at if tracked.landed_at_wall else tracked.first_token_at
         assert since is not None
         return replace(tracked.timings, decode_s=now - since)
 

@@ -105,10 +105,8 @@ def test_goodput_bounds_when_the_sweep_does_not_cross() -> None:
 
 
 def test_breakdown_splits_a_disaggregated_request() -> None:
-    # kv_transfer_s as the decode side reports it spans reservation -> landed, which includes the
-    # prefill queue (0.25) and the prefill (0.5): the transfer itself is 0.125.
     r = record(0.0, [1.0, 1.5, 2.0], router_queue_s=0.0625, prefill_queue_s=0.25, prefill_s=0.5,
-               kv_transfer_s=0.875, decode_queue_s=0.25)  # fmt: skip
+               kv_transfer_s=0.125, decode_queue_s=0.25)  # fmt: skip
     assert breakdown(r) == {
         "router_queue": 0.0625, "prefill_queue": 0.25, "prefill": 0.5,
         "transfer": 0.125, "decode_queue": 0.25, "decode": 1.0 - 0.125 - 0.25,

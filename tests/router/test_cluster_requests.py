@@ -119,6 +119,27 @@ def test_reusing_a_request_id_right_after_cancelling_it_gets_the_right_tokens(
     _wait_for_free_pools(cluster)
 
 
+def test_timings_stages_add_up_and_the_transfer_is_the_transfer(
+    cluster: LocalCluster, stub: pb_grpc.GenerationStub, expected: dict
+) -> None:
+    """Each stage is measured once, where it happens: router queue, prefill queue and compute,
+    the KV's hand-off to landing, decode queue and decode add up to the end-to-end time (less
+    the router-to-worker call hops). A small prompt's transfer is milliseconds (the KV benchmark
+    moves 64 tokens in under 2 ms), not the prefill that used to be counted in it."""
+    for index in range(len(PROMPTS)):
+        responses = list(stub.Generate(_request(index, MAX_TOKENS, f"timed-{index}"), timeout=60))
+        timings = responses[-1].timings
+        stages = (
+            timings.router_queue_s + timings.prefill_queue_s + timings.prefill_s
+            + timings.kv_transfer_s + timings.decode_queue_s + timings.decode_s
+        )  # fmt: skip
+        assert 0.0 < timings.kv_transfer_s < 0.1, timings
+        assert timings.prefill_s > 0.0 and timings.decode_s > 0.0, timings
+        assert stages <= timings.e2e_s + 1e-3, timings
+        assert stages >= timings.e2e_s - max(0.05, 0.2 * timings.e2e_s), timings
+        assert timings.first_token_s >= timings.router_queue_s + timings.prefill_s, timings
+
+
 def test_two_concurrent_requests_with_one_id_are_both_served(
     cluster: LocalCluster, stub: pb_grpc.GenerationStub, expected: dict
 ) -> None:
