@@ -281,7 +281,9 @@ class Worker(WorkerLoop):
         if self._not_started:
             self._mark_started(step_started_at)
         self._emit([self._to_event(output, step_started_at, now) for output in outputs])
-        return True
+        # Only transfers in flight: nothing to compute, so the loop may wait (bounded) for a
+        # command rather than poll the ranks in a busy loop.
+        return bool(outputs) or bool(engine.scheduler.requests)
 
     def _mark_started(self, step_started_at: float) -> None:
         """Stop the queue clock of every request this step computed (or ended)."""
