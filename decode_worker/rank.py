@@ -1,6 +1,6 @@
 """One decode TP rank's share of the KV hand-off: receive this rank's KV heads into its cache.
 
-Built on every rank by the Executor (inside worker/worker.KVRankSides, the rank extension) and
+Built on every rank by the Executor (inside worker/instance.KVRankSides, the rank extension) and
 driven from the driver with `executor.run_on_ranks(command)`, in step order:
 
     driver                 every rank (DecodeRank)
@@ -90,7 +90,7 @@ class DecodeRank:
 
 
 class ReceivingRanks(Protocol):
-    """A rank extension with a receiving side (worker/worker.KVRankSides)."""
+    """A rank extension with a receiving side (worker/instance.KVRankSides)."""
 
     @property
     def receiving(self) -> DecodeRank: ...

@@ -15,8 +15,8 @@ them; a colocated engine runs with this base class, whose hooks do nothing:
       Scheduler._finish             a request ends here any other way (stop, length, abort,
                                     error): connector.request_finished(request)
 
-Implementations: prefill_worker/connector.py (the sending side) and decode_worker/connector.py
-(the receiving side); worker/worker.py combines them, so one instance can hold both. Their rank
+Implementations: worker/send.py (the sending side) and worker/receive.py
+(the receiving side); worker/instance.py combines them, so one instance can hold both. Their rank
 sides run on every TP rank as the executor's rank extension, reached with typed RankCommands.
 """
 

@@ -1,6 +1,6 @@
 """One prefill TP rank's share of the KV hand-off: send this rank's KV heads to the decode ranks.
 
-Built on every rank by the Executor (inside worker/worker.KVRankSides, the rank extension) and
+Built on every rank by the Executor (inside worker/instance.KVRankSides, the rank extension) and
 driven from the driver with `executor.run_on_ranks(command)`, in step order with the batches, so
 every rank starts the same sends:
 
@@ -109,7 +109,7 @@ class PrefillRank:
 
 
 class SendingRanks(Protocol):
-    """A rank extension with a sending side (worker/worker.KVRankSides)."""
+    """A rank extension with a sending side (worker/instance.KVRankSides)."""
 
     @property
     def sending(self) -> PrefillRank: ...

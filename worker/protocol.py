@@ -7,7 +7,7 @@ The messages are plain, picklable dataclasses; protobuf conversion happens once,
 A call is a `WorkerCall[R]` dataclass whose `run(worker)` calls the worker's own method, so the
 host of a worker (a child process, a Ray actor, the test harness) forwards one object and types
 hold at both ends: no method name travels as a string. `Worker` is the protocol every worker
-implements (worker/worker.py, router/synthetic.py); the router's async handles
+implements (worker/instance.py, router/synthetic.py); the router's async handles
 (router/worker_api.py) make the same calls.
 """
 

@@ -30,8 +30,8 @@ from tests.router.harness import RouterThread
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
 from worker.config import WorkerConfig
+from worker.instance import Worker
 from worker.protocol import Role
-from worker.worker import Worker
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 150.0

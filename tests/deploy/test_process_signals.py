@@ -17,8 +17,8 @@ from deploy.runtime.local.process_host import ProcessWorker
 from engine.config import EngineConfig
 from tests.engine.test_tp_idle import _alive
 from worker.config import WorkerConfig
+from worker.instance import Worker
 from worker.protocol import Load, ProcessIds
-from worker.worker import Worker
 
 
 def _noted(signum: int, frame: object) -> None:

@@ -19,8 +19,8 @@ from router.config import RouterConfig
 from router.tokenizer import RouterTokenizer
 from tests.router.harness import RouterThread
 from worker.config import WorkerConfig
+from worker.instance import Worker
 from worker.protocol import Role
-from worker.worker import Worker
 
 NUM_KV_BLOCKS = 48
 

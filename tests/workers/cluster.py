@@ -22,6 +22,7 @@ from deploy.runtime.local.control_relay import ControlRelay
 from deploy.runtime.local.process_host import ProcessWorker
 from engine.sampling_params import SamplingParams
 from worker.config import WorkerConfig
+from worker.instance import Worker
 from worker.protocol import (
     Abort,
     Load,
@@ -34,7 +35,6 @@ from worker.protocol import (
     WorkerRequest,
     WorkerUnavailable,
 )
-from worker.worker import Worker
 
 CALL_TIMEOUT_S = 30.0
 

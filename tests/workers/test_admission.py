@@ -19,8 +19,8 @@ from engine import EngineConfig, SamplingParams
 from kv_transfer.config import KVTransferConfig
 from tests.workers.cluster import wait_for
 from worker.config import WorkerConfig
+from worker.instance import Worker
 from worker.protocol import Overloaded, TokenEvent, WorkerRequest
-from worker.worker import Worker
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 32

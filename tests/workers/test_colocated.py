@@ -14,6 +14,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.request import Request, RequestStatus
 from tests.engine.test_llm import hf_greedy, make_prompts
 from worker.config import WorkerConfig
+from worker.instance import Worker
 from worker.protocol import (
     Abort,
     Load,
@@ -24,7 +25,6 @@ from worker.protocol import (
     TokenEvent,
     WorkerRequest,
 )
-from worker.worker import Worker
 
 MAX_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)

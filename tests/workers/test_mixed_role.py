@@ -20,8 +20,8 @@ from engine import SamplingParams
 from tests.engine.test_llm import hf_greedy, make_prompts
 from tests.workers.test_admission import NUM_BLOCKS, Switchboard, engine_config
 from worker.config import WorkerConfig
+from worker.instance import Worker
 from worker.protocol import Role, TokenEvent, WorkerRequest
-from worker.worker import Worker
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)

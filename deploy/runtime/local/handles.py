@@ -1,6 +1,6 @@
 """Router handles (router/worker_api.py) over worker objects, wherever those live.
 
-A worker object (worker/worker.Worker) has blocking, thread-safe methods; each handle method
+A worker object (worker/instance.Worker) has blocking, thread-safe methods; each handle method
 makes the matching typed call (worker/protocol.py: Submit, Reserve, Abort, Load, PollEvents).
 The router's interface is async, so each call runs on a thread of the default executor with its
 own timeout. `LocalHandle` runs the call on a worker in this process; `ProcessHandle` sends it to

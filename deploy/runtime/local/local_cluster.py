@@ -44,6 +44,7 @@ from deploy.runtime.router_host import RouterHost
 from engine.gc_tuning import unfreeze_heap
 from router.server import Router
 from worker.config import WorkerConfig
+from worker.instance import Worker
 from worker.protocol import (
     InstanceLoad,
     Load,
@@ -53,7 +54,6 @@ from worker.protocol import (
     Submit,
     WorkerUnavailable,
 )
-from worker.worker import Worker
 
 Progress = Callable[[str], None]
 _WATCH_INTERVAL_S = 0.2

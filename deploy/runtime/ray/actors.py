@@ -49,7 +49,7 @@ class WorkerActor:
         import torch
 
         from deploy.runtime.ray.launcher import RayRankLauncher
-        from worker.worker import Worker
+        from worker.instance import Worker
 
         imported_at = time.time()
         if pin_cores:

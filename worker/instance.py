@@ -10,9 +10,9 @@ One request, by what the router calls (worker/protocol.py):
 
     submit(request, None)     the engine runs both phases here; every token is an event
     submit(request, ticket)   the engine prefills; at the first token the sending connector
-                              (prefill_worker/connector.py) hands the KV off to the ticket's
+                              (worker/send.py) hands the KV off to the ticket's
                               decode instance: one event, the first token
-    reserve(request)          the receiving connector (decode_worker/connector.py) reserves
+    reserve(request)          the receiving connector (worker/receive.py) reserves
                               blocks; when the KV lands the request joins the engine as
                               prefilled and decodes here: an event per step
 
@@ -32,7 +32,6 @@ import os
 import time
 from dataclasses import dataclass, replace
 
-from decode_worker.connector import ReceiveConnector
 from decode_worker.rank import DecodeRank
 from engine.executor import Executor
 from engine.kv_connector import KVConnectors
@@ -41,11 +40,12 @@ from engine.model_runner import ModelRunner
 from engine.outputs import StepOutput
 from engine.ranks import RankCommand, RankLauncher
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
-from prefill_worker.connector import SendConnector, SendControl
 from prefill_worker.rank import PrefillRank
 from worker.config import WorkerConfig
 from worker.loop import WorkerLoop
 from worker.protocol import InstanceLoad, Overloaded, RequestTimings, TokenEvent, WorkerRequest
+from worker.receive import ReceiveConnector
+from worker.send import SendConnector, SendControl
 
 
 class KVRankSides:
