@@ -58,6 +58,7 @@ def test_both_layouts_get_one_engine_config_without_prefix_cache(tmp_path) -> No
     split = cluster_spec("disaggregated", tmp_path, chunk_size=256)
     assert colocated.num_colocated_instances == 2 and colocated.pin_cpus
     assert (split.num_prefill_instances, split.num_decode_instances) == (1, 1)
-    assert colocated.colocated == split.prefill.engine == split.decode.engine
-    assert colocated.colocated.enable_prefix_caching is False  # replayed prompts would hit
-    assert colocated.colocated.chunk_size == 256
+    engine = colocated.colocated.engine
+    assert engine == split.prefill.engine == split.decode.engine
+    assert engine.enable_prefix_caching is False  # replayed prompts would hit
+    assert engine.chunk_size == 256
