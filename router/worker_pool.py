@@ -43,6 +43,7 @@ from router.worker_api import (
 )
 
 logger = logging.getLogger(__name__)
+_CANCELLED_LOOP_WAIT_S = 1.0  # a cancelled poll or load loop ends at once, or is left
 _RETRY_AFTER_FAILURE_S = 0.5
 
 
@@ -156,9 +157,19 @@ class WorkerPool:
             self._tasks.append(asyncio.create_task(self._load_loop(instance_id)))
 
     async def stop(self) -> None:
+        """Cancel the poll and load loops and let the aborts in flight finish, within a bound:
+        a loop cancelled in the middle of a worker call can stay pending after its call's own
+        deadline (seen on Python 3.11: wait_for around a to_thread call of a worker that was
+        just killed), and a router that is stopping must not wait on it for good."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._abort_tasks, return_exceptions=True)
+        bounds = ((self._tasks, _CANCELLED_LOOP_WAIT_S), (self._abort_tasks, None))
+        for tasks, bound_s in bounds:
+            if tasks:
+                timeout_s = bound_s or self._config.worker_timeout_s + 1.0  # an abort's deadline
+                _, stuck = await asyncio.wait(list(tasks), timeout=timeout_s)
+                if stuck:
+                    logger.warning("%d worker calls still pending at shutdown: left", len(stuck))
         self._tasks.clear()
 
     # -- requests ---------------------------------------------------------------------------
