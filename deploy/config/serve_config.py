@@ -31,58 +31,26 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from deploy.config.checks import (
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_file,
+    check_int,
+    check_seconds,
+    is_amount,
+)
 from deploy.config.models import MODEL_NAMES, check_tensor_parallel
 from router.config import DECODE_POLICIES, PREFILL_POLICIES
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 MODES = ("disaggregated", "colocated")
-
-
-class ConfigError(ValueError):
-    """A config file or flag the user must fix; the message says what and how."""
-
-
-def _check_int(where: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}.{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_bool(where: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}.{name} must be true or false, got {value!r}")
-
-
-def _check_seconds(where: str, name: str, value: Any, allow_zero: bool = False) -> None:
-    if not (_is_amount(value) or (allow_zero and value == 0 and not isinstance(value, bool))):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{where}.{name} must be a number of seconds {bound}, got {value!r}")
-
-
-def _is_amount(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
-
-
-def _check_choice(where: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{where}.{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _check_file(where: str, name: str, value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, str) or not Path(value).expanduser().is_file():
-        raise ConfigError(
-            f"{where}.{name}: {value!r} is not a file; give the path to an existing one"
-        )
 
 
 @dataclass(frozen=True)
@@ -95,7 +63,7 @@ class PrefillSection:
 
     def __post_init__(self) -> None:
         _check_instances("prefill", self.instances, self.tensor_parallel_size)
-        _check_choice("prefill", "policy", self.policy, PREFILL_POLICIES)
+        check_choice("prefill", "policy", self.policy, PREFILL_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -108,7 +76,7 @@ class DecodeSection:
 
     def __post_init__(self) -> None:
         _check_instances("decode", self.instances, self.tensor_parallel_size)
-        _check_choice("decode", "policy", self.policy, DECODE_POLICIES)
+        check_choice("decode", "policy", self.policy, DECODE_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -121,12 +89,12 @@ class ColocatedSection:
 
     def __post_init__(self) -> None:
         _check_instances("colocated", self.instances, self.tensor_parallel_size)
-        _check_choice("colocated", "policy", self.policy, PREFILL_POLICIES)
+        check_choice("colocated", "policy", self.policy, PREFILL_POLICIES)
 
 
 def _check_instances(where: str, instances: Any, tensor_parallel_size: Any) -> None:
-    _check_int(where, "instances", instances, 0)
-    _check_int(where, "tensor_parallel_size", tensor_parallel_size, 1)
+    check_int(where, "instances", instances, 0)
+    check_int(where, "tensor_parallel_size", tensor_parallel_size, 1)
 
 
 @dataclass(frozen=True)
@@ -139,10 +107,10 @@ class KVCacheConfig:
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("kv_cache", "block_size", self.block_size, 1)
-        _check_int("kv_cache", "memory_mb", self.memory_mb, 1)
-        _check_int("kv_cache", "num_blocks", self.num_blocks, 1, allow_none=True)
-        _check_bool("kv_cache", "prefix_caching", self.prefix_caching)
+        check_int("kv_cache", "block_size", self.block_size, 1)
+        check_int("kv_cache", "memory_mb", self.memory_mb, 1)
+        check_int("kv_cache", "num_blocks", self.num_blocks, 1, allow_none=True)
+        check_bool("kv_cache", "prefix_caching", self.prefix_caching)
 
 
 @dataclass(frozen=True)
@@ -153,8 +121,8 @@ class KVTransferSection:
     start_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _check_seconds("kv_transfer", "transfer_timeout_s", self.transfer_timeout_s)
-        _check_seconds("kv_transfer", "start_timeout_s", self.start_timeout_s, allow_zero=True)
+        check_seconds("kv_transfer", "transfer_timeout_s", self.transfer_timeout_s)
+        check_seconds("kv_transfer", "start_timeout_s", self.start_timeout_s, allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -167,7 +135,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_int("scheduler", name, getattr(self, name), 1)
+            check_int("scheduler", name, getattr(self, name), 1)
         if self.chunk_size > self.max_num_batched_tokens:
             raise ConfigError(
                 f"scheduler.chunk_size ({self.chunk_size}) must not exceed "
@@ -202,11 +170,11 @@ class RouterSection:
     shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _check_int("router", "max_running_requests", self.max_running_requests, 1)
-        _check_int("router", "max_queued_requests", self.max_queued_requests, 0)
-        _check_int("router", "max_model_len", self.max_model_len, 2, allow_none=True)
+        check_int("router", "max_running_requests", self.max_running_requests, 1)
+        check_int("router", "max_queued_requests", self.max_queued_requests, 0)
+        check_int("router", "max_model_len", self.max_model_len, 2, allow_none=True)
         for name in ("worker_timeout_s", "shutdown_grace_s"):
-            _check_seconds("router", name, getattr(self, name))
+            check_seconds("router", name, getattr(self, name))
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(
                 f"router.host must be an address such as 127.0.0.1, got {self.host!r}"
@@ -226,7 +194,7 @@ class RouterSection:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("router: TLS needs both tls_cert_file and tls_key_file (or neither)")
         for name in ("auth_token_file", "tls_cert_file", "tls_key_file"):
-            _check_file("router", name, getattr(self, name))
+            check_file("router", name, getattr(self, name))
 
     def resolved_auth_token(self) -> str | None:
         """The bearer token: given inline, or the first line of `auth_token_file`."""
@@ -259,22 +227,22 @@ class RaySection:
     max_restarts: int = -1
 
     def __post_init__(self) -> None:
-        _check_bool("ray", "enabled", self.enabled)
+        check_bool("ray", "enabled", self.enabled)
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise ConfigError(
                 f"ray.address must be 'auto', 'HOST:PORT' or null, got {self.address!r}"
             )
-        _check_int("ray", "num_cpus", self.num_cpus, 1, allow_none=True)
+        check_int("ray", "num_cpus", self.num_cpus, 1, allow_none=True)
         cpus = self.num_cpus_per_worker
-        if cpus is not None and not _is_amount(cpus):
+        if cpus is not None and not is_amount(cpus):
             raise ConfigError(f"ray.num_cpus_per_worker must be a number > 0, got {cpus!r}")
-        _check_int("ray", "max_restarts", self.max_restarts, -1)
+        check_int("ray", "max_restarts", self.max_restarts, -1)
         for name in ("prefill_resources", "decode_resources"):
             resources = getattr(self, name)
             if not isinstance(resources, dict):
                 raise ConfigError(f"ray.{name} must map resource names to amounts: {resources!r}")
             for key, amount in resources.items():
-                if not isinstance(key, str) or not _is_amount(amount):
+                if not isinstance(key, str) or not is_amount(amount):
                     raise ConfigError(f"ray.{name}[{key!r}] must be a number > 0, got {amount!r}")
 
 
@@ -306,11 +274,11 @@ class ServeConfig:
                 "give a folder with config.json, *.safetensors and a tokenizer, 'smollm2' "
                 "(SmolLM2-135M-Instruct) or 'demo' (a small model built locally)"
             )
-        _check_choice("config", "dtype", self.dtype, DTYPES)
+        check_choice("config", "dtype", self.dtype, DTYPES)
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"config.device must be 'cpu' or 'cuda', got {self.device!r}")
-        _check_choice("config", "mode", self.mode, MODES)
-        _check_bool("config", "pin_cpus", self.pin_cpus)
+        check_choice("config", "mode", self.mode, MODES)
+        check_bool("config", "pin_cpus", self.pin_cpus)
         for name, section_type in _SECTIONS.items():
             if not isinstance(getattr(self, name), section_type):
                 raise ConfigError(f"{name} must be a {section_type.__name__}")
