@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
@@ -52,14 +53,14 @@ class WorkerConfig:
 
     @classmethod
     def prefill(
-        cls, engine: EngineConfig, kv_transfer: KVTransferConfig | None = None, **limits: int
+        cls, engine: EngineConfig, kv_transfer: KVTransferConfig | None = None, **limits: Any
     ) -> WorkerConfig:
         """A prefill instance's config (`limits`: max_queued_tokens, max_waiting_requests)."""
-        return cls(engine, Role.PREFILL, kv_transfer or KVTransferConfig(), **limits)  # type: ignore[arg-type]
+        return replace(cls(engine, Role.PREFILL, kv_transfer or KVTransferConfig()), **limits)
 
     @classmethod
     def decode(
-        cls, engine: EngineConfig, kv_transfer: KVTransferConfig | None = None, **limits: int
+        cls, engine: EngineConfig, kv_transfer: KVTransferConfig | None = None, **limits: Any
     ) -> WorkerConfig:
         """A decode instance's config (`limits`: watermark_blocks)."""
-        return cls(engine, Role.DECODE, kv_transfer or KVTransferConfig(), **limits)  # type: ignore[arg-type]
+        return replace(cls(engine, Role.DECODE, kv_transfer or KVTransferConfig()), **limits)

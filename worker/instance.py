@@ -172,13 +172,14 @@ class Worker(WorkerLoop):
     # ------------------------------------------------------------------ commands
     def _submit(self, request: WorkerRequest, ticket: KVTicket | None, submitted_at: float) -> None:
         request_id = request.request_id
+        sending = self.sending if ticket is not None else None
         if ticket is not None:
-            if self.sending is None:
+            if sending is None:
                 raise ValueError(
                     f"{self.instance_id} does not prefill for other instances: submit with "
                     "ticket=None, or give it a role that sends KV"
                 )
-            self.sending.check(request, ticket)
+            sending.check(request, ticket)
         try:
             if request_id in self._tracked or request_id in self.engine.scheduler.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -188,11 +189,11 @@ class Worker(WorkerLoop):
                 decodes_here=ticket is None,
             )  # fmt: skip
         except (Overloaded, ValueError):
-            if ticket is not None:
-                self.sending.cancel(ticket)  # type: ignore[union-attr]
+            if sending is not None and ticket is not None:
+                sending.cancel(ticket)  # the decode side frees the reservation at once
             raise
-        if ticket is not None:
-            self.sending.track(ticket)  # type: ignore[union-attr]
+        if sending is not None and ticket is not None:
+            sending.track(ticket)
         self._tracked[request_id] = self._not_started[request_id] = _Tracked(submitted_at)
 
     def _check_queue(self, num_tokens: int) -> None:
