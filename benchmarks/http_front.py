@@ -38,9 +38,9 @@ from benchmarks.router_load import (
     _client_process,
     _workers,
     run_cli,
+    summarize,
 )
 from engine.gc_tuning import freeze_startup_heap, unfreeze_heap
-from planner.metrics import percentile
 from router.config import RouterConfig
 from router.server import Router
 
@@ -132,25 +132,6 @@ async def _run_clients(kind: str, router: Router, args: argparse.Namespace) -> l
     return measured
 
 
-def _summary(measured: list[dict], emit_times: dict[str, list[float]], num_tokens: int) -> dict:
-    added_ms: list[float] = []
-    rates: list[float] = []
-    for outcome in measured:
-        for request_id, received in outcome["received"].items():
-            produced = emit_times[request_id]
-            assert len(produced) == len(received) == num_tokens, request_id
-            added_ms += [(r - p) * 1000.0 for r, p in zip(received, produced, strict=True)]
-        num_received = sum(len(r) for r in outcome["received"].values())
-        rates.append(num_received / (outcome["ended"] - outcome["started"]))
-    return {
-        "tokens_per_s": round(sum(rates) / len(rates), 1),
-        "p50_ms": round(percentile(added_ms, 50), 3),
-        "p90_ms": round(percentile(added_ms, 90), 3),
-        "p99_ms": round(percentile(added_ms, 99), 3),
-        "max_ms": round(max(added_ms), 3),
-    }
-
-
 async def _bench(args: argparse.Namespace, model_dir: str) -> dict:
     workers = _workers(args)
     config = RouterConfig(model_dir=model_dir, max_running_requests=1024, http_port=0)
@@ -167,8 +148,8 @@ async def _bench(args: argparse.Namespace, model_dir: str) -> dict:
     emit_times: dict[str, list[float]] = {}
     for worker in workers:
         emit_times.update(worker.emit_times)
-    grpc_ = _summary(measured["grpc"], emit_times, args.tokens)
-    http = _summary(measured["http"], emit_times, args.tokens)
+    grpc_ = summarize(measured["grpc"], emit_times, args.tokens)
+    http = summarize(measured["http"], emit_times, args.tokens)
     mean_interval_s = args.step_interval_s * (1 + _CLOCK_SPREAD * (args.instances - 1) / 2)
     ratio = http["tokens_per_s"] / grpc_["tokens_per_s"]
     return {

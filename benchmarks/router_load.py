@@ -201,15 +201,20 @@ async def _measure(kind: str, args: argparse.Namespace, model_dir: str) -> dict[
     emit_times: dict[str, list[float]] = {}
     for worker in workers:
         emit_times.update(worker.emit_times)
+    return summarize(measured, emit_times, args.tokens)
+
+
+def summarize(measured: list[dict], emit_times: dict[str, list[float]], num_tokens: int) -> dict:
+    """Tokens/s and the latency each token gained between its worker and the client (ms)."""
     added_ms: list[float] = []
     rates: list[float] = []
     for outcome in measured:
         for request_id, received in outcome["received"].items():
             produced = emit_times[request_id]
-            assert len(produced) == len(received) == args.tokens, request_id
+            assert len(produced) == len(received) == num_tokens, request_id
             added_ms += [(r - p) * 1000.0 for r, p in zip(received, produced, strict=True)]
-        num_tokens = sum(len(r) for r in outcome["received"].values())
-        rates.append(num_tokens / (outcome["ended"] - outcome["started"]))
+        num_received = sum(len(r) for r in outcome["received"].values())
+        rates.append(num_received / (outcome["ended"] - outcome["started"]))
     return {
         "tokens_per_s": round(sum(rates) / len(rates), 1),
         "p50_ms": round(percentile(added_ms, 50), 3),
