@@ -7,10 +7,7 @@ would carry them, never by one worker's loop calling another's directly.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +15,7 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from kv_transfer.config import KVTransferConfig
 from tests.workers.cluster import wait_for
+from tests.workers.switchboard import Switchboard
 from worker.config import WorkerConfig
 from worker.instance import Worker
 from worker.protocol import Overloaded, TokenEvent, WorkerRequest
@@ -25,45 +23,6 @@ from worker.protocol import Overloaded, TokenEvent, WorkerRequest
 BLOCK_SIZE = 8
 NUM_BLOCKS = 32
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-class Switchboard:
-    """send_control for in-process workers: a queue and a delivering thread."""
-
-    def __init__(self) -> None:
-        self.workers: dict[str, Any] = {}
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def send(self, instance_id: str, message: Any) -> None:
-        self._queue.put((instance_id, message))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                instance_id, message = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            worker = self.workers.get(instance_id)
-            if worker is not None:  # messages to an instance that is not there are dropped
-                worker.deliver(message)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for worker in self.workers.values():
-            worker.shutdown()
-
-
-@pytest.fixture
-def board() -> Iterator[Switchboard]:
-    switchboard = Switchboard()
-    try:
-        yield switchboard
-    finally:
-        switchboard.close()
 
 
 def engine_config(model_dir: str, **overrides: Any) -> EngineConfig:

@@ -12,13 +12,11 @@ through tests.workers.test_admission's Switchboard (a queue and a delivering thr
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from engine import SamplingParams
 from tests.engine.test_llm import hf_greedy, make_prompts
-from tests.workers.test_admission import NUM_BLOCKS, Switchboard, engine_config
+from tests.workers.switchboard import Switchboard
+from tests.workers.test_admission import NUM_BLOCKS, engine_config
 from worker.config import WorkerConfig
 from worker.instance import Worker
 from worker.protocol import Role, TokenEvent, WorkerRequest
@@ -26,15 +24,6 @@ from worker.protocol import Role, TokenEvent, WorkerRequest
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = make_prompts((5, 19, 33, 12, 40, 7), seed=17)
-
-
-@pytest.fixture
-def switchboard() -> Iterator[Switchboard]:
-    board = Switchboard()
-    try:
-        yield board
-    finally:
-        board.close()  # shuts every worker down
 
 
 def start(board: Switchboard, model_dir: str, instance_id: str, config: WorkerConfig) -> Worker:
@@ -59,9 +48,8 @@ def collect(workers: dict[str, Worker], request_ids: set[str]) -> dict[str, list
 
 
 def test_one_instance_prefills_for_another_decodes_for_a_third_and_runs_its_own(
-    switchboard: Switchboard, tiny_model
+    board: Switchboard, tiny_model
 ) -> None:
-    board = switchboard
     model_dir = tiny_model("llama")
     expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
     mixed = WorkerConfig(engine_config(model_dir), Role.DECODE, sends_kv=True, receives_kv=True)
