@@ -26,6 +26,11 @@ class RouterConfig:
     blocks the way their prefix caches do).
     A prompt longer than `max_prompt_chars_per_token * max_model_len` characters is refused before
     it is tokenized (a generous bound: real text averages a few characters per token).
+    Recovery (router/recovery.py): a request whose instance is lost, or whose KV hand-off fails,
+    is placed again (before its first token) or moved (after it) at most `max_retries` times in
+    all; 0 turns that off. A request that finds no healthy instance to take it, at dispatch or
+    after a failure, waits up to `recovery_wait_s` for one to come back (a restarted worker),
+    never past the client's deadline; 0 fails it at once with UNAVAILABLE.
     """
 
     model_dir: str
@@ -52,6 +57,8 @@ class RouterConfig:
     poll_timeout_s: float = 0.5
     worker_timeout_s: float = 10.0
     shutdown_grace_s: float = 5.0
+    max_retries: int = 3
+    recovery_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_dir):
@@ -97,10 +104,10 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
-            raise ValueError(
-                f"max_queued_requests must be an integer >= 0, got {self.max_queued_requests!r}"
-            )
+        for name in ("max_queued_requests", "max_retries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
@@ -117,6 +124,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if not self.recovery_wait_s >= 0:
+            raise ValueError(f"recovery_wait_s must be >= 0 seconds, got {self.recovery_wait_s!r}")
 
     @property
     def uses_tls(self) -> bool:

@@ -7,7 +7,8 @@
 An instance that answers Overloaded (or fails, or times out) is left out and the policy picks
 again among the rest; a refused prefill gives back the decode reservation first. When no
 candidate is left the request fails: RESOURCE_EXHAUSTED if some instance was merely full,
-UNAVAILABLE if none could be reached. Each instance is added to the request's holders before
+UNAVAILABLE if none could be reached, unless an instance comes back (a restarted worker)
+before `wait_until`: then every instance is a candidate again. Each instance is added to the request's holders before
 it is called, so an abort reaches it even when the call times out halfway.
 
 Each placement has a worker-side id of its own (WorkerPool.new_placement). A call that timed out
@@ -18,6 +19,8 @@ listens to, and the aborts sent now and at the request's end free it.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from router.generation_errors import FailureKind, GenerationFailed
@@ -32,6 +35,7 @@ class Dispatch:
     prefill_id: str
     decode_id: str | None  # None when colocated
     num_prompt_tokens: int
+    num_failed: int = 0  # placements that failed on the way (not merely full): retries
 
 
 class Dispatcher:
@@ -48,15 +52,34 @@ class Dispatcher:
         self._timeout_s = worker_timeout_s
 
     async def dispatch(
-        self, request: ValidatedRequest, channel: RequestChannel, arrival_time: float
+        self,
+        request: ValidatedRequest,
+        channel: RequestChannel,
+        arrival_time: float,
+        wait_until: float = 0.0,
+        avoid: Collection[str] = (),
     ) -> Dispatch:
+        """Place the request. `avoid`: instances that just failed it, tried only when no other
+        is left; `wait_until` (time.monotonic()): how long to wait for an instance to come back
+        when none is left to try."""
         refused: set[str] = set()
-        num_overloaded = 0
+        avoiding = set(avoid)
+        num_overloaded = num_failed = 0
+        mark = self._pool.recovery_mark()
         while True:
-            decode_id = self._pick_decode(request, refused)
-            prefill_id = self._pick_prefill(request, refused)
+            decode_id = self._pick_decode(request, refused | avoiding)
+            prefill_id = self._pick_prefill(request, refused | avoiding)
             if prefill_id is None or (self._pool.disaggregated and decode_id is None):
-                raise self._no_candidate_left(num_overloaded, len(refused))
+                if avoiding:
+                    avoiding.clear()
+                    continue
+                if num_overloaded or not await self._pool.wait_for_recovery(
+                    mark, wait_until - time.monotonic()
+                ):
+                    raise self._no_candidate_left(num_overloaded, len(refused))
+                refused.clear()
+                mark = self._pool.recovery_mark()
+                continue
             worker_request = WorkerRequest(
                 self._pool.new_placement(channel),
                 request.prompt_token_ids,
@@ -73,9 +96,10 @@ class Dispatcher:
                 self._pool.note_dispatch(prefill_id, num_tokens, is_prefill=True)
                 if decode_id is not None:
                     self._pool.note_dispatch(decode_id, num_tokens, is_prefill=False)
-                return Dispatch(prefill_id, decode_id, num_tokens)
+                return Dispatch(prefill_id, decode_id, num_tokens, num_failed)
             refused.add(failed_id)
             num_overloaded += int(overloaded)
+            num_failed += int(not overloaded)
             self._abandon(channel)
 
     def release(self, dispatch: Dispatch, prefilled: bool) -> None:
@@ -85,6 +109,12 @@ class Dispatcher:
         self._pool.note_done(dispatch.prefill_id)
         if dispatch.decode_id is not None:
             self._pool.note_done(dispatch.decode_id)
+
+    def abandon(self, channel: RequestChannel, keep: str | None = None) -> None:
+        """Give up on the channel's current placement (a recovered request): abort it on every
+        holder but `keep` (the one that ended it and freed its state itself)."""
+        channel.holder_ids.discard(keep or "")
+        self._abandon(channel)
 
     def _abandon(self, channel: RequestChannel) -> None:
         """Give up on the current placement: abort it wherever it may have landed, now and

@@ -9,6 +9,8 @@ request_id appears only in what goes back to the client (two attempts may share 
 chosen instances speak for the request: an event from another one, or an error or loss of an
 instance that no longer holds anything for it (the prefill once the decode instance is decoding),
 is dropped.
+When an instance the request runs on is lost, the request is placed again (router/recovery.py):
+retried before its first token, migrated after it; the client's stream goes on.
 Whatever ends the request (finish, stop string, client cancel or deadline, error), `finally`
 frees its admission slot and tells every instance that may hold state for it to abort, except
 the one whose finish event ended it (that one freed its state itself). gRPC stays out of this
@@ -24,27 +26,16 @@ from dataclasses import dataclass, field
 
 from router.admission import AdmissionController, AdmissionFull
 from router.detokenizer import IncrementalDetokenizer
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatch, Dispatcher
 from router.generation_errors import FailureKind, GenerationFailed
 from router.metrics import RouterMetrics
+from router.recovery import Recovery, continuation
 from router.stop_strings import StopStringMatcher
+from router.timings import RouterClock, RouterTimings, merge_timings, request_timings
 from router.tokenizer import RouterTokenizer
 from router.validation import ValidatedRequest
 from router.worker_api import RequestTimings, TokenEvent
 from router.worker_pool import InstanceLost, RequestChannel, WorkerPool
-
-
-@dataclass(frozen=True)
-class RouterTimings:
-    router_queue_s: float = 0.0
-    prefill_queue_s: float = 0.0
-    prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0
-    decode_queue_s: float = 0.0
-    decode_s: float = 0.0
-    first_token_s: float = 0.0
-    per_token_s: float = 0.0
-    e2e_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,17 +59,32 @@ class _Progress:
 
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
+    recovery: Recovery
     accepted_at: float  # perf_counter
-    dispatched_at: float = 0.0
-    prefill_instance: str = ""
-    decode_instance: str = ""
+    dispatched_at: float = 0.0  # its first placement
     first_token_at: float | None = None
     last_token_at: float = 0.0
-    num_output_tokens: int = 0
+    sent_token_ids: list[int] = field(default_factory=list)  # every token the client got
     worker_timings: RequestTimings = field(default_factory=RequestTimings)
-    early_events: list[TokenEvent] = field(default_factory=list)  # decode before first token
-    finished_by: str | None = None  # instance whose finish event ended the request
+    # The current placement:
+    placed_at: float = 0.0
+    prefill_instance: str = ""
+    decode_instance: str = ""
+    prefilled: bool = False  # its prefill's first event is in
+    early_events: list[TokenEvent] = field(default_factory=list)  # decode before that
+    finished_by: str | None = None  # instance whose finish event ended the placement
     decode_started: bool = False  # an event from the decode instance: the KV has landed
+    first_placed_at: float = 0.0  # the placement that sent the client's first token
+
+    def start_placement(self, dispatch: Dispatch) -> None:
+        self.placed_at = time.perf_counter()
+        self.prefill_instance = dispatch.prefill_id
+        self.decode_instance = dispatch.decode_id or ""
+        self.prefilled = self.decode_started = False
+        self.early_events.clear()
+        self.finished_by = None
+        if self.first_token_at is None:  # a retry: only the placement that answers counts
+            self.worker_timings = RequestTimings()
 
 
 class GenerationRunner:
@@ -89,12 +95,16 @@ class GenerationRunner:
         admission: AdmissionController,
         tokenizer: RouterTokenizer,
         metrics: RouterMetrics,
+        max_retries: int = 0,
+        recovery_wait_s: float = 0.0,
     ) -> None:
         self._pool = pool
         self._dispatcher = dispatcher
         self._admission = admission
         self._tokenizer = tokenizer
         self._metrics = metrics
+        self._max_retries = max_retries
+        self._recovery_wait_s = recovery_wait_s
 
     async def generate(
         self, request: ValidatedRequest, deadline_s: float | None = None
@@ -102,10 +112,13 @@ class GenerationRunner:
         """Chunks of new tokens and text; the last has finish_reason. Raises GenerationFailed.
         `deadline_s`: the time the client has left, if it set a deadline (admission refuses a
         request that would spend it all in the queue)."""
+        accepted_at = time.perf_counter()
+        deadline_at = None if deadline_s is None else time.monotonic() + deadline_s
         progress = _Progress(
             IncrementalDetokenizer(self._tokenizer),
             StopStringMatcher(request.stop_strings),
-            accepted_at=time.perf_counter(),
+            Recovery(self._max_retries, deadline_at),
+            accepted_at=accepted_at,
         )
         try:
             ticket = self._admission.try_admit(deadline_s)
@@ -120,22 +133,53 @@ class GenerationRunner:
             self._update_queue_gauges()
             self._metrics.request_queue_time.observe(progress.dispatched_at - progress.accepted_at)
             self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
-            dispatch = await self._dispatcher.dispatch(request, channel, time.time())
-            progress.prefill_instance = dispatch.prefill_id
-            progress.decode_instance = dispatch.decode_id or ""
-            async for chunk in self._stream(request, channel, progress, dispatch.prefill_id):
-                yield chunk
+            arrival_time, placed, avoid = time.time(), request, ""
+            lost: GenerationFailed | None = None  # the failure being recovered from
+            while True:
+                wait_until = progress.recovery.wait_until(self._recovery_wait_s)
+                avoiding = (avoid,) if avoid else ()
+                try:
+                    dispatch = await self._dispatcher.dispatch(
+                        placed, channel, arrival_time, wait_until, avoiding
+                    )
+                except GenerationFailed as exc:
+                    raise _after(lost, exc) from exc
+                progress.start_placement(dispatch)
+                if dispatch.num_failed:  # placements that failed before this one answered
+                    progress.recovery.retries += dispatch.num_failed
+                    self._metrics.request_retries.inc(dispatch.num_failed)
+                try:
+                    async for chunk in self._stream(
+                        request, channel, progress, dispatch.prefill_id
+                    ):
+                        yield chunk
+                    return
+                except GenerationFailed as failure:
+                    self._recover(failure, progress)
+                    avoid, lost = failure.lost_instance, failure
+                self._dispatcher.release(dispatch, prefilled=progress.prefilled)
+                dispatch = None
+                self._dispatcher.abandon(channel, keep=progress.finished_by)
+                placed = continuation(request, progress.sent_token_ids)
         finally:
             self._pool.close_channel(channel)
             self._admission.release(ticket)
             self._update_queue_gauges()
             if dispatch is not None:
-                self._dispatcher.release(dispatch, prefilled=progress.first_token_at is not None)
+                self._dispatcher.release(dispatch, prefilled=progress.prefilled)
             self._pool.abort_everywhere(
                 channel.request_id, channel.holder_ids - {progress.finished_by}
             )
             for request_id, instance_ids in channel.abandoned:
                 self._pool.abort_everywhere(request_id, instance_ids)
+
+    def _recover(self, failure: GenerationFailed, progress: _Progress) -> None:
+        """Count a recovery from `failure`, or re-raise it (or what replaces it)."""
+        progress.recovery.take(failure, len(progress.sent_token_ids))
+        if progress.sent_token_ids:
+            self._metrics.request_migrations.inc()
+        else:
+            self._metrics.request_retries.inc()
 
     def _update_queue_gauges(self) -> None:
         self._metrics.num_requests_waiting.set(self._admission.num_waiting)
@@ -153,16 +197,21 @@ class GenerationRunner:
         while True:
             items = await channel.take_all()
             merged: GenerationChunk | None = None
-            for item in items:
-                if _is_stale(item, channel, progress):
-                    continue
-                for event in self._in_order(item, progress, prefill_id):
-                    self._release_prefill_once_decoding(channel, progress, event, prefill_id)
-                    chunk = self._on_event(request, progress, event)
-                    merged = chunk if merged is None else _concat(merged, chunk)
-                    if chunk.finish_reason is not None:
-                        yield merged
-                        return
+            try:
+                for item in items:
+                    if _is_stale(item, channel, progress):
+                        continue
+                    for event in self._in_order(item, progress, prefill_id):
+                        self._release_prefill_once_decoding(channel, progress, event, prefill_id)
+                        chunk = self._on_event(request, progress, event)
+                        merged = chunk if merged is None else _concat(merged, chunk)
+                        if chunk.finish_reason is not None:
+                            yield merged
+                            return
+            except GenerationFailed:
+                if merged is not None:  # tokens that came before the failure are the client's
+                    yield merged
+                raise
             if merged is not None:
                 yield merged
 
@@ -175,7 +224,7 @@ class GenerationRunner:
         it must not end the stream (nor does the request's end need to abort it)."""
         if event.source and event.source == progress.decode_instance != prefill_id:
             progress.decode_started = True
-        if progress.decode_started and progress.first_token_at is not None:
+        if progress.decode_started and progress.prefilled:
             channel.holder_ids.discard(prefill_id)
 
     def _in_order(
@@ -186,8 +235,10 @@ class GenerationRunner:
             raise GenerationFailed(
                 FailureKind.UNAVAILABLE,
                 f"worker {item.instance_id} became unavailable ({item.reason}); retry the request",
+                lost_instance=item.instance_id,
             )
-        if progress.first_token_at is not None or item.source in ("", prefill_id):
+        if progress.prefilled or item.source in ("", prefill_id):
+            progress.prefilled = True
             events = [item, *progress.early_events]
             progress.early_events.clear()
             return events
@@ -204,6 +255,7 @@ class GenerationRunner:
                     FailureKind.UNAVAILABLE,
                     f"worker {event.failed_peer} became unavailable ({event.error}); "
                     "retry the request",
+                    lost_instance=event.failed_peer,
                 )
             raise GenerationFailed(
                 FailureKind.WORKER_ERROR,
@@ -228,14 +280,16 @@ class GenerationRunner:
         now = time.perf_counter()
         if progress.first_token_at is None:
             progress.first_token_at = now
+            progress.first_placed_at = progress.placed_at
             self._metrics.time_to_first_token.observe(now - progress.accepted_at)
         elif event.token_ids:
+            progress.recovery.resumed()
             self._metrics.inter_token_latency.observe(now - progress.last_token_at)
         progress.last_token_at = now
-        progress.num_output_tokens += len(event.token_ids)
+        progress.sent_token_ids.extend(event.token_ids)
         self._metrics.generation_tokens.inc(len(event.token_ids))
-        if event.timings is not None:
-            _merge_timings(progress.worker_timings, event.timings)
+        if event.timings is not None and not progress.recovery.migrations:
+            merge_timings(progress.worker_timings, event.timings)
 
     def _last_chunk(
         self,
@@ -247,23 +301,23 @@ class GenerationRunner:
         stop_reason: str,
     ) -> GenerationChunk:
         assert progress.first_token_at is not None
-        num_after_first = progress.num_output_tokens - 1
-        per_token_s = (
-            (progress.last_token_at - progress.first_token_at) / num_after_first
-            if num_after_first > 0
-            else 0.0
-        )
+        num_after_first = len(progress.sent_token_ids) - 1
         worker = progress.worker_timings
-        timings = RouterTimings(
-            router_queue_s=progress.dispatched_at - progress.accepted_at,
-            prefill_queue_s=worker.prefill_queue_s,
-            prefill_s=worker.prefill_s,
-            kv_transfer_s=worker.kv_transfer_s,
-            decode_queue_s=worker.decode_queue_s,
-            decode_s=worker.decode_s,
-            first_token_s=progress.first_token_at - progress.accepted_at,
-            per_token_s=per_token_s,
-            e2e_s=progress.last_token_at - progress.accepted_at,
+        recovery = progress.recovery
+        clock = RouterClock(
+            progress.accepted_at,
+            progress.dispatched_at,
+            progress.first_token_at,
+            progress.last_token_at,
+            len(progress.sent_token_ids),
+        )
+        lost_before_first = progress.first_placed_at - progress.dispatched_at
+        timings = request_timings(
+            clock,
+            worker,
+            recovery.retries,
+            recovery.migrations,
+            lost_before_first + recovery.recovery_s,
         )
         self._observe_finish(timings, finish_reason, num_after_first)
         return GenerationChunk(
@@ -273,7 +327,7 @@ class GenerationRunner:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
-            num_completion_tokens=progress.num_output_tokens,
+            num_completion_tokens=len(progress.sent_token_ids),
             num_cached_tokens=worker.num_cached_tokens,
             timings=timings,
             prefill_instance=progress.prefill_instance,
@@ -307,19 +361,16 @@ def _is_stale(
     return item.finish_reason == "error" and item.source not in channel.holder_ids
 
 
+def _after(lost: GenerationFailed | None, failure: GenerationFailed) -> GenerationFailed:
+    """A dispatch failure, told after the loss it was recovering from (if any)."""
+    if lost is None:
+        return failure
+    message = f"{lost}; no other worker could take the request over: {failure}"
+    return GenerationFailed(failure.kind, message, lost.lost_instance)
+
+
 def _concat(earlier: GenerationChunk, later: GenerationChunk) -> GenerationChunk:
     """One chunk for two consecutive ones (`earlier` is not the last)."""
     return dataclasses.replace(
         later, token_ids=earlier.token_ids + later.token_ids, text=earlier.text + later.text
     )
-
-
-def _merge_timings(merged: RequestTimings, update: RequestTimings) -> None:
-    """Prefill fields come with the first token, decode fields with the last: keep each set one."""
-    names = ("prefill_queue_s", "prefill_s", "handed_off_at", "landed_at", "decode_queue_s")
-    for name in (*names, "decode_s"):
-        value = getattr(update, name)
-        if value:
-            setattr(merged, name, value)
-    if update.num_cached_tokens:
-        merged.num_cached_tokens = update.num_cached_tokens

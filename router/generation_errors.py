@@ -12,6 +12,10 @@ class FailureKind(enum.Enum):
 
 
 class GenerationFailed(Exception):
-    def __init__(self, kind: FailureKind, message: str) -> None:
+    """`lost_instance`: the instance whose loss ended the placement, when one did (the request
+    may then be placed again elsewhere: router/recovery.py)."""
+
+    def __init__(self, kind: FailureKind, message: str, lost_instance: str = "") -> None:
         super().__init__(message)
         self.kind = kind
+        self.lost_instance = lost_instance

@@ -65,6 +65,16 @@ class RouterMetrics:
             ["code"],
             registry=self.registry,
         )
+        self.request_retries = Counter(
+            "pdserve:request_retries",
+            "Placements lost before the request's first token and placed again.",
+            registry=self.registry,
+        )
+        self.request_migrations = Counter(
+            "pdserve:request_migrations",
+            "Streams moved to another instance after the one decoding them was lost.",
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "pdserve:prompt_tokens", "Prompt tokens of admitted requests.", registry=self.registry
         )

@@ -90,7 +90,13 @@ class Router:
             config.worker_timeout_s,
         )
         runner = GenerationRunner(
-            self.pool, dispatcher, self.admission, self.tokenizer, self.metrics
+            self.pool,
+            dispatcher,
+            self.admission,
+            self.tokenizer,
+            self.metrics,
+            config.max_retries,
+            config.recovery_wait_s,
         )
         self._validator = RequestValidator(config, self.tokenizer, self.limits)
         self._servicer = GenerationServicer(self._validator, runner, self.metrics)

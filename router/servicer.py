@@ -13,9 +13,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 from pdserve_proto.v1 import generation_pb2 as pb
 
-from router.generation import GenerationChunk, GenerationRunner, RouterTimings
+from router.generation import GenerationChunk, GenerationRunner
 from router.generation_errors import FailureKind, GenerationFailed
 from router.metrics import RouterMetrics
+from router.timings import RouterTimings
 from router.validation import InvalidRequest, RequestValidator, ValidatedRequest
 from router.wire import MalformedRequest, parse_generate_request
 
@@ -149,3 +150,6 @@ def _copy_timings(timings: RouterTimings, out: pb.Timings) -> None:
     out.first_token_s = timings.first_token_s
     out.per_token_s = timings.per_token_s
     out.e2e_s = timings.e2e_s
+    out.retries = timings.retries
+    out.migrations = timings.migrations
+    out.recovery_s = timings.recovery_s

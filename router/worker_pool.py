@@ -15,7 +15,8 @@ for the policies and the metrics.
 
 A handle that fails (WorkerUnavailable, a timeout, any error) is marked unhealthy: policies
 stop choosing it, and every request holding state on it gets an `InstanceLost` in its channel.
-It becomes healthy again when a load report says so (a restarted worker). The metrics follow:
+It becomes healthy again when a load report says so (a restarted worker), and requests waiting
+for an instance to come back (`wait_for_recovery`) wake up. The metrics follow:
 a lost instance shows as down, with nothing running and no blocks in use, at once.
 """
 
@@ -145,6 +146,8 @@ class WorkerPool:
         self._attempt_numbers = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._abort_tasks: set[asyncio.Task[None]] = set()
+        # Set, and replaced by a fresh one, each time an instance becomes healthy.
+        self._recovered: asyncio.Event | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -215,6 +218,23 @@ class WorkerPool:
             for i in instance_ids
             if self._instances[i].healthy and i not in exclude
         ]
+
+    def recovery_mark(self) -> object:
+        """A mark to pass to `wait_for_recovery`: instances that become healthy after it count."""
+        if self._recovered is None:
+            self._recovered = asyncio.Event()
+        return self._recovered
+
+    async def wait_for_recovery(self, mark: object, timeout_s: float) -> bool:
+        """Wait until an instance has become healthy since `mark` was taken; False on timeout."""
+        assert isinstance(mark, asyncio.Event)
+        if timeout_s <= 0 and not mark.is_set():
+            return False
+        try:
+            await asyncio.wait_for(mark.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def healthy(self) -> bool:
         """Serving needs a healthy prefill (or colocated) instance, and a decode one if split."""
@@ -295,6 +315,9 @@ class WorkerPool:
         instance.num_blocks_reserved_since_load = 0
         if instance.healthy and not load.healthy:
             self._lose(instance_id, "it reports itself unhealthy")
+        if load.healthy and not instance.healthy and self._recovered is not None:
+            self._recovered.set()
+            self._recovered = None
         instance.healthy = load.healthy
         self._metrics.observe_load(load)
 

@@ -56,7 +56,10 @@ def expected(tiny_model_dir: str) -> dict[tuple[int, int], list[int]]:
 def cluster(tiny_model_dir: str) -> Iterator[LocalCluster]:
     kv = KVTransferConfig(transfer_timeout_s=10.0)
     spec = ClusterSpec(
-        router=RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.05),
+        # A request that finds no prefill waits 2 s for one to come back (none does here).
+        router=RouterConfig(
+            model_dir=tiny_model_dir, load_refresh_interval_s=0.05, recovery_wait_s=2.0
+        ),
         prefill=WorkerConfig.prefill(_engine(tiny_model_dir), kv),
         num_prefill_instances=1,
         decode=WorkerConfig.decode(_engine(tiny_model_dir), kv),

@@ -284,7 +284,10 @@ class _DeadWorker(SyntheticWorker):
 
 
 def test_no_healthy_worker_is_503_for_health_and_requests(tiny_model_dir: str) -> None:
-    config = RouterConfig(model_dir=tiny_model_dir, http_port=0, load_refresh_interval_s=0.05)
+    # No waiting for an instance to come back: this one never does.
+    config = RouterConfig(
+        model_dir=tiny_model_dir, http_port=0, load_refresh_interval_s=0.05, recovery_wait_s=0
+    )
     make = lambda: ([_DeadWorker("colocated-0", Role.COLOCATED)], [])  # noqa: E731
     with RouterThread(config, make) as server:
         status, body = _raw(server, "/health")
@@ -300,7 +303,9 @@ def test_no_healthy_worker_is_503_for_health_and_requests(tiny_model_dir: str) -
 def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event(tiny_model_dir: str) -> None:
     worker = _DeadWorker("colocated-0", Role.COLOCATED, step_interval_s=0.01)
     worker.dead = False
-    config = RouterConfig(model_dir=tiny_model_dir, http_port=0, load_refresh_interval_s=0.05)
+    config = RouterConfig(
+        model_dir=tiny_model_dir, http_port=0, load_refresh_interval_s=0.05, recovery_wait_s=0
+    )
     with RouterThread(config, lambda: ([worker], [])) as server:
         body = {"model": _model(server), "prompt": "hi", "max_tokens": 400, "stream": True}
         assert server.router is not None

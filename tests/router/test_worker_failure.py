@@ -47,8 +47,11 @@ def _wait_for_health(channel: grpc.Channel, status: int, timeout_s: float = 5.0)
 
 
 def test_dead_worker_fails_its_requests_with_unavailable_and_recovers(tiny_model_dir: str) -> None:
+    """With recovery off, a lost worker's stream ends with UNAVAILABLE at once."""
     worker = DyingWorker("colocated-0", Role.COLOCATED, step_interval_s=0.02)
-    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
+    config = RouterConfig(
+        model_dir=tiny_model_dir, load_refresh_interval_s=0.02, max_retries=0, recovery_wait_s=0
+    )
     with RouterThread(config, lambda: ([worker], [])) as server:
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
@@ -100,7 +103,7 @@ def test_a_broken_kv_hand_off_is_unavailable_and_other_worker_errors_internal(
     decode = SyntheticWorker("decode-0", Role.DECODE)
     prefill = HandOffFailingPrefill("prefill-0", Role.PREFILL, peers={"decode-0": decode})
     prefill.failed_peer = failed_peer
-    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
+    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02, max_retries=0)
     with RouterThread(config, lambda: ([prefill], [decode])) as server:
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.GenerationStub(channel)

@@ -67,7 +67,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("router_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "first_token_s", "per_token_s", "e2e_s", "decode_s")
+    __slots__ = ("router_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "first_token_s", "per_token_s", "e2e_s", "decode_s", "retries", "migrations", "recovery_s")
     ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,9 @@ class Timings(_message.Message):
     PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
     router_queue_s: float
     prefill_queue_s: float
     prefill_s: float
@@ -86,7 +89,10 @@ class Timings(_message.Message):
     per_token_s: float
     e2e_s: float
     decode_s: float
-    def __init__(self, router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., per_token_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., decode_s: _Optional[float] = ...) -> None: ...
+    retries: int
+    migrations: int
+    recovery_s: float
+    def __init__(self, router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., per_token_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ..., recovery_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stop_reason", "usage", "timings", "prefill_instance", "decode_instance")
