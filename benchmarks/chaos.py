@@ -1,0 +1,204 @@
+"""Chaos: a steady load with cancels and deadlines while faults pile up; does anything get lost?
+
+    python -m benchmarks.chaos [--duration-s 240] [--fault-every-s 20] [--out chaos.json]
+
+This process hosts the cluster (plain processes: one prefill instance at TP=2, two decode
+instances, the demo model in float64, so a migrated greedy stream must match the undisturbed
+one exactly) and its router, as `pdserve serve --no-ray` does; the load runs in a child process
+(benchmarks/chaos_load.py). First every prompt of the set is generated once, undisturbed: that
+is the reference. Then, while the load runs, a fault every --fault-every-s (drawn between half
+and one and a half times it), in turn from:
+
+    kill_decode       SIGKILL a decode worker process
+    kill_prefill_rank SIGKILL one TP rank of the prefill instance (the driver or rank 1)
+    stop_worker       SIGSTOP a worker for longer than the KV deadlines, then SIGCONT
+    drop_kv_channel   abort a TCP connection between a prefill rank and a decode worker
+                      (`ss -K`: the KV channel's sockets; needs the kernel's sock_destroy)
+
+After each fault it waits until the cluster has healed: every instance healthy in its load
+reports and routable by the router, and gRPC health SERVING (`heal_s`).
+
+The last line printed is one JSON object (also written to --out):
+  requests, completed, faults_injected, faults (each with its kind, target, heal_s)
+  failed_before_first_token  clients that got an error (not their own cancel or deadline,
+                             not RESOURCE_EXHAUSTED: counted as `overloaded`) and no token
+  lost_streams               streams that got tokens and then no final message
+  migrated, retried          requests whose final timings report a migration / a retry
+  repeated_or_skipped_tokens streams whose tokens differ from the reference (not a prefix of
+                             it, or not all of it for a finished stream)
+  migration_completed_pct    of the streams a loss hit after their first token (migrated or
+                             lost), the share that finished by migration
+  leaked_blocks              KV blocks still in use on every worker once the load has stopped
+  hangs                      requests with no status by their deadline (+10 s)
+  rss_growth_pct             per process kind (router, prefill, decode), end over start
+  ok                         every target met
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve_proto.v1 import generation_pb2 as pb
+from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
+
+from benchmarks.chaos_faults import FAULTS, Faults, rss_by_kind
+from benchmarks.chaos_load import classify, run_load
+from deploy.config.cluster_spec import build_cluster_spec, resolve_model_dir
+from deploy.config.serve_config import parse_config
+from deploy.runtime.local.local_cluster import LocalCluster
+
+KV_DEADLINE_S = 3.0  # transfer and start deadlines, the router's worker timeout
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="chaos", description=__doc__.split("\n")[0])
+    parser.add_argument("--duration-s", type=float, default=240.0, help="how long the load runs")
+    parser.add_argument("--fault-every-s", type=float, default=20.0)
+    parser.add_argument("--concurrency", type=int, default=8, help="clients, one stream each")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--model", default="demo", help="model folder (default: the demo)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the JSON result here too")
+    return parser.parse_args(argv)
+
+
+def cluster_spec(model_dir: str) -> Any:
+    config = parse_config({
+        "model": model_dir, "dtype": "float64",
+        "prefill": {"instances": 1, "tensor_parallel_size": 2}, "decode": {"instances": 2},
+        "kv_cache": {"num_blocks": 512, "block_size": 16},
+        "kv_transfer": {"transfer_timeout_s": KV_DEADLINE_S, "start_timeout_s": KV_DEADLINE_S},
+        "router": {"port": 0, "worker_timeout_s": KV_DEADLINE_S, "shutdown_grace_s": 1.0},
+        "ray": {"enabled": False},
+    })  # fmt: skip
+    return build_cluster_spec(config)
+
+
+def prompts(num: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(8, 96))] for _ in range(num)]
+
+
+def reference(address: str, prompt_set: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from the cluster before any fault."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        return [
+            list(stub.GenerateUnary(
+                pb.GenerateRequest(token_ids=p, max_tokens=max_tokens, ignore_eos=True),
+                timeout=120,
+            ).token_ids)
+            for p in prompt_set
+        ]  # fmt: skip
+
+
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def leaked_blocks(cluster: LocalCluster, settle_s: float = 30.0) -> int:
+    """KV blocks in use on every worker, once they stop changing (bounded wait)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        used = sum(load.num_total_blocks - load.num_free_blocks for load in cluster.status())
+        if used == 0 or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model_dir = resolve_model_dir(args.model)
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(args.seed)
+    with LocalCluster(cluster_spec(model_dir)) as cluster:
+        address = cluster.start()
+        prompt_set = prompts(args.num_prompts, vocab_size, args.seed)
+        expected = reference(address, prompt_set, args.max_tokens)
+        rss_start = rss_by_kind(cluster)
+        parent, child = mp.get_context("spawn").Pipe(duplex=False)
+        load = mp.get_context("spawn").Process(
+            target=run_load,
+            args=(child, address, prompt_set, args.max_tokens, args.duration_s,
+                  args.concurrency, args.seed),
+        )  # fmt: skip
+        load.start()
+        faults = Faults(cluster, lambda: serving(address), rng, KV_DEADLINE_S)
+        began = time.monotonic()
+        for index in range(10_000):  # bounded: the load's duration ends it long before
+            wait_s = rng.uniform(0.5, 1.5) * args.fault_every_s
+            if time.monotonic() - began + wait_s > args.duration_s - 5:
+                break
+            time.sleep(wait_s)
+            faults.inject(FAULTS[index % len(FAULTS)])
+        records = parent.recv() if parent.poll(args.duration_s + 400) else []
+        load.join(30)
+        leaked = leaked_blocks(cluster)
+        rss_end = rss_by_kind(cluster)
+    counts = classify(records, expected)
+    return report(counts, faults.log, leaked, rss_start, rss_end, args)
+
+
+def report(
+    counts: dict[str, Any], faults: list[dict[str, Any]], leaked: int,
+    rss_start: dict[str, float], rss_end: dict[str, float], args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    hit = counts["migrated"] + counts["lost_streams"]
+    completed = 100.0 * counts["migrated"] / hit if hit else 100.0
+    growth = {
+        kind: round(100.0 * (rss_end[kind] - rss_start[kind]) / rss_start[kind], 1)
+        for kind in rss_start
+        if kind in rss_end and rss_start[kind]
+    }
+    result = {
+        **{key: value for key, value in counts.items() if key != "examples"},
+        "faults_injected": sum(1 for fault in faults if fault.get("injected")),
+        "faults_healed": sum(1 for fault in faults if fault.get("healed")),
+        "migration_completed_pct": round(completed, 1),
+        "leaked_blocks": leaked,
+        "rss_growth_pct": growth,
+        "duration_s": args.duration_s,
+        "concurrency": args.concurrency,
+        "faults": faults,
+        "examples": counts["examples"],
+    }
+    targets = (
+        ("failed_before_first_token", 0), ("lost_streams", 0),
+        ("repeated_or_skipped_tokens", 0), ("leaked_blocks", 0), ("hangs", 0),
+    )  # fmt: skip
+    result["ok"] = (
+        all(result[key] == value for key, value in targets)
+        and completed >= 95.0
+        and result["faults_healed"] == result["faults_injected"] > 0
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    line = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(line, flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
