@@ -69,12 +69,12 @@ async def _one(stub: pb_grpc.GenerationStub, record: Record, prompt: list[int], 
 
 async def _client(
     address: str, prompts: list[list[int]], max_tokens: int, until: float, seed: int,
-    records: list[Record],
+    records: list[Record], max_requests: int,
 ) -> None:  # fmt: skip
     rng = random.Random(seed)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        while time.monotonic() < until:
+        while time.monotonic() < until and len(records) < max_requests:
             index = rng.randrange(len(prompts))
             short = rng.random() < SHORT_DEADLINE_FRACTION
             cancel = not short and rng.random() < CANCEL_FRACTION / (1 - SHORT_DEADLINE_FRACTION)
@@ -91,15 +91,16 @@ async def _client(
 
 def run_load(
     conn: Connection, address: str, prompts: list[list[int]], max_tokens: int,
-    duration_s: float, concurrency: int, seed: int,
+    duration_s: float, concurrency: int, seed: int, max_requests: int = 10**9,
 ) -> None:  # fmt: skip
-    """The child's entry point: run the load for `duration_s`, send the records, exit."""
+    """The child's entry point: run the load for `duration_s` or `max_requests`, whichever
+    ends first, send the records, exit."""
     records: list[Record] = []
 
     async def main() -> None:
         until = time.monotonic() + duration_s
         clients = [
-            _client(address, prompts, max_tokens, until, seed * 1000 + i, records)
+            _client(address, prompts, max_tokens, until, seed * 1000 + i, records, max_requests)
             for i in range(concurrency)
         ]
         # Every request has a deadline of its own, so this ends; the bound is a backstop.

@@ -143,6 +143,11 @@ class GenerationRunner:
                         placed, channel, arrival_time, wait_until, avoiding
                     )
                 except GenerationFailed as exc:
+                    if progress.recovery.deadline_passed():  # it waited for a worker: too long
+                        message = (
+                            f"the deadline passed while the request waited for a worker: {exc}"
+                        )
+                        raise GenerationFailed(FailureKind.DEADLINE, message) from exc
                     raise _after(lost, exc) from exc
                 progress.start_placement(dispatch)
                 if dispatch.num_failed:  # placements that failed before this one answered

@@ -9,6 +9,7 @@ class FailureKind(enum.Enum):
     OVERLOADED = "overloaded"  # RESOURCE_EXHAUSTED
     UNAVAILABLE = "unavailable"  # UNAVAILABLE
     WORKER_ERROR = "worker_error"  # INTERNAL
+    DEADLINE = "deadline"  # DEADLINE_EXCEEDED: the client's deadline passed while it waited
 
 
 class GenerationFailed(Exception):

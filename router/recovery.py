@@ -47,7 +47,7 @@ class Recovery:
                 f"{failure} (gave up after {self.max_retries} recoveries)",
                 failure.lost_instance,
             ) from failure
-        if self.deadline_at is not None and time.monotonic() >= self.deadline_at:
+        if self.deadline_passed():
             raise failure
         if num_tokens_sent:
             self.migrations += 1
@@ -60,6 +60,9 @@ class Recovery:
         if self.failed_at is not None:
             self.recovery_s += time.monotonic() - self.failed_at
             self.failed_at = None
+
+    def deadline_passed(self) -> bool:
+        return self.deadline_at is not None and time.monotonic() >= self.deadline_at
 
     def wait_until(self, wait_s: float) -> float:
         """How long (time.monotonic()) the next dispatch may wait for an instance to return."""

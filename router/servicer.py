@@ -26,6 +26,7 @@ _STATUS_BY_FAILURE = {
     FailureKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     FailureKind.WORKER_ERROR: grpc.StatusCode.INTERNAL,
+    FailureKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,

@@ -20,6 +20,7 @@ _BY_FAILURE = {
     FailureKind.OVERLOADED: (429, "rate_limit_error", "overloaded", "RESOURCE_EXHAUSTED"),
     FailureKind.UNAVAILABLE: (503, "service_unavailable_error", "unavailable", "UNAVAILABLE"),
     FailureKind.WORKER_ERROR: (500, "server_error", "worker_error", "INTERNAL"),
+    FailureKind.DEADLINE: (504, "timeout_error", "deadline_exceeded", "DEADLINE_EXCEEDED"),
 }
 _FIELD_AT_START = re.compile(r"^([a-z_]+)((?:\[\d+\]|\.[a-z_]+)*)")
 # Fields of the router's own request whose OpenAI name differs (the validator names its own).

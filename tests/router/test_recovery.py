@@ -162,3 +162,35 @@ def test_recovery_gives_up_after_max_retries_with_unavailable_and_the_cause(
     details = error.value.details()
     assert "worker colocated-0 became unavailable" in details
     assert "no other worker could take the request over" in details
+
+
+def test_a_request_waiting_for_a_worker_past_its_deadline_gets_deadline_exceeded(
+    tiny_model_dir: str,
+) -> None:
+    """Not UNAVAILABLE a moment before the client's own deadline: what ended it was the wait."""
+    worker = SlowDyingWorker("colocated-0", Role.COLOCATED, step_interval_s=0.01)
+    with RouterThread(_router(tiny_model_dir), lambda: ([worker], [])) as server:
+        worker.dead = True
+        _wait_until_unroutable(server)
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as error:
+                stub.GenerateUnary(pb.GenerateRequest(prompt="hi", max_tokens=4), timeout=1.0)
+        time.sleep(0.2)  # the router's side of the call ends too
+        assert server.router is not None
+        failures = server.router.metrics.registry.get_sample_value(
+            "pdserve:request_failure_total", {"code": "UNAVAILABLE"}
+        )
+        worker.dead = False
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not failures  # the router never called it UNAVAILABLE
+    assert 0.9 < time.monotonic() - started < 5.0
+
+
+def _wait_until_unroutable(server: RouterThread) -> None:
+    assert server.router is not None
+    deadline = time.monotonic() + 10
+    while server.router.pool.prefill_candidates():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
