@@ -170,6 +170,12 @@ class SpawnLauncher:
                 ) from None
             if state != "ready":
                 raise RuntimeError(f"TP rank {rank} failed to start:\n{detail}")
+        # Done with the queue: free its semaphores now. A driver ends with os._exit, which runs
+        # no finalizer, so they would stay in /dev/shm until the resource tracker's exit (three
+        # per driver start: a restarted instance added three more each time).
+        self._status.close()
+        self._status.join_thread()
+        self._status = None
 
     def dead(self) -> list[str]:
         return [

@@ -91,3 +91,26 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_driver_that_ends_with_os_exit_leaves_no_semaphore_behind(tiny_model) -> None:
+    """A driver process ends with os._exit (no finalizers run): the queue its ranks reported
+    ready on must not hold named semaphores by then, or each restart leaves three in /dev/shm
+    until the resource tracker's exit warns about them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "from engine.config import EngineConfig\n"
+        "from engine.executor import Executor\n"
+        "config = EngineConfig(model_dir=sys.argv[1], tensor_parallel_size=2, block_size=8,"
+        " num_kv_blocks=16)\n"
+        "executor = Executor(config)\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, tiny_model()], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "leaked semaphore" not in done.stderr, done.stderr[-2000:]
