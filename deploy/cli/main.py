@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from deploy.cli.client import RouterClient, fetch_metrics
+from deploy.cli.client import RouterClient, fetch_metrics, format_status, parse_metrics
 from deploy.config.checks import read_token_file
 from deploy.config.serve_config import ConfigError, ServeConfig, apply_overrides, load_config
 
@@ -276,8 +276,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2
-
-    from deploy.cli.status import format_status, parse_metrics
 
     metrics_address = args.metrics
     if metrics_address is None and args.config:

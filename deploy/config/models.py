@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from deploy.config.checks import ConfigError
 from deploy.config.demo_model import build_demo_model
 
 SMOLLM2 = "smollm2"
@@ -148,9 +149,7 @@ def allowed_tp_sizes(model_dir: str | Path) -> list[int]:
     KV heads evenly or replicates each on a whole number of ranks (engine/kv_cache.py
     local_kv_heads) and splits the MLP width evenly; the vocabulary is padded, so it sets no
     limit. tests/deploy/test_models.py checks this against the engine's own functions."""
-    num_heads, num_kv_heads, width = _shape(
-        json.loads((Path(model_dir) / "config.json").read_text())
-    )
+    num_heads, num_kv_heads, width = _shape(model_dir)
 
     def kv_ok(tp: int) -> bool:
         return num_kv_heads % tp == 0 if tp <= num_kv_heads else tp % num_kv_heads == 0
@@ -162,29 +161,27 @@ def allowed_tp_sizes(model_dir: str | Path) -> list[int]:
     ]
 
 
-def _shape(config: dict) -> tuple[int, int, int]:
-    """(attention heads, KV heads, MLP width) from a config.json mapping; KeyError if absent."""
+def _shape(model_dir: str | Path) -> tuple[int, int, int]:
+    """(attention heads, KV heads, MLP width) from the folder's config.json; KeyError if absent."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     num_heads = int(config["num_attention_heads"])
-    return (
-        num_heads,
-        int(config.get("num_key_value_heads") or num_heads),
-        int(config["intermediate_size"]),
-    )
+    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+    return num_heads, num_kv_heads, int(config["intermediate_size"])
 
 
 def check_tensor_parallel(model_dir: str | Path, sizes: dict[str, int]) -> None:
-    """Raise ValueError naming the heads and the allowed sizes when a role's TP does not fit.
+    """ConfigError naming the heads and the allowed sizes when a role's TP does not fit.
 
     `sizes` maps a role ("prefill", "decode", "colocated") to its tensor_parallel_size. A
     config.json without the head counts is left to the engine to judge when it loads."""
     try:
-        heads, kv_heads, width = _shape(json.loads((Path(model_dir) / "config.json").read_text()))
+        heads, kv_heads, width = _shape(model_dir)
     except (OSError, ValueError, KeyError, TypeError):
         return
     allowed = allowed_tp_sizes(model_dir)
     for role, tp in sizes.items():
         if tp not in allowed:
-            raise ValueError(
+            raise ConfigError(
                 f"{role}.tensor_parallel_size {tp} does not fit the model in {model_dir}: its "
                 f"{heads} attention heads and {kv_heads} KV heads (MLP width {width}) split "
                 f"evenly over {_or_list(allowed)} ranks; set {role}.tensor_parallel_size "

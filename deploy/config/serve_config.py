@@ -21,24 +21,8 @@ from typing import Any
 
 import yaml
 
-from deploy.config.checks import (
-    Check,
-    ConfigError,
-    address,
-    amount,
-    boolean,
-    choice,
-    cpu_or_cuda,
-    file,
-    integer,
-    knob,
-    port_number,
-    ray_address,
-    read_token_file,
-    resources,
-    seconds,
-    token,
-)
+from deploy.config import checks
+from deploy.config.checks import Check, ConfigError, knob
 from deploy.config.models import MODEL_NAMES, check_tensor_parallel
 from router.config import DECODE_POLICIES, PREFILL_POLICIES
 
@@ -51,43 +35,43 @@ class RoleSection:
     """Instances of one role (prefill, colocated): how many, TP ranks each, and how the router
     picks one per request."""
 
-    instances: int = knob(1, integer(0))
-    tensor_parallel_size: int = knob(1, integer(1))
-    policy: str = knob("least_tokens", choice(PREFILL_POLICIES))
+    instances: int = knob(1, checks.integer(0))
+    tensor_parallel_size: int = knob(1, checks.integer(1))
+    policy: str = knob("least_tokens", checks.choice(PREFILL_POLICIES))
 
 
 @dataclass(frozen=True)
 class DecodeSection(RoleSection):
     """Decode instances (data parallel), picked by the decode policy."""
 
-    policy: str = knob("most_free_blocks", choice(DECODE_POLICIES))
+    policy: str = knob("most_free_blocks", checks.choice(DECODE_POLICIES))
 
 
 @dataclass(frozen=True)
 class KVCacheConfig:
     """KV pool per instance: `num_blocks` if given, else as many blocks as `memory_mb` holds."""
 
-    block_size: int = knob(16, integer(1))
-    memory_mb: int = knob(256, integer(1))
-    num_blocks: int | None = knob(None, integer(1, optional=True))
-    prefix_caching: bool = knob(True, boolean)
+    block_size: int = knob(16, checks.integer(1))
+    memory_mb: int = knob(256, checks.integer(1))
+    num_blocks: int | None = knob(None, checks.integer(1, optional=True))
+    prefix_caching: bool = knob(True, checks.boolean)
 
 
 @dataclass(frozen=True)
 class KVTransferSection:
     """Deadlines of one KV hand-off, in seconds (kv_transfer/config.py says what each bounds)."""
 
-    transfer_timeout_s: float = knob(30.0, seconds())
-    start_timeout_s: float = knob(60.0, seconds(allow_zero=True))
+    transfer_timeout_s: float = knob(30.0, checks.seconds())
+    start_timeout_s: float = knob(60.0, checks.seconds(allow_zero=True))
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits: running sequences, the token budget, and the prefill chunk size."""
 
-    chunk_size: int = knob(512, integer(1))
-    max_num_seqs: int = knob(64, integer(1))
-    max_num_batched_tokens: int = knob(2048, integer(1))
+    chunk_size: int = knob(512, checks.integer(1))
+    max_num_seqs: int = knob(64, checks.integer(1))
+    max_num_batched_tokens: int = knob(2048, checks.integer(1))
 
 
 @dataclass(frozen=True)
@@ -100,20 +84,20 @@ class RouterSection:
     streams get `shutdown_grace_s` to finish (the drain) before they are cut.
     """
 
-    host: str = knob("127.0.0.1", address)
-    port: int = knob(50051, port_number)
-    metrics_port: int | None = knob(None, port_number)
-    http_host: str = knob("127.0.0.1", address)  # the OpenAI-compatible API's, with http_port
-    http_port: int | None = knob(None, port_number)
-    auth_token: str | None = knob(None, token)
-    auth_token_file: str | None = knob(None, file)
-    tls_cert_file: str | None = knob(None, file)
-    tls_key_file: str | None = knob(None, file)
-    max_running_requests: int = knob(256, integer(1))
-    max_queued_requests: int = knob(256, integer(0))
-    max_model_len: int | None = knob(None, integer(2, optional=True))
-    worker_timeout_s: float = knob(10.0, seconds())
-    shutdown_grace_s: float = knob(30.0, seconds())
+    host: str = knob("127.0.0.1", checks.address)
+    port: int = knob(50051, checks.port_number)
+    metrics_port: int | None = knob(None, checks.port_number)
+    http_host: str = knob("127.0.0.1", checks.address)  # the HTTP API's, when http_port is set
+    http_port: int | None = knob(None, checks.port_number)
+    auth_token: str | None = knob(None, checks.token)
+    auth_token_file: str | None = knob(None, checks.file)
+    tls_cert_file: str | None = knob(None, checks.file)
+    tls_key_file: str | None = knob(None, checks.file)
+    max_running_requests: int = knob(256, checks.integer(1))
+    max_queued_requests: int = knob(256, checks.integer(0))
+    max_model_len: int | None = knob(None, checks.integer(2, optional=True))
+    worker_timeout_s: float = knob(10.0, checks.seconds())
+    shutdown_grace_s: float = knob(30.0, checks.seconds())
 
     def __post_init__(self) -> None:
         # Pairs first, before the files are looked at: a lone TLS file is "needs both".
@@ -126,7 +110,7 @@ class RouterSection:
         """The bearer token: given inline, or the content of `auth_token_file`."""
         if self.auth_token_file is None:
             return self.auth_token
-        return read_token_file(self.auth_token_file, "router.auth_token_file")
+        return checks.read_token_file(self.auth_token_file, "router.auth_token_file")
 
 
 @dataclass(frozen=True)
@@ -141,13 +125,13 @@ class RaySection:
     as plain processes are (a limit would leave the instance down for good).
     """
 
-    enabled: bool = knob(True, boolean)
-    address: str | None = knob(None, ray_address)
-    num_cpus: int | None = knob(None, integer(1, optional=True))
-    num_cpus_per_worker: float | None = knob(None, amount)
-    prefill_resources: dict[str, float] = knob({}, resources)
-    decode_resources: dict[str, float] = knob({}, resources)
-    max_restarts: int = knob(-1, integer(-1))
+    enabled: bool = knob(True, checks.boolean)
+    address: str | None = knob(None, checks.ray_address)
+    num_cpus: int | None = knob(None, checks.integer(1, optional=True))
+    num_cpus_per_worker: float | None = knob(None, checks.amount)
+    prefill_resources: dict[str, float] = knob({}, checks.resources)
+    decode_resources: dict[str, float] = knob({}, checks.resources)
+    max_restarts: int = knob(-1, checks.integer(-1))
 
 
 def _check_model(key: str, model: Any) -> None:
@@ -168,13 +152,13 @@ def section(cls: type) -> Any:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Everything `pdserve serve` needs; see the module docstring for the YAML form."""
+    """Everything `pdserve serve` needs: the file's top-level keys and its sections."""
 
     model: str = knob("demo", _check_model)  # a Hugging Face model folder, "smollm2" or "demo"
-    dtype: str = knob("float32", choice(DTYPES))
-    device: str = knob("cpu", cpu_or_cuda)
-    mode: str = knob("disaggregated", choice(MODES))  # or colocated: the baseline
-    pin_cpus: bool = knob(True, boolean)  # CPU: each worker process gets its own set of cores
+    dtype: str = knob("float32", checks.choice(DTYPES))
+    device: str = knob("cpu", checks.cpu_or_cuda)
+    mode: str = knob("disaggregated", checks.choice(MODES))  # or colocated: the baseline
+    pin_cpus: bool = knob(True, checks.boolean)  # CPU: each worker process has its own cores
     prefill: RoleSection = section(RoleSection)
     decode: DecodeSection = section(DecodeSection)
     colocated: RoleSection = section(RoleSection)
@@ -223,11 +207,9 @@ class ServeConfig:
         """ConfigError naming the heads and the allowed sizes when a TP size does not fit the
         model (a named model is checked once its folder exists: the CLI calls this then)."""
         roles = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
-        sizes = {role: getattr(self, role).tensor_parallel_size for role in roles}
-        try:
-            check_tensor_parallel(model_dir, sizes)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        check_tensor_parallel(
+            model_dir, {role: getattr(self, role).tensor_parallel_size for role in roles}
+        )
 
 
 def parse_config(data: dict[str, Any] | None) -> ServeConfig:
