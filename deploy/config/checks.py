@@ -103,14 +103,14 @@ def resources(key: str, value: Any) -> None:
     """Custom Ray resources: a mapping of names to amounts > 0."""
     if not isinstance(value, dict):
         raise ConfigError(f"{key} must map resource names to amounts: {value!r}")
-    for name, amount in value.items():
-        if not isinstance(name, str) or not is_amount(amount):
-            raise ConfigError(f"{key}[{name!r}] must be a number > 0, got {amount!r}")
+    for name, quantity in value.items():
+        if not isinstance(name, str) or not is_amount(quantity):
+            raise ConfigError(f"{key}[{name!r}] must be a number > 0, got {quantity!r}")
 
 
 def read_token_file(path: str, what: str) -> str:
     """The bearer token in a file (its text, stripped), which must not be empty."""
-    token = Path(path).expanduser().read_text().strip()
-    if not token:
+    text = Path(path).expanduser().read_text().strip()
+    if not text:
         raise ConfigError(f"{what} {path!r} is empty")
-    return token
+    return text

@@ -134,7 +134,7 @@ class RaySection:
     max_restarts: int = knob(-1, checks.integer(-1))
 
 
-def _check_model(key: str, model: Any) -> None:
+def _check_model(_key: str, model: Any) -> None:
     if not isinstance(model, str) or not model:
         raise ConfigError("model must be a Hugging Face model folder, 'smollm2' or 'demo'")
     if model not in MODEL_NAMES and not (Path(model).expanduser() / "config.json").is_file():
@@ -244,10 +244,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
             )
         section_type = fields[key].metadata.get("section")
         kwargs[key] = value if section_type is None else _build(section_type, value, key)
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # e.g. a wrong type that a comparison trips over
-        raise ConfigError(f"{where}: {exc}") from None
+    return cls(**kwargs)  # every key is known and each value is checked before it is compared
 
 
 def apply_overrides(config: ServeConfig, overrides: Mapping[str, Any]) -> ServeConfig:
