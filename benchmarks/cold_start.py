@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from deploy.cli.client import RouterClient
-from deploy.config.demo_model import default_cache_dir, ensure_demo_model
+from deploy.config.models import default_cache_dir, ensure_demo_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the served config's default, deploy/local.yaml
 

@@ -136,10 +136,10 @@ def report(args: argparse.Namespace, outcome: dict[str, Any], stopped: dict[str,
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from deploy.config.cluster_spec import resolve_model_dir
+    from deploy.config.models import resolve_model
 
     args = parse_args(argv)
-    args.model_dir = resolve_model_dir(args.model)
+    args.model_dir = resolve_model(args.model)
     model_config = json.loads((Path(args.model_dir) / "config.json").read_text())
     with tempfile.TemporaryDirectory(prefix="load-cancel-") as folder:
         server = Server.start(serve_config(args, Path(folder)), start_timeout_s=300)

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from deploy.cli.status import parse_metrics
+from deploy.cli.client import parse_metrics
 from deploy.runtime.ray.node import REPO_ROOT, descendant_pids, process_is_running
 
 _STREAMS_PER_CHANNEL = 100  # many connections, as from many clients

@@ -231,7 +231,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def engine_configs(args: argparse.Namespace) -> tuple[dict[int, Any], str]:
     """One EngineConfig per TP size from the serve config (or the goodput benchmark's model)."""
-    from deploy.config.cluster_spec import engine_config, resolve_model_dir
+    from deploy.config.cluster_spec import engine_config
+    from deploy.config.models import resolve_model
     from deploy.config.serve_config import ServeConfig, load_config
 
     tps = sorted({int(t) for t in str(args.tp).split(",")})
@@ -242,7 +243,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[dict[int, Any], str]:
         model_dir = str(ensure_bench_model(args.bench_model))
         return {t: bench_config(model_dir, tensor_parallel_size=t) for t in tps}, model_dir
     serve = load_config(args.config) if args.config else ServeConfig()
-    model_dir = resolve_model_dir(serve.model)
+    model_dir = resolve_model(serve.model)
     configs = {
         t: replace(engine_config(serve, model_dir, t), enable_prefix_caching=False) for t in tps
     }

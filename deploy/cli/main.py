@@ -24,13 +24,19 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from deploy.cli.client import RouterClient, fetch_metrics, format_status, parse_metrics
+from deploy.config.checks import read_token_file
 from deploy.config.serve_config import ConfigError, ServeConfig, apply_overrides, load_config
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-_OVERRIDES = (
-    "model", "host", "port", "metrics_port", "http_port", "prefill_instances", "prefill_tp",
-    "decode_instances", "decode_tp", "colocated_instances", "colocated_tp", "mode",
-)  # fmt: skip
+ROLES = ("prefill", "decode", "colocated")
+# serve's flags (argparse names) and the config keys they set over the file.
+_FLAG_KEYS = {
+    "model": "model", "mode": "mode", "host": "router.host", "port": "router.port",
+    "metrics_port": "router.metrics_port", "http_port": "router.http_port",
+    **{f"{role}_instances": f"{role}.instances" for role in ROLES},
+    **{f"{role}_tp": f"{role}.tensor_parallel_size" for role in ROLES},
+}  # fmt: skip
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
@@ -47,7 +53,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         type=int,
         help="OpenAI-compatible HTTP API port (0: a free one; on router.http_host, 127.0.0.1)",
     )
-    for role in ("prefill", "decode", "colocated"):
+    for role in ROLES:
         serve.add_argument(f"--{role}-instances", type=int, help=f"number of {role} instances")
         serve.add_argument(f"--{role}-tp", type=int, help=f"TP ranks per {role} instance")
     serve.add_argument("--mode", choices=("disaggregated", "colocated"))
@@ -55,9 +61,16 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+def _add_router_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="router HOST:PORT")
+    parser.add_argument("--token", dest="token_file", help="file holding the bearer token")
+    parser.add_argument("--auth-token", help="the bearer token itself")
+    parser.add_argument("--tls-ca", help="CA certificate (PEM) to verify a TLS router")
+
+
 def _add_generate(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser("generate", help="stream one generation to the terminal")
-    generate.add_argument("--address", default=DEFAULT_ADDRESS, help="router HOST:PORT")
+    _add_router_flags(generate)
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
@@ -66,21 +79,15 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
-    generate.add_argument("--token", dest="token_file", help="file holding the bearer token")
-    generate.add_argument("--auth-token", help="the bearer token itself")
-    generate.add_argument("--tls-ca", help="CA certificate (PEM) to verify a TLS router")
     generate.add_argument("--timeout", type=float, default=300.0, help="seconds for the call")
     generate.set_defaults(func=cmd_generate)
 
 
 def _add_status(commands: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", help="workers, load, KV usage and health")
-    status.add_argument("--address", default=DEFAULT_ADDRESS, help="router HOST:PORT")
+    _add_router_flags(status)
     status.add_argument("--metrics", help="router metrics HOST:PORT (default: from --config)")
     status.add_argument("--config", help="the config file the cluster was served with")
-    status.add_argument("--token", dest="token_file", help="file holding the bearer token")
-    status.add_argument("--auth-token", help="the bearer token itself")
-    status.add_argument("--tls-ca", help="CA certificate (PEM) to verify a TLS router")
     status.set_defaults(func=cmd_status)
 
 
@@ -145,10 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The config file (or the defaults) with the command line's flags over it."""
+    """The config file (or the defaults) with the flags given over it."""
     config = load_config(args.config) if args.config else ServeConfig()
-    overrides = {name: getattr(args, name) for name in _OVERRIDES}
-    return apply_overrides(config, no_ray=True if args.no_ray else None, **overrides)
+    flags = vars(args)
+    given = {key: flags[name] for name, key in _FLAG_KEYS.items() if flags[name] is not None}
+    if args.no_ray:
+        given["ray.enabled"] = False
+    return apply_overrides(config, given)
 
 
 class _ServeSignals:
@@ -204,7 +214,6 @@ class _ServeSignals:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deploy.cli.demo import resolve_demo_model
     from deploy.config.models import resolve_model
     from deploy.runtime.launch import open_cluster
 
@@ -212,10 +221,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signals = _ServeSignals()
     signals.install()
     say = _say
-    if config.model == "demo":
-        model_dir = resolve_demo_model(None, sys.stdout)
-    else:
-        model_dir = resolve_model(config.model, say=say)
+    model_dir = resolve_model(config.model, say=say)
     config.check_tensor_parallel(model_dir)  # a named model's heads are known only now
     signals.cluster = cluster = open_cluster(config, model_dir, say=say)
     with cluster:
@@ -244,8 +250,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve_proto.v1 import generation_pb2 as pb
 
-    from deploy.cli.client import RouterClient, read_token
-
     request = pb.GenerateRequest(
         prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
         stop=args.stop, ignore_eos=args.ignore_eos,
@@ -253,9 +257,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             setattr(request, name, getattr(args, name))
-    token = read_token(args.token_file, args.auth_token)
     last = pb.GenerateResponse()
-    with RouterClient(args.address, token, args.tls_ca) as client:
+    with _client(args) as client:
         for response in client.generate(request, timeout_s=args.timeout):
             sys.stdout.write(response.text)
             sys.stdout.flush()
@@ -274,9 +277,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2
 
-    from deploy.cli.client import RouterClient, fetch_metrics, read_token
-    from deploy.cli.status import format_status, parse_metrics
-
     metrics_address = args.metrics
     if metrics_address is None and args.config:
         router = load_config(args.config).router
@@ -284,8 +284,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             metrics_address = f"{router.host}:{router.metrics_port}"
     if metrics_address is None:
         raise ConfigError("give --metrics HOST:PORT (or --config with router.metrics_port set)")
-    token = read_token(args.token_file, args.auth_token)
-    with RouterClient(args.address, token, args.tls_ca) as client:
+    with _client(args) as client:
         try:
             health = health_pb2.HealthCheckResponse.ServingStatus.Name(client.health())
         except grpc.RpcError as exc:
@@ -293,6 +292,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = parse_metrics(fetch_metrics(metrics_address))
     print(format_status(args.address, health, status))
     return 0 if health == "SERVING" else 1
+
+
+def _client(args: argparse.Namespace) -> RouterClient:
+    """A client of the router that --address, --token / --auth-token and --tls-ca name."""
+    token = read_token_file(args.token_file, "token file") if args.token_file else args.auth_token
+    return RouterClient(args.address, token, args.tls_ca)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

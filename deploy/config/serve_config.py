@@ -1,51 +1,28 @@
 """The serving config file (YAML): one frozen dataclass per section, checked on construction.
 
     config = load_config("deploy/local.yaml")             # or parse_config({...}) / ServeConfig()
-    config = apply_overrides(config, port=50051, prefill_tp=2)
+    config = apply_overrides(config, {"router.port": 50051, "prefill.tensor_parallel_size": 2})
     spec = build_cluster_spec(config)                      # deploy/config/cluster_spec.py: role configs
 
-Every section rejects keys it does not know, naming the key, where it was and the keys it takes,
-so a typo fails at start-up instead of silently keeping a default. The schema, with defaults:
-
-    model: demo                  # a Hugging Face model folder, "smollm2" or "demo" (built locally)
-    dtype: float32               # float32 | float16 | bfloat16 | float64
-    device: cpu                  # cpu | cuda
-    mode: disaggregated          # disaggregated | colocated (the baseline)
-    pin_cpus: true               # CPU mode: give each worker process its own set of cores
-    prefill:   {instances: 1, tensor_parallel_size: 1, policy: least_tokens}
-    decode:    {instances: 1, tensor_parallel_size: 1, policy: most_free_blocks}
-    colocated: {instances: 1, tensor_parallel_size: 1, policy: least_tokens}
-    kv_cache:  {block_size: 16, memory_mb: 256, num_blocks: null, prefix_caching: true}
-    kv_transfer: {transfer_timeout_s: 30, start_timeout_s: 60}
-    scheduler: {chunk_size: 512, max_num_seqs: 64, max_num_batched_tokens: 2048}
-    router:    {host: 127.0.0.1, port: 50051, metrics_port: null, http_port: null,
-                http_host: 127.0.0.1, auth_token: null,
-                auth_token_file: null, tls_cert_file: null, tls_key_file: null,
-                max_running_requests: 256, max_queued_requests: 256, max_model_len: null,
-                worker_timeout_s: 10, shutdown_grace_s: 30}
-    ray:       {enabled: true, address: null, num_cpus: null, num_cpus_per_worker: null,
-                prefill_resources: {}, decode_resources: {}, max_restarts: -1}
+The dataclasses below are the schema: each field is a key of the file, declared once with its
+default and its check (deploy/config/checks.py); deploy/local.yaml is an example file. Every
+section rejects keys it does not know, naming the key, where it was and the keys it takes, so a
+typo fails at start-up instead of silently keeping a default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from deploy.config.checks import (
-    ConfigError,
-    check_bool,
-    check_choice,
-    check_file,
-    check_int,
-    check_seconds,
-    is_amount,
-)
+from deploy.config import checks
+from deploy.config.checks import Check, ConfigError, knob
 from deploy.config.models import MODEL_NAMES, check_tensor_parallel
 from router.config import DECODE_POLICIES, PREFILL_POLICIES
 
@@ -54,94 +31,47 @@ MODES = ("disaggregated", "colocated")
 
 
 @dataclass(frozen=True)
-class PrefillSection:
-    """Prefill instances: how many, TP ranks each, and how the router picks one per request."""
+class RoleSection:
+    """Instances of one role (prefill, colocated): how many, TP ranks each, and how the router
+    picks one per request."""
 
-    instances: int = 1
-    tensor_parallel_size: int = 1
-    policy: str = "least_tokens"
-
-    def __post_init__(self) -> None:
-        _check_instances("prefill", self.instances, self.tensor_parallel_size)
-        check_choice("prefill", "policy", self.policy, PREFILL_POLICIES)
+    instances: int = knob(1, checks.integer(0))
+    tensor_parallel_size: int = knob(1, checks.integer(1))
+    policy: str = knob("least_tokens", checks.choice(PREFILL_POLICIES))
 
 
 @dataclass(frozen=True)
-class DecodeSection:
-    """Decode instances (data parallel): how many, TP ranks each, and the router's policy."""
+class DecodeSection(RoleSection):
+    """Decode instances (data parallel), picked by the decode policy."""
 
-    instances: int = 1
-    tensor_parallel_size: int = 1
-    policy: str = "most_free_blocks"
-
-    def __post_init__(self) -> None:
-        _check_instances("decode", self.instances, self.tensor_parallel_size)
-        check_choice("decode", "policy", self.policy, DECODE_POLICIES)
-
-
-@dataclass(frozen=True)
-class ColocatedSection:
-    """Colocated replicas (mode: colocated), each prefilling and decoding its own requests."""
-
-    instances: int = 1
-    tensor_parallel_size: int = 1
-    policy: str = "least_tokens"
-
-    def __post_init__(self) -> None:
-        _check_instances("colocated", self.instances, self.tensor_parallel_size)
-        check_choice("colocated", "policy", self.policy, PREFILL_POLICIES)
-
-
-def _check_instances(where: str, instances: Any, tensor_parallel_size: Any) -> None:
-    check_int(where, "instances", instances, 0)
-    check_int(where, "tensor_parallel_size", tensor_parallel_size, 1)
+    policy: str = knob("most_free_blocks", checks.choice(DECODE_POLICIES))
 
 
 @dataclass(frozen=True)
 class KVCacheConfig:
     """KV pool per instance: `num_blocks` if given, else as many blocks as `memory_mb` holds."""
 
-    block_size: int = 16
-    memory_mb: int = 256
-    num_blocks: int | None = None
-    prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        check_int("kv_cache", "block_size", self.block_size, 1)
-        check_int("kv_cache", "memory_mb", self.memory_mb, 1)
-        check_int("kv_cache", "num_blocks", self.num_blocks, 1, allow_none=True)
-        check_bool("kv_cache", "prefix_caching", self.prefix_caching)
+    block_size: int = knob(16, checks.integer(1))
+    memory_mb: int = knob(256, checks.integer(1))
+    num_blocks: int | None = knob(None, checks.integer(1, optional=True))
+    prefix_caching: bool = knob(True, checks.boolean)
 
 
 @dataclass(frozen=True)
 class KVTransferSection:
     """Deadlines of one KV hand-off, in seconds (kv_transfer/config.py says what each bounds)."""
 
-    transfer_timeout_s: float = 30.0
-    start_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        check_seconds("kv_transfer", "transfer_timeout_s", self.transfer_timeout_s)
-        check_seconds("kv_transfer", "start_timeout_s", self.start_timeout_s, allow_zero=True)
+    transfer_timeout_s: float = knob(30.0, checks.seconds())
+    start_timeout_s: float = knob(60.0, checks.seconds(allow_zero=True))
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits: running sequences, the token budget, and the prefill chunk size."""
 
-    chunk_size: int = 512
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-
-    def __post_init__(self) -> None:
-        for name in ("chunk_size", "max_num_seqs", "max_num_batched_tokens"):
-            check_int("scheduler", name, getattr(self, name), 1)
-        if self.chunk_size > self.max_num_batched_tokens:
-            raise ConfigError(
-                f"scheduler.chunk_size ({self.chunk_size}) must not exceed "
-                f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}): "
-                "lower the chunk size or raise the token budget"
-            )
+    chunk_size: int = knob(512, checks.integer(1))
+    max_num_seqs: int = knob(64, checks.integer(1))
+    max_num_batched_tokens: int = knob(2048, checks.integer(1))
 
 
 @dataclass(frozen=True)
@@ -154,56 +84,33 @@ class RouterSection:
     streams get `shutdown_grace_s` to finish (the drain) before they are cut.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = None
-    http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP API, when http_port is set
-    http_port: int | None = None
-    auth_token: str | None = None
-    auth_token_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    max_running_requests: int = 256
-    max_queued_requests: int = 256
-    max_model_len: int | None = None
-    worker_timeout_s: float = 10.0
-    shutdown_grace_s: float = 30.0
+    host: str = knob("127.0.0.1", checks.address)
+    port: int = knob(50051, checks.port_number)
+    metrics_port: int | None = knob(None, checks.port_number)
+    http_host: str = knob("127.0.0.1", checks.address)  # the HTTP API's, when http_port is set
+    http_port: int | None = knob(None, checks.port_number)
+    auth_token: str | None = knob(None, checks.token)
+    auth_token_file: str | None = knob(None, checks.file)
+    tls_cert_file: str | None = knob(None, checks.file)
+    tls_key_file: str | None = knob(None, checks.file)
+    max_running_requests: int = knob(256, checks.integer(1))
+    max_queued_requests: int = knob(256, checks.integer(0))
+    max_model_len: int | None = knob(None, checks.integer(2, optional=True))
+    worker_timeout_s: float = knob(10.0, checks.seconds())
+    shutdown_grace_s: float = knob(30.0, checks.seconds())
 
     def __post_init__(self) -> None:
-        check_int("router", "max_running_requests", self.max_running_requests, 1)
-        check_int("router", "max_queued_requests", self.max_queued_requests, 0)
-        check_int("router", "max_model_len", self.max_model_len, 2, allow_none=True)
-        for name in ("worker_timeout_s", "shutdown_grace_s"):
-            check_seconds("router", name, getattr(self, name))
-        if not isinstance(self.host, str) or not self.host:
-            raise ConfigError(
-                f"router.host must be an address such as 127.0.0.1, got {self.host!r}"
-            )
-        for name in ("port", "metrics_port", "http_port"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535
-            ):
-                raise ConfigError(f"router.{name} must be a port in [0, 65535], got {value!r}")
+        # Pairs first, before the files are looked at: a lone TLS file is "needs both".
         if self.auth_token is not None and self.auth_token_file is not None:
             raise ConfigError("router: give auth_token or auth_token_file, not both")
-        if self.auth_token is not None and (
-            not isinstance(self.auth_token, str) or not self.auth_token.strip()
-        ):
-            raise ConfigError("router.auth_token must be a non-empty string (or null for no auth)")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("router: TLS needs both tls_cert_file and tls_key_file (or neither)")
-        for name in ("auth_token_file", "tls_cert_file", "tls_key_file"):
-            check_file("router", name, getattr(self, name))
 
     def resolved_auth_token(self) -> str | None:
-        """The bearer token: given inline, or the first line of `auth_token_file`."""
+        """The bearer token: given inline, or the content of `auth_token_file`."""
         if self.auth_token_file is None:
             return self.auth_token
-        token = Path(self.auth_token_file).expanduser().read_text().strip()
-        if not token:
-            raise ConfigError(f"router.auth_token_file {self.auth_token_file!r} is empty")
-        return token
+        return checks.read_token_file(self.auth_token_file, "router.auth_token_file")
 
 
 @dataclass(frozen=True)
@@ -218,70 +125,59 @@ class RaySection:
     as plain processes are (a limit would leave the instance down for good).
     """
 
-    enabled: bool = True
-    address: str | None = None
-    num_cpus: int | None = None
-    num_cpus_per_worker: float | None = None
-    prefill_resources: dict[str, float] = field(default_factory=dict)
-    decode_resources: dict[str, float] = field(default_factory=dict)
-    max_restarts: int = -1
+    enabled: bool = knob(True, checks.boolean)
+    address: str | None = knob(None, checks.ray_address)
+    num_cpus: int | None = knob(None, checks.integer(1, optional=True))
+    num_cpus_per_worker: float | None = knob(None, checks.amount)
+    prefill_resources: dict[str, float] = knob({}, checks.resources)
+    decode_resources: dict[str, float] = knob({}, checks.resources)
+    max_restarts: int = knob(-1, checks.integer(-1))
 
-    def __post_init__(self) -> None:
-        check_bool("ray", "enabled", self.enabled)
-        if self.address is not None and (not isinstance(self.address, str) or not self.address):
-            raise ConfigError(
-                f"ray.address must be 'auto', 'HOST:PORT' or null, got {self.address!r}"
-            )
-        check_int("ray", "num_cpus", self.num_cpus, 1, allow_none=True)
-        cpus = self.num_cpus_per_worker
-        if cpus is not None and not is_amount(cpus):
-            raise ConfigError(f"ray.num_cpus_per_worker must be a number > 0, got {cpus!r}")
-        check_int("ray", "max_restarts", self.max_restarts, -1)
-        for name in ("prefill_resources", "decode_resources"):
-            resources = getattr(self, name)
-            if not isinstance(resources, dict):
-                raise ConfigError(f"ray.{name} must map resource names to amounts: {resources!r}")
-            for key, amount in resources.items():
-                if not isinstance(key, str) or not is_amount(amount):
-                    raise ConfigError(f"ray.{name}[{key!r}] must be a number > 0, got {amount!r}")
+
+def _check_model(_key: str, model: Any) -> None:
+    if not isinstance(model, str) or not model:
+        raise ConfigError("model must be a Hugging Face model folder, 'smollm2' or 'demo'")
+    if model not in MODEL_NAMES and not (Path(model).expanduser() / "config.json").is_file():
+        raise ConfigError(
+            f"model {model!r} is not a Hugging Face model folder (no config.json); "
+            "give a folder with config.json, *.safetensors and a tokenizer, 'smollm2' "
+            "(SmolLM2-135M-Instruct) or 'demo' (a small model built locally)"
+        )
+
+
+def section(cls: type) -> Any:
+    """A ServeConfig field holding a section: the loader builds it from a mapping of its keys."""
+    return field(default_factory=cls, metadata={"section": cls})
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Everything `pdserve serve` needs; see the module docstring for the YAML form."""
+    """Everything `pdserve serve` needs: the file's top-level keys and its sections."""
 
-    model: str = "demo"
-    dtype: str = "float32"
-    device: str = "cpu"
-    mode: str = "disaggregated"
-    pin_cpus: bool = True
-    prefill: PrefillSection = field(default_factory=PrefillSection)
-    decode: DecodeSection = field(default_factory=DecodeSection)
-    colocated: ColocatedSection = field(default_factory=ColocatedSection)
-    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
-    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    router: RouterSection = field(default_factory=RouterSection)
-    ray: RaySection = field(default_factory=RaySection)
+    model: str = knob("demo", _check_model)  # a Hugging Face model folder, "smollm2" or "demo"
+    dtype: str = knob("float32", checks.choice(DTYPES))
+    device: str = knob("cpu", checks.cpu_or_cuda)
+    mode: str = knob("disaggregated", checks.choice(MODES))  # or colocated: the baseline
+    pin_cpus: bool = knob(True, checks.boolean)  # CPU: each worker process has its own cores
+    prefill: RoleSection = section(RoleSection)
+    decode: DecodeSection = section(DecodeSection)
+    colocated: RoleSection = section(RoleSection)
+    kv_cache: KVCacheConfig = section(KVCacheConfig)
+    kv_transfer: KVTransferSection = section(KVTransferSection)
+    scheduler: SchedulerConfig = section(SchedulerConfig)
+    router: RouterSection = section(RouterSection)
+    ray: RaySection = section(RaySection)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ConfigError("model must be a Hugging Face model folder, 'smollm2' or 'demo'")
-        folder = Path(self.model).expanduser()
-        if self.model not in MODEL_NAMES and not (folder / "config.json").is_file():
+        for key, value, check in self._knobs():
+            check(key, value)
+        scheduler = self.scheduler
+        if scheduler.chunk_size > scheduler.max_num_batched_tokens:
             raise ConfigError(
-                f"model {self.model!r} is not a Hugging Face model folder (no config.json); "
-                "give a folder with config.json, *.safetensors and a tokenizer, 'smollm2' "
-                "(SmolLM2-135M-Instruct) or 'demo' (a small model built locally)"
+                f"scheduler.chunk_size ({scheduler.chunk_size}) must not exceed "
+                f"scheduler.max_num_batched_tokens ({scheduler.max_num_batched_tokens}): "
+                "lower the chunk size or raise the token budget"
             )
-        check_choice("config", "dtype", self.dtype, DTYPES)
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ConfigError(f"config.device must be 'cpu' or 'cuda', got {self.device!r}")
-        check_choice("config", "mode", self.mode, MODES)
-        check_bool("config", "pin_cpus", self.pin_cpus)
-        for name, section_type in _SECTIONS.items():
-            if not isinstance(getattr(self, name), section_type):
-                raise ConfigError(f"{name} must be a {section_type.__name__}")
         if self.mode == "disaggregated" and (
             self.prefill.instances < 1 or self.decode.instances < 1
         ):
@@ -292,17 +188,28 @@ class ServeConfig:
         if self.mode == "colocated" and self.colocated.instances < 1:
             raise ConfigError("mode colocated needs colocated.instances >= 1")
         if self.model not in MODEL_NAMES:
-            self.check_tensor_parallel(str(folder))
+            self.check_tensor_parallel(str(Path(self.model).expanduser()))
+
+    def _knobs(self) -> Iterator[tuple[str, Any, Check]]:
+        """(dotted key, value, check) of every knob, a section's after its own type is checked."""
+        for top in dataclasses.fields(self):
+            value, section_type = getattr(self, top.name), top.metadata.get("section")
+            if section_type is None:
+                yield f"config.{top.name}", value, top.metadata["check"]
+                continue
+            if not isinstance(value, section_type):
+                raise ConfigError(f"{top.name} must be a {section_type.__name__}")
+            for knob_field in dataclasses.fields(value):
+                key = f"{top.name}.{knob_field.name}"
+                yield key, getattr(value, knob_field.name), knob_field.metadata["check"]
 
     def check_tensor_parallel(self, model_dir: str) -> None:
         """ConfigError naming the heads and the allowed sizes when a TP size does not fit the
         model (a named model is checked once its folder exists: the CLI calls this then)."""
         roles = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
-        sizes = {role: getattr(self, role).tensor_parallel_size for role in roles}
-        try:
-            check_tensor_parallel(model_dir, sizes)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        check_tensor_parallel(
+            model_dir, {role: getattr(self, role).tensor_parallel_size for role in roles}
+        )
 
 
 def parse_config(data: dict[str, Any] | None) -> ServeConfig:
@@ -335,52 +242,19 @@ def _build(cls: type, data: Any, where: str) -> Any:
             raise ConfigError(
                 f"unknown key {key!r} in {where}{hint}; valid keys: {', '.join(fields)}"
             )
-        section = _SECTIONS.get(key) if cls is ServeConfig else None
-        kwargs[key] = _build(section, value, key) if section is not None else value
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # e.g. a wrong type that a comparison trips over
-        raise ConfigError(f"{where}: {exc}") from None
+        section_type = fields[key].metadata.get("section")
+        kwargs[key] = value if section_type is None else _build(section_type, value, key)
+    return cls(**kwargs)  # every key is known and each value is checked before it is compared
 
 
-_SECTIONS: dict[str, type] = {
-    "prefill": PrefillSection,
-    "decode": DecodeSection,
-    "colocated": ColocatedSection,
-    "kv_cache": KVCacheConfig,
-    "kv_transfer": KVTransferSection,
-    "scheduler": SchedulerConfig,
-    "router": RouterSection,
-    "ray": RaySection,
-}
-
-
-def apply_overrides(config: ServeConfig, **overrides: Any) -> ServeConfig:
-    """The command line's flags over the file; a None value leaves the file's setting.
-
-    Keys: model, host, port, metrics_port, http_port, prefill_instances, prefill_tp, decode_instances, decode_tp,
-    colocated_instances, colocated_tp, no_ray (True turns Ray off), mode.
-    """
-    given = {key: value for key, value in overrides.items() if value is not None}
-    sections: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}, "colocated": {}}
-    router: dict[str, Any] = {}
-    top: dict[str, Any] = {}
-    for key, value in given.items():
-        if key in ("host", "port", "metrics_port", "http_port"):
-            router[key] = value
-        elif key.endswith("_instances") and key.split("_")[0] in sections:
-            sections[key.split("_")[0]]["instances"] = value
-        elif key.endswith("_tp") and key.split("_")[0] in sections:
-            sections[key.split("_")[0]]["tensor_parallel_size"] = value
-        elif key == "no_ray":
-            top["ray"] = dataclasses.replace(config.ray, enabled=not value)
-        elif key in ("model", "mode"):
-            top[key] = value
-        else:
-            raise ConfigError(f"unknown override {key!r}")
-    for name, changes in sections.items():
-        if changes:
-            top[name] = dataclasses.replace(getattr(config, name), **changes)
-    if router:
-        top["router"] = dataclasses.replace(config.router, **router)
-    return dataclasses.replace(config, **top)
+def apply_overrides(config: ServeConfig, overrides: Mapping[str, Any]) -> ServeConfig:
+    """`config` with keys set by their dotted names ("model", "router.port"), checked as the
+    file is: an unknown key or a bad value is a ConfigError naming it."""
+    data = dataclasses.asdict(config)
+    for key, value in overrides.items():
+        where, _, name = key.rpartition(".")
+        target = data.setdefault(where, {}) if where else data
+        if not isinstance(target, dict):
+            raise ConfigError(f"unknown key {key!r}: {where} is not a section")
+        target[name] = value
+    return parse_config(data)

@@ -137,15 +137,17 @@ def test_command_line_flags_override_the_file(tmp_path: Path, model_dir: str) ->
 def test_flags_alone_serve_without_a_file(model_dir: str) -> None:
     argv = ["serve", "--model", model_dir, "--prefill-instances", "1", "--decode-tp", "2"]
     config = serve_config(build_parser().parse_args(argv))
-    assert config == apply_overrides(ServeConfig(), model=model_dir, decode_tp=2)
+    assert config == apply_overrides(
+        ServeConfig(), {"model": model_dir, "decode.tensor_parallel_size": 2}
+    )
     assert config.ray.enabled and config.decode.tensor_parallel_size == 2
 
 
 def test_overrides_are_checked_like_the_file(model_dir: str) -> None:
     with pytest.raises(ConfigError, match="prefill.tensor_parallel_size must be an integer >= 1"):
-        apply_overrides(ServeConfig(), prefill_tp=0)
+        apply_overrides(ServeConfig(), {"prefill.tensor_parallel_size": 0})
     with pytest.raises(ConfigError, match="router.port must be a port"):
-        apply_overrides(ServeConfig(), port=-5)
+        apply_overrides(ServeConfig(), {"router.port": -5})
 
 
 def test_cluster_spec_carries_every_setting_to_the_role_configs(

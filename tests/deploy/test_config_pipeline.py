@@ -215,7 +215,7 @@ def settings_config(model_dir: str, settings: dict[str, Any]) -> ServeConfig:
 
 def views(config: ServeConfig, monkeypatch: pytest.MonkeyPatch) -> tuple[View | None, View]:
     """(the runtime `open_cluster` picks for `config`, None where it refuses; the --no-ray one)."""
-    plain = open_cluster(apply_overrides(config, no_ray=True), config.model)
+    plain = open_cluster(apply_overrides(config, {"ray.enabled": False}), config.model)
     assert isinstance(plain, LocalCluster)
     try:
         chosen = open_cluster(config, config.model)

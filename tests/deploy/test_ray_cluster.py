@@ -16,8 +16,7 @@ import grpc
 import pytest
 import ray
 
-from deploy.cli.client import fetch_metrics
-from deploy.cli.status import format_status, parse_metrics
+from deploy.cli.client import fetch_metrics, format_status, parse_metrics
 from deploy.runtime.ray.cluster import RayCluster, WorkerStatus
 from deploy.runtime.ray.node import process_is_running
 from tests.deploy.ray_support import (

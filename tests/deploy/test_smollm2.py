@@ -121,10 +121,8 @@ def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
         "out = io.StringIO(); model = choose_demo_model(None, None, out)\n"
         "print(out.getvalue()); print('CHAT', model.chat, model.path)"
     )
-    env = {
-        **os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}",
-        "PDSERVE_CACHE": str(tmp_path / "cache"),
-    }  # fmt: skip
+    path = os.pathsep.join([str(tmp_path), str(REPO), str(REPO / "proto")])
+    env = {**os.environ, "PYTHONPATH": path, "PDSERVE_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240
     )
