@@ -52,7 +52,8 @@ from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from benchmarks.chaos_faults import FAULTS, Faults, rss_by_kind
 from benchmarks.chaos_load import classify, run_load
-from deploy.config.cluster_spec import build_cluster_spec, resolve_model_dir
+from deploy.config.cluster_spec import build_cluster_spec
+from deploy.config.models import resolve_model
 from deploy.config.serve_config import parse_config
 from deploy.runtime.local.local_cluster import LocalCluster
 
@@ -124,7 +125,7 @@ def leaked_blocks(cluster: LocalCluster, settle_s: float = 30.0) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model(args.model)
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     rng = random.Random(args.seed)
     with LocalCluster(cluster_spec(model_dir)) as cluster:

@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks.chaos import cluster_spec, leaked_blocks, prompts, reference
 from benchmarks.chaos_faults import rss_by_kind
 from benchmarks.chaos_load import classify, run_load
-from deploy.config.cluster_spec import resolve_model_dir
+from deploy.config.models import resolve_model
 from deploy.runtime.local.local_cluster import LocalCluster
 
 WARM_UP_REQUESTS = 500
@@ -61,7 +61,7 @@ def _load(address: str, args: argparse.Namespace, prompt_set: list[list[int]], n
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model(args.model)
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     with LocalCluster(cluster_spec(model_dir)) as cluster:
         address = cluster.start()

@@ -81,7 +81,10 @@ class RouterSection:
     Past `max_running_requests` dispatched plus `max_queued_requests` waiting, a request gets
     RESOURCE_EXHAUSTED. `max_model_len` (null: the model's) caps prompt plus output tokens, for
     the workers too. `worker_timeout_s` bounds one call to a worker. On SIGINT/SIGTERM, in-flight
-    streams get `shutdown_grace_s` to finish (the drain) before they are cut.
+    streams get `shutdown_grace_s` to finish (the drain) before they are cut. A request whose
+    instance is lost is placed again (retried before its first token, migrated after it) at
+    most `max_retries` times; one that finds no healthy instance waits up to `recovery_wait_s`
+    for one to come back (router/recovery.py).
     """
 
     host: str = knob("127.0.0.1", checks.address)
@@ -98,6 +101,8 @@ class RouterSection:
     max_model_len: int | None = knob(None, checks.integer(2, optional=True))
     worker_timeout_s: float = knob(10.0, checks.seconds())
     shutdown_grace_s: float = knob(30.0, checks.seconds())
+    max_retries: int = knob(3, checks.integer(0))
+    recovery_wait_s: float = knob(30.0, checks.seconds(allow_zero=True))
 
     def __post_init__(self) -> None:
         # Pairs first, before the files are looked at: a lone TLS file is "needs both".

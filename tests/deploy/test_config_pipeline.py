@@ -176,6 +176,8 @@ def table(tmp: Path) -> dict[str, Row]:
                                     (300, 300)),
         "router.worker_timeout_s": Row(7.5, router("worker_timeout_s")),
         "router.shutdown_grace_s": Row(12.0, router("shutdown_grace_s")),
+        "router.max_retries": Row(5, router("max_retries")),
+        "router.recovery_wait_s": Row(4.5, router("recovery_wait_s")),
         "ray.enabled": Row(False, lambda v: v.runtime, "plain"),
         "ray.address": Row("auto", lambda v: v.ray_start, ("join", "auto")),
         "ray.num_cpus": Row(3, lambda v: v.ray_start, ("local", 3)),
