@@ -60,9 +60,6 @@ class DecodeRank:
         self._handles.append(self.receiver.receive(ticket))
         parallel.tp_all_gather_object(None)
 
-    def num_receiving(self) -> int:
-        return len(self._handles)
-
     def poll_receives(self) -> list[list[RecvReport]]:
         """Receives that ended since the last poll, per rank (a collective)."""
         ended: list[RecvHandle] = []
@@ -74,15 +71,13 @@ class DecodeRank:
 
     def _report(self, handle: RecvHandle) -> RecvReport:
         ticket = handle.ticket
+        first_token_id, error, cancelled = None, None, False
         try:
-            received = handle.wait(0)
+            first_token_id = handle.wait(0).first_token_id
         except KVTransferError as exc:
-            cancelled = isinstance(exc, KVTransferCancelled)
-            return RecvReport(
-                ticket.request_id, ticket.transfer_id, self.rank, None, str(exc), cancelled
-            )
+            error, cancelled = str(exc), isinstance(exc, KVTransferCancelled)
         return RecvReport(
-            ticket.request_id, ticket.transfer_id, self.rank, received.first_token_id, None
+            ticket.request_id, ticket.transfer_id, self.rank, first_token_id, error, cancelled
         )
 
     def close(self) -> None:

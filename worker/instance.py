@@ -27,6 +27,7 @@ request's end-to-end time, less the router-to-worker call hops.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -44,6 +45,7 @@ from prefill_worker.rank import PrefillRank
 from worker.config import WorkerConfig
 from worker.loop import WorkerLoop, on_loop_thread
 from worker.protocol import (
+    ControlMessage,
     InstanceLoad,
     Overloaded,
     RequestTimings,
@@ -107,19 +109,19 @@ class Worker(WorkerLoop):
             KVRankSides, sends=sends, receives=receives, host=config.kv_transfer.host
         )
         executor = Executor(config.engine, rank_extension=extension, launcher=launcher)
-        control = send_control or (lambda instance_id, message: None)
+        self._send_control = send_control
         sides = KVConnectors()
         self.engine = LLMEngine(config.engine, executor, sides)
         pool = self.engine.block_pool
         self.sending: SendConnector | None = None
         self.receiving: ReceiveConnector | None = None
         if sends:
-            self.sending = SendConnector(instance_id, executor, pool, control, self._emit)
+            self.sending = SendConnector(instance_id, executor, pool, self._tell, self._emit)
             sides.add(self.sending)
         if receives:
             self.receiving = ReceiveConnector(
                 instance_id, executor, pool, config.kv_transfer, config.watermark_blocks,
-                config.engine.seed, control, self._emit,
+                config.engine.seed, self._tell, self._emit,
             )  # fmt: skip
             sides.add(self.receiving)
         self._tracked: dict[str, _Tracked] = {}  # loop thread only, like the engine
@@ -352,6 +354,13 @@ class Worker(WorkerLoop):
         since = tracked.started_at if tracked.landed_at_wall else tracked.first_token_at
         assert since is not None
         return replace(tracked.timings, decode_s=now - since)
+
+    def _tell(self, peer_id: str, message: ControlMessage) -> None:
+        """A control message to a peer, best effort: each side of a transfer has a deadline that
+        ends it without the message."""
+        if self._send_control is not None:
+            with contextlib.suppress(Exception):
+                self._send_control(peer_id, message)
 
     def check_liveness(self) -> None:
         self.engine.executor.check_ranks()  # a dead TP rank: this instance must be replaced

@@ -32,6 +32,7 @@ from worker.protocol import TokenEvent, WorkerUnavailable
 T = TypeVar("T")
 P = ParamSpec("P")
 L = TypeVar("L", bound="WorkerLoop")
+Emit = Callable[[list[TokenEvent]], None]  # how a worker's parts hand it their token events
 _IDLE_WAIT_S = 0.005  # an idle loop still wakes this often, to check deadlines
 _LIVENESS_INTERVAL_S = 0.25
 

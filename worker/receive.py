@@ -17,7 +17,6 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from decode_worker.rank import Endpoints, PollReceives, StartReceive
@@ -29,10 +28,9 @@ from kv_transfer.channel import ChannelEndpoint
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.messages import KVAbort, KVRefusal, KVReserveRequest, KVTicket, KVTransferDone
 from kv_transfer.receiver import KVReceiver
-from worker.protocol import Overloaded, TokenEvent, WorkerRequest
+from worker.loop import Emit
+from worker.protocol import Overloaded, SendControl, TokenEvent, WorkerRequest
 
-SendControl = Callable[[str, KVAbort | KVTransferDone], None]
-Emit = Callable[[list[TokenEvent]], None]
 _MAX_REMEMBERED_ABORTS = 65536  # a few MB; a late reserve trails its abort by milliseconds
 
 
@@ -121,7 +119,7 @@ class ReceiveConnector(KVConnector):
             return False
         message = self.kv_receiver.abort(request_id, "the request was aborted")
         if message is not None:  # the prefill side finishes the wire protocol at once
-            self._tell_prefill(incoming.ticket, message)
+            self._send_control(incoming.ticket.prefill_instance_id, message)
         self._emit([TokenEvent(request_id, [], "abort", None, self.instance_id)])
         return True
 
@@ -164,7 +162,7 @@ class ReceiveConnector(KVConnector):
     def _settled(self, request_id: str, ack: KVTransferDone | None) -> list[Request]:
         incoming = self._incoming.get(request_id)
         if ack is not None and incoming is not None:
-            self._tell_prefill(incoming.ticket, ack)
+            self._send_control(incoming.ticket.prefill_instance_id, ack)
         if self.kv_receiver.is_landed(request_id):
             return self._join(request_id)
         if ack is not None and not ack.success and incoming is not None:
@@ -197,9 +195,3 @@ class ReceiveConnector(KVConnector):
                 num_computed_tokens=len(request.prompt_token_ids),
             )
         ]
-
-    def _tell_prefill(self, ticket: KVTicket, message: KVTransferDone | KVAbort) -> None:
-        try:
-            self._send_control(ticket.prefill_instance_id, message)
-        except Exception:  # noqa: S110 - best effort: the prefill side has its deadline
-            pass
