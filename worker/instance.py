@@ -85,10 +85,37 @@ class _Tracked:
     start: float  # submit; for a request whose KV came from elsewhere, when the KV landed
     landed_at_wall: float = 0.0  # received: time.time() when the KV landed
     started_at: float | None = None  # the first step that computed it (prompt, or decode)
-    first_token_at: float | None = None
-    timings: RequestTimings | None = None  # set with its first event
+    decode_from: float = 0.0  # received: its first decode step's start; else its first token
+    timings: RequestTimings | None = None  # set with its first token
     error: str | None = None  # why it ended before its first token, when not a plain abort
     num_cached_tokens: int = 0
+
+    def timings_for(self, output: StepOutput, now: float) -> RequestTimings | None:
+        """What the output's event carries: the stages so far on its first token, and on its
+        last event the decode time too (handed off: the first token's timings are the last)."""
+        started_at = self.started_at if self.started_at is not None else now
+        first = None
+        if self.timings is None and output.new_token_ids:
+            if self.landed_at_wall:
+                self.decode_from = started_at
+                first = RequestTimings(
+                    landed_at=self.landed_at_wall, decode_queue_s=started_at - self.start
+                )
+            else:
+                self.decode_from = now
+                first = RequestTimings(
+                    prefill_queue_s=started_at - self.start,
+                    prefill_s=now - started_at,
+                    num_cached_tokens=self.num_cached_tokens,
+                )
+            if output.handed_off:
+                first.handed_off_at = time.time()
+            self.timings = first
+        if not output.finished or output.handed_off:
+            return first
+        if self.timings is None:  # ended before any token
+            return RequestTimings(prefill_queue_s=started_at - self.start)
+        return replace(self.timings, decode_s=now - self.decode_from)
 
 
 class Worker(WorkerLoop):
@@ -239,7 +266,7 @@ class Worker(WorkerLoop):
 
     def _submit(self, request: WorkerRequest, ticket: KVTicket | None, submitted_at: float) -> None:
         request_id = request.request_id
-        sending = self.sending if ticket is not None else None
+        sending = self.sending
         if ticket is not None:
             if sending is None:
                 raise ValueError(
@@ -307,53 +334,24 @@ class Worker(WorkerLoop):
 
     def _to_event(self, output: StepOutput, step_started_at: float, now: float) -> TokenEvent:
         request_id = output.request_id
-        tracked = self._tracked.get(request_id)
         landed = self.receiving.arrivals.pop(request_id, None) if self.receiving else None
         if landed is not None:  # its KV landed here: this step decoded it first (or ended it)
-            tracked = _Tracked(landed[0], landed_at_wall=landed[1], started_at=step_started_at)
-            self._tracked[request_id] = tracked
-        timings = None
+            self._tracked[request_id] = _Tracked(
+                landed[0], landed_at_wall=landed[1], started_at=step_started_at
+            )
+        tracked = self._tracked.get(request_id)
+        timings = error = None
         if tracked is not None:
-            if tracked.timings is None and output.new_token_ids:
-                tracked.first_token_at = now
-                timings = tracked.timings = self._first_timings(tracked, now)
-                if output.handed_off:
-                    timings.handed_off_at = time.time()
-            if output.finished:  # handed off: the first token's timings are the last here
-                if not output.handed_off:
-                    timings = self._final_timings(tracked, now)
+            timings, error = tracked.timings_for(output, now), tracked.error
+            if output.finished:
                 del self._tracked[request_id]
                 self._not_started.pop(request_id, None)
-        if tracked is not None and tracked.error is not None and not output.new_token_ids:
-            return TokenEvent(request_id, [], "error", tracked.error, self.instance_id, timings)
+        if error is not None and not output.new_token_ids:
+            return TokenEvent(request_id, [], "error", error, self.instance_id, timings)
         return TokenEvent(
             request_id, list(output.new_token_ids), output.finish_reason, output.error,
             self.instance_id, timings,
         )  # fmt: skip
-
-    @staticmethod
-    def _first_timings(tracked: _Tracked, now: float) -> RequestTimings:
-        started_at = tracked.started_at if tracked.started_at is not None else now
-        if tracked.landed_at_wall:
-            return RequestTimings(
-                landed_at=tracked.landed_at_wall, decode_queue_s=started_at - tracked.start
-            )
-        return RequestTimings(
-            prefill_queue_s=started_at - tracked.start,
-            prefill_s=now - started_at,
-            num_cached_tokens=tracked.num_cached_tokens,
-        )
-
-    @staticmethod
-    def _final_timings(tracked: _Tracked, now: float) -> RequestTimings:
-        """The last event's timings: the first event's, plus the decode time since then."""
-        if tracked.timings is None:  # ended before any token
-            started_at = tracked.started_at if tracked.started_at is not None else now
-            return RequestTimings(prefill_queue_s=started_at - tracked.start)
-        # received: from its first decode step's start; prefilled here: from its first token
-        since = tracked.started_at if tracked.landed_at_wall else tracked.first_token_at
-        assert since is not None
-        return replace(tracked.timings, decode_s=now - since)
 
     def _tell(self, peer_id: str, message: ControlMessage) -> None:
         """A control message to a peer, best effort: each side of a transfer has a deadline that

@@ -139,18 +139,15 @@ class ReceiveConnector(KVConnector):
         """Take the ranks' ended receives: ack them; the landed requests join the engine."""
         landed: list[Request] = []
         reports = self.executor.run_on_ranks(PollReceives()) if self._num_reports_due else []
-        for rank_reports in reports:
-            for report in rank_reports:
-                self._num_reports_due -= 1
-                incoming = self._incoming.get(report.request_id)
-                if incoming is not None and incoming.ticket.transfer_id == report.transfer_id:
-                    incoming.cancelled = incoming.cancelled or report.cancelled
-                    if report.first_token_id is not None:
-                        incoming.first_token_id = report.first_token_id
-                ack = self.kv_receiver.on_rank_finished(
-                    report.request_id, report.rank, report.error
-                )
-                landed.extend(self._settled(report.request_id, ack))
+        for report in reports:
+            self._num_reports_due -= 1
+            incoming = self._incoming.get(report.request_id)
+            if incoming is not None and incoming.ticket.transfer_id == report.transfer_id:
+                incoming.cancelled = incoming.cancelled or report.cancelled
+                if report.first_token_id is not None:
+                    incoming.first_token_id = report.first_token_id
+            ack = self.kv_receiver.on_rank_finished(report.request_id, report.rank, report.error)
+            landed.extend(self._settled(report.request_id, ack))
         for ack in self.kv_receiver.expire():
             landed.extend(self._settled(ack.request_id, ack))
         return landed

@@ -171,19 +171,16 @@ class SendConnector(KVConnector):
         if not self.has_work():
             return
         tickets = {request_id: handoff.ticket for request_id, handoff in self._handoffs.items()}
-        for rank_reports in self.executor.run_on_ranks(PollSends()):
-            for report in rank_reports:
-                if report.cancel:
-                    self._num_cancel_reports_due -= 1
-                    continue
-                handoff = self._handoffs.get(report.request_id)
-                if handoff is not None and report.error is not None and not handoff.send_error:
-                    handoff.send_error = f"rank {report.rank}: {report.error}"
-                abort = self.kv_sender.on_rank_finished(
-                    report.request_id, report.rank, report.error
-                )
-                if abort is not None:
-                    self._send_control(tickets[report.request_id].decode_instance_id, abort)
+        for report in self.executor.run_on_ranks(PollSends()):
+            if report.cancel:
+                self._num_cancel_reports_due -= 1
+                continue
+            handoff = self._handoffs.get(report.request_id)
+            if handoff is not None and report.error is not None and not handoff.send_error:
+                handoff.send_error = f"rank {report.rank}: {report.error}"
+            abort = self.kv_sender.on_rank_finished(report.request_id, report.rank, report.error)
+            if abort is not None:
+                self._send_control(tickets[report.request_id].decode_instance_id, abort)
         for abort in self.kv_sender.expire():
             self._send_control(tickets[abort.request_id].decode_instance_id, abort)
 
