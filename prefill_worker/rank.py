@@ -19,6 +19,7 @@ posted at once (layerwise tickets just post 2 messages per layer).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,10 +103,8 @@ class PrefillRank:
     def _cancel(self, ticket: KVTicket) -> None:
         with self._dial_lock(ticket):
             handle = self.sender.cancel_unstarted(ticket)
-        try:
+        with contextlib.suppress(KVTransferCancelled):  # the expected end
             handle.wait(timeout=None)
-        except KVTransferCancelled:
-            pass  # the expected end
 
 
 class SendingRanks(Protocol):

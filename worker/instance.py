@@ -376,7 +376,5 @@ class Worker(WorkerLoop):
 
 @dataclass(frozen=True)
 class _CloseChannels(RankCommand[KVRankSides, None]):
-    """Close every rank's KV channels."""
-
     def run(self, extension: KVRankSides) -> None:
         extension.close()
