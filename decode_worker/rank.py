@@ -60,29 +60,25 @@ class DecodeRank:
         self._handles.append(self.receiver.receive(ticket))
         parallel.tp_all_gather_object(None)
 
-    def num_receiving(self) -> int:
-        return len(self._handles)
-
-    def poll_receives(self) -> list[list[RecvReport]]:
-        """Receives that ended since the last poll, per rank (a collective)."""
+    def poll_receives(self) -> list[RecvReport]:
+        """Every rank's receives that ended since the last poll (a collective)."""
         ended: list[RecvHandle] = []
         receiving: list[RecvHandle] = []
         for handle in self._handles:  # done() is checked once: it may turn True meanwhile
             (ended if handle.done() else receiving).append(handle)
         self._handles = receiving
-        return parallel.tp_all_gather_object([self._report(handle) for handle in ended])
+        reports = parallel.tp_all_gather_object([self._report(handle) for handle in ended])
+        return [report for rank_reports in reports for report in rank_reports]
 
     def _report(self, handle: RecvHandle) -> RecvReport:
         ticket = handle.ticket
+        first_token_id, error, cancelled = None, None, False
         try:
-            received = handle.wait(0)
+            first_token_id = handle.wait(0).first_token_id
         except KVTransferError as exc:
-            cancelled = isinstance(exc, KVTransferCancelled)
-            return RecvReport(
-                ticket.request_id, ticket.transfer_id, self.rank, None, str(exc), cancelled
-            )
+            error, cancelled = str(exc), isinstance(exc, KVTransferCancelled)
         return RecvReport(
-            ticket.request_id, ticket.transfer_id, self.rank, received.first_token_id, None
+            ticket.request_id, ticket.transfer_id, self.rank, first_token_id, error, cancelled
         )
 
     def close(self) -> None:
@@ -111,6 +107,6 @@ class StartReceive(RankCommand[ReceivingRanks, None]):
 
 
 @dataclass(frozen=True)
-class PollReceives(RankCommand[ReceivingRanks, "list[list[RecvReport]]"]):
-    def run(self, extension: ReceivingRanks) -> list[list[RecvReport]]:
+class PollReceives(RankCommand[ReceivingRanks, "list[RecvReport]"]):
+    def run(self, extension: ReceivingRanks) -> list[RecvReport]:
         return extension.receiving.poll_receives()

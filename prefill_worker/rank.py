@@ -19,6 +19,7 @@ posted at once (layerwise tickets just post 2 messages per layer).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,11 +66,11 @@ class PrefillRank:
         """Tell the decode ranks that this transfer will never come (they free the blocks)."""
         self._spawn(ticket, lambda: self._cancel(ticket), cancel=True)
 
-    def poll_sends(self) -> list[list[SendReport]]:
-        """Sends that ended since the last poll, per rank (a collective: every rank calls it)."""
+    def poll_sends(self) -> list[SendReport]:
+        """Every rank's sends that ended since the last poll (a collective: every rank calls it)."""
         with self._lock:
             ended, self._ended = self._ended, []
-        return parallel.tp_all_gather_object(ended)
+        return [report for reports in parallel.tp_all_gather_object(ended) for report in reports]
 
     def close(self) -> None:
         self.dialer.close()
@@ -102,10 +103,8 @@ class PrefillRank:
     def _cancel(self, ticket: KVTicket) -> None:
         with self._dial_lock(ticket):
             handle = self.sender.cancel_unstarted(ticket)
-        try:
+        with contextlib.suppress(KVTransferCancelled):  # the expected end
             handle.wait(timeout=None)
-        except KVTransferCancelled:
-            pass  # the expected end
 
 
 class SendingRanks(Protocol):
@@ -134,6 +133,6 @@ class CancelSend(RankCommand[SendingRanks, None]):
 
 
 @dataclass(frozen=True)
-class PollSends(RankCommand[SendingRanks, "list[list[SendReport]]"]):
-    def run(self, extension: SendingRanks) -> list[list[SendReport]]:
+class PollSends(RankCommand[SendingRanks, "list[SendReport]"]):
+    def run(self, extension: SendingRanks) -> list[SendReport]:
         return extension.sending.poll_sends()

@@ -27,6 +27,7 @@ request's end-to-end time, less the router-to-worker call hops.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -42,35 +43,39 @@ from engine.ranks import RankCommand, RankLauncher
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
 from prefill_worker.rank import PrefillRank
 from worker.config import WorkerConfig
-from worker.loop import WorkerLoop
-from worker.protocol import InstanceLoad, Overloaded, RequestTimings, TokenEvent, WorkerRequest
+from worker.loop import WorkerLoop, on_loop_thread
+from worker.protocol import (
+    ControlMessage,
+    InstanceLoad,
+    Overloaded,
+    RequestTimings,
+    SendControl,
+    TokenEvent,
+    WorkerRequest,
+)
 from worker.receive import ReceiveConnector
-from worker.send import SendConnector, SendControl
+from worker.send import SendConnector
 
 
 class KVRankSides:
-    """The rank extension: every TP rank's share of the connector sides its worker holds."""
+    """The rank extension: every TP rank's share of the connector sides its worker holds (the
+    driver sends a side's RankCommands only to a worker that holds that side)."""
 
-    def __init__(
-        self, runner: ModelRunner, sends: bool, receives: bool, host: str = "127.0.0.1"
-    ) -> None:
-        self._sending = PrefillRank(runner) if sends else None
-        self._receiving = DecodeRank(runner, host) if receives else None
+    sending: PrefillRank
+    receiving: DecodeRank
 
-    @property
-    def sending(self) -> PrefillRank:
-        assert self._sending is not None, "this worker does not send KV"
-        return self._sending
-
-    @property
-    def receiving(self) -> DecodeRank:
-        assert self._receiving is not None, "this worker does not receive KV"
-        return self._receiving
+    def __init__(self, runner: ModelRunner, sends: bool, receives: bool, host: str) -> None:
+        self._sides: list[PrefillRank | DecodeRank] = []
+        if sends:
+            self.sending = PrefillRank(runner)
+            self._sides.append(self.sending)
+        if receives:
+            self.receiving = DecodeRank(runner, host)
+            self._sides.append(self.receiving)
 
     def close(self) -> None:
-        for side in (self._sending, self._receiving):
-            if side is not None:
-                side.close()
+        for side in self._sides:
+            side.close()
 
 
 @dataclass
@@ -80,10 +85,37 @@ class _Tracked:
     start: float  # submit; for a request whose KV came from elsewhere, when the KV landed
     landed_at_wall: float = 0.0  # received: time.time() when the KV landed
     started_at: float | None = None  # the first step that computed it (prompt, or decode)
-    first_token_at: float | None = None
-    timings: RequestTimings | None = None  # set with its first event
+    decode_from: float = 0.0  # received: its first decode step's start; else its first token
+    timings: RequestTimings | None = None  # set with its first token
     error: str | None = None  # why it ended before its first token, when not a plain abort
     num_cached_tokens: int = 0
+
+    def timings_for(self, output: StepOutput, now: float) -> RequestTimings | None:
+        """What the output's event carries: the stages so far on its first token, and on its
+        last event the decode time too (handed off: the first token's timings are the last)."""
+        started_at = self.started_at if self.started_at is not None else now
+        first = None
+        if self.timings is None and output.new_token_ids:
+            if self.landed_at_wall:
+                self.decode_from = started_at
+                first = RequestTimings(
+                    landed_at=self.landed_at_wall, decode_queue_s=started_at - self.start
+                )
+            else:
+                self.decode_from = now
+                first = RequestTimings(
+                    prefill_queue_s=started_at - self.start,
+                    prefill_s=now - started_at,
+                    num_cached_tokens=self.num_cached_tokens,
+                )
+            if output.handed_off:
+                first.handed_off_at = time.time()
+            self.timings = first
+        if not output.finished or output.handed_off:
+            return first
+        if self.timings is None:  # ended before any token
+            return RequestTimings(prefill_queue_s=started_at - self.start)
+        return replace(self.timings, decode_s=now - self.decode_from)
 
 
 class Worker(WorkerLoop):
@@ -94,7 +126,6 @@ class Worker(WorkerLoop):
         config: WorkerConfig,
         instance_id: str,
         send_control: SendControl | None = None,
-        start: bool = True,
         launcher: RankLauncher | None = None,
     ) -> None:
         super().__init__(instance_id)
@@ -105,25 +136,24 @@ class Worker(WorkerLoop):
             KVRankSides, sends=sends, receives=receives, host=config.kv_transfer.host
         )
         executor = Executor(config.engine, rank_extension=extension, launcher=launcher)
-        control = send_control or (lambda instance_id, message: None)
+        self._send_control = send_control
         sides = KVConnectors()
         self.engine = LLMEngine(config.engine, executor, sides)
         pool = self.engine.block_pool
         self.sending: SendConnector | None = None
         self.receiving: ReceiveConnector | None = None
         if sends:
-            self.sending = SendConnector(instance_id, executor, pool, control, self._emit)
+            self.sending = SendConnector(instance_id, executor, pool, self._tell, self._emit)
             sides.add(self.sending)
         if receives:
             self.receiving = ReceiveConnector(
                 instance_id, executor, pool, config.kv_transfer, config.watermark_blocks,
-                config.engine.seed, control, self._emit,
+                config.engine.seed, self._tell, self._emit,
             )  # fmt: skip
             sides.add(self.receiving)
         self._tracked: dict[str, _Tracked] = {}  # loop thread only, like the engine
         self._not_started: dict[str, _Tracked] = {}  # prompts no step has computed yet
-        if start:
-            self.start()
+        self.start()
 
     # ------------------------------------------------------------------ worker API
     def submit(self, request: WorkerRequest, ticket: KVTicket | None = None) -> None:
@@ -133,6 +163,7 @@ class Worker(WorkerLoop):
         submitted_at = time.perf_counter()
         self.call(lambda: self._submit(request, ticket, submitted_at))
 
+    @on_loop_thread
     def reserve(
         self,
         request: WorkerRequest,
@@ -142,20 +173,84 @@ class Worker(WorkerLoop):
         """Reserve blocks for the prompt's KV and post the receive on every rank; the ticket
         goes to the prefill instance (`prefill_instance_id`, default `request.prefill_instance`).
         Raises Overloaded when the pool is short, ValueError for a request that cannot run."""
-        return self.call(lambda: self._reserve(request, prefill_instance_id, prefill_tp_size))
+        request_id = request.request_id
+        if self.receiving is None:
+            raise ValueError(f"{self.instance_id} does not receive KV: it cannot reserve")
+        prefill_id = prefill_instance_id or request.prefill_instance
+        if not prefill_id:
+            raise ValueError(f"request {request_id!r}: name the prefill instance that sends it")
+        if (
+            request_id in self._tracked
+            or request_id in self.engine.scheduler.requests
+            or self.receiving.holds(request_id)
+        ):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.engine.check_fits(request_id, request.prompt_token_ids, request.params)
+        return self.receiving.reserve(request, prefill_id, prefill_tp_size)
 
+    @on_loop_thread
     def abort(self, request_id: str) -> str | None:
         """Drop the request in any stage; a no-op if this instance holds nothing for it.
         Returns the stage it was in: "queued", "prefilling", "decoding", "receiving" (its KV),
         "sending" (its KV) or None."""
-        return self.call(lambda: self._abort(request_id))
+        request = self.engine.scheduler.requests.get(request_id)
+        stage = "queued"
+        if request is not None and request.num_output_tokens:
+            stage = "decoding"
+        elif request is not None and request.num_computed_tokens:
+            stage = "prefilling"
+        if self.engine.abort(request_id):  # its end comes with the next step
+            return stage
+        if self.receiving is not None and self.receiving.abort(request_id):
+            return "receiving"
+        if self.sending is not None and self.sending.abort(request_id):
+            return "sending"
+        return None
 
+    @on_loop_thread
     def deliver(self, message: KVTransferDone | KVAbort) -> None:
         """A control message from the other side of a hand-off."""
-        self.call(lambda: self._deliver(message))
+        if not isinstance(message, (KVTransferDone, KVAbort)):
+            raise TypeError(f"unexpected control message {type(message).__name__}")
+        receiving = self.receiving
+        if isinstance(message, KVAbort) and receiving and receiving.holds(message.request_id):
+            receiving.deliver(message)
+            return
+        if self.sending is None:
+            return  # a late abort of a transfer that landed: the request decodes here
+        error = self.sending.deliver(message)
+        if error is not None:
+            tracked = self._tracked.get(message.request_id)
+            if tracked is not None:
+                tracked.error = error
+            self.engine.abort(message.request_id)
 
+    @on_loop_thread
     def load(self) -> InstanceLoad:
-        return self.call(self._load)
+        stats = self.engine.stats
+        extra = {
+            "num_prefix_hit_tokens": float(stats.num_prefix_hit_tokens),
+            "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
+        }
+        num_receiving = 0
+        if self.sending is not None:
+            extra["num_transfers_in_flight"] = float(self.sending.kv_sender.num_in_flight)
+        if self.receiving is not None:
+            num_receiving = self.receiving.num_receiving
+            extra["num_receiving"] = float(num_receiving)
+        return InstanceLoad(
+            self.instance_id,
+            self.role,
+            num_waiting_requests=stats.num_waiting + num_receiving,
+            num_waiting_tokens=stats.num_queued_prompt_tokens,
+            num_running=stats.num_running,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            prefix_cache_hit_rate=stats.prefix_hit_rate,
+            num_preemptions=stats.num_preemptions,
+            healthy=self.healthy,
+            extra=extra,
+        )
 
     def process_ids(self) -> list[int]:
         """This process and the TP ranks it spawned (tests check they are all gone at the end)."""
@@ -169,10 +264,9 @@ class Worker(WorkerLoop):
             pass  # a rank died: the executor's shutdown below still reaps the rest
         self.engine.shutdown()
 
-    # ------------------------------------------------------------------ commands
     def _submit(self, request: WorkerRequest, ticket: KVTicket | None, submitted_at: float) -> None:
         request_id = request.request_id
-        sending = self.sending if ticket is not None else None
+        sending = self.sending
         if ticket is not None:
             if sending is None:
                 raise ValueError(
@@ -209,68 +303,6 @@ class Worker(WorkerLoop):
                 f"(max_queued_tokens={self.config.max_queued_tokens}); retry later"
             )
 
-    def _reserve(
-        self, request: WorkerRequest, prefill_instance_id: str | None, prefill_tp_size: int
-    ) -> KVTicket:
-        request_id = request.request_id
-        if self.receiving is None:
-            raise ValueError(f"{self.instance_id} does not receive KV: it cannot reserve")
-        prefill_id = prefill_instance_id or request.prefill_instance
-        if not prefill_id:
-            raise ValueError(f"request {request_id!r}: name the prefill instance that sends it")
-        if (
-            request_id in self._tracked
-            or request_id in self.engine.scheduler.requests
-            or self.receiving.holds(request_id)
-        ):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.check_fits(request_id, request.prompt_token_ids, request.params)
-        return self.receiving.reserve(request, prefill_id, prefill_tp_size)
-
-    def _abort(self, request_id: str) -> str | None:
-        request = self.engine.scheduler.requests.get(request_id)
-        stage = "queued"
-        if request is not None and request.num_output_tokens:
-            stage = "decoding"
-        elif request is not None and request.num_computed_tokens:
-            stage = "prefilling"
-        if self.engine.abort(request_id):  # its end comes with the next step
-            return stage
-        if self.receiving is not None and self.receiving.abort(request_id):
-            return "receiving"
-        if self.sending is not None and self.sending.abort(request_id):
-            return "sending"
-        return None
-
-    def _deliver(self, message: KVTransferDone | KVAbort) -> None:
-        if not isinstance(message, (KVTransferDone, KVAbort)):
-            raise TypeError(f"unexpected control message {type(message).__name__}")
-        receiving = self.receiving
-        if isinstance(message, KVAbort) and receiving and receiving.holds(message.request_id):
-            receiving.deliver(message)
-            return
-        if self.sending is None:
-            return  # a late abort of a transfer that landed: the request decodes here
-        error = self.sending.deliver(message)
-        if error is not None:
-            tracked = self._tracked.get(message.request_id)
-            if tracked is not None:
-                tracked.error = error
-            self.engine.abort(message.request_id)
-
-    def _load(self) -> InstanceLoad:
-        extra: dict[str, float] = {}
-        num_receiving = 0
-        if self.sending is not None:
-            extra["num_transfers_in_flight"] = self.sending.kv_sender.num_in_flight
-        if self.receiving is not None:
-            num_receiving = self.receiving.num_receiving
-            extra["num_receiving"] = num_receiving
-        return InstanceLoad.from_stats(
-            self.instance_id, self.role, self.engine.stats, self.healthy,
-            num_other_waiting=num_receiving, **extra,
-        )  # fmt: skip
-
     # ------------------------------------------------------------------ loop thread
     def step(self) -> bool:
         engine = self.engine
@@ -302,63 +334,31 @@ class Worker(WorkerLoop):
 
     def _to_event(self, output: StepOutput, step_started_at: float, now: float) -> TokenEvent:
         request_id = output.request_id
+        landed = self.receiving.arrivals.pop(request_id, None) if self.receiving else None
+        if landed is not None:  # its KV landed here: this step decoded it first (or ended it)
+            self._tracked[request_id] = _Tracked(
+                landed[0], landed_at_wall=landed[1], started_at=step_started_at
+            )
         tracked = self._tracked.get(request_id)
-        if tracked is None and self.receiving is not None:
-            tracked = self._arrived(request_id, step_started_at)
-        timings = None
+        timings = error = None
         if tracked is not None:
-            if tracked.timings is None and output.new_token_ids:
-                tracked.first_token_at = now
-                timings = tracked.timings = self._first_timings(tracked, now)
-                if output.handed_off:
-                    timings.handed_off_at = time.time()
-            if output.finished:  # handed off: the first token's timings are the last here
-                if not output.handed_off:
-                    timings = self._final_timings(tracked, now)
+            timings, error = tracked.timings_for(output, now), tracked.error
+            if output.finished:
                 del self._tracked[request_id]
                 self._not_started.pop(request_id, None)
-        if tracked is not None and tracked.error is not None and not output.new_token_ids:
-            return TokenEvent(request_id, [], "error", tracked.error, self.instance_id, timings)
+        if error is not None and not output.new_token_ids:
+            return TokenEvent(request_id, [], "error", error, self.instance_id, timings)
         return TokenEvent(
             request_id, list(output.new_token_ids), output.finish_reason, output.error,
             self.instance_id, timings,
         )  # fmt: skip
 
-    def _arrived(self, request_id: str, step_started_at: float) -> _Tracked | None:
-        """The tracker of a request whose KV landed here (made at its first event, which the
-        step that started at `step_started_at` produced)."""
-        assert self.receiving is not None
-        clocks = self.receiving.arrivals.pop(request_id, None)
-        if clocks is None:
-            return None
-        tracked = _Tracked(clocks[0], landed_at_wall=clocks[1], started_at=step_started_at)
-        self._tracked[request_id] = tracked
-        return tracked
-
-    @staticmethod
-    def _first_timings(tracked: _Tracked, now: float) -> RequestTimings:
-        if tracked.landed_at_wall:
-            assert tracked.started_at is not None
-            return RequestTimings(
-                landed_at=tracked.landed_at_wall, decode_queue_s=tracked.started_at - tracked.start
-            )
-        started_at = tracked.started_at if tracked.started_at is not None else now
-        return RequestTimings(
-            prefill_queue_s=started_at - tracked.start,
-            prefill_s=now - started_at,
-            num_cached_tokens=tracked.num_cached_tokens,
-        )
-
-    @staticmethod
-    def _final_timings(tracked: _Tracked, now: float) -> RequestTimings:
-        """The last event's timings: the first event's, plus the decode time since then."""
-        if tracked.timings is None:  # ended before any token
-            started_at = tracked.started_at if tracked.started_at is not None else now
-            return RequestTimings(prefill_queue_s=started_at - tracked.start)
-        # received: from its first decode step's start; prefilled here: from its first token
-        since = tracked.started_at if tracked.landed_at_wall else tracked.first_token_at
-        assert since is not None
-        return replace(tracked.timings, decode_s=now - since)
+    def _tell(self, peer_id: str, message: ControlMessage) -> None:
+        """A control message to a peer, best effort: each side of a transfer has a deadline that
+        ends it without the message."""
+        if self._send_control is not None:
+            with contextlib.suppress(Exception):
+                self._send_control(peer_id, message)
 
     def check_liveness(self) -> None:
         self.engine.executor.check_ranks()  # a dead TP rank: this instance must be replaced
@@ -376,7 +376,5 @@ class Worker(WorkerLoop):
 
 @dataclass(frozen=True)
 class _CloseChannels(RankCommand[KVRankSides, None]):
-    """Close every rank's KV channels."""
-
     def run(self, extension: KVRankSides) -> None:
         extension.close()

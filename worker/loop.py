@@ -1,14 +1,14 @@
 """A worker's engine loop on a thread of its own: commands in, token events out.
 
-Prefill, decode and colocated workers all share this shape. The scheduler, the block pool and the
+The one Worker (worker/instance.py) has this shape. The scheduler, the block pool and the
 executor are touched by the loop thread only; every public method of a worker runs its body on
-that thread through `call`, between two steps, so none of them needs a lock:
+that thread through `call` (or `@on_loop_thread`), between two steps, so none needs a lock:
 
     caller threads ──call(fn)──▶ command queue ──▶ loop thread: commands, then step(), repeat
     caller threads ◀──poll_events(timeout)── event list ◀── _emit(events) (one list per step)
 
-When a step has nothing to do, the loop sleeps until a command arrives (or `idle_wait_s`, so
-that deadlines are still checked), and every `liveness_interval_s` calls `check_liveness` (a
+When a step has nothing to do, the loop sleeps until a command arrives (or `_IDLE_WAIT_S`, so
+that deadlines are still checked), and every `_LIVENESS_INTERVAL_S` calls `check_liveness` (a
 worker checks its TP ranks there, so a dead rank is noticed with no traffic too). A step or
 check that raises marks the worker unhealthy, sets `failed` and stops the loop; `fail_all` lets
 the subclass end every request it holds with an error event first. The worker's host then
@@ -17,6 +17,7 @@ replaces it (deploy/: a process that exits, an actor that dies).
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -24,22 +25,23 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from worker.protocol import TokenEvent, WorkerUnavailable
 
 T = TypeVar("T")
+P = ParamSpec("P")
+L = TypeVar("L", bound="WorkerLoop")
+Emit = Callable[[list[TokenEvent]], None]  # how a worker's parts hand it their token events
+_IDLE_WAIT_S = 0.005  # an idle loop still wakes this often, to check deadlines
+_LIVENESS_INTERVAL_S = 0.25
 
 
 class WorkerLoop:
     """Subclasses implement `step() -> bool` (True if it did work) and may override `fail_all`."""
 
-    def __init__(
-        self, instance_id: str, idle_wait_s: float = 0.005, liveness_interval_s: float = 0.25
-    ) -> None:
+    def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
-        self.idle_wait_s = idle_wait_s
-        self.liveness_interval_s = liveness_interval_s
         self.failed = threading.Event()  # set with `error` when the loop died
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._events: list[TokenEvent] = []
@@ -113,7 +115,7 @@ class WorkerLoop:
 
     # --------------------------------------------------------------- the loop
     def _run(self) -> None:
-        next_check = time.monotonic() + self.liveness_interval_s
+        next_check = time.monotonic() + _LIVENESS_INTERVAL_S
         try:
             while not self._stop.is_set():
                 self._run_commands()
@@ -122,8 +124,8 @@ class WorkerLoop:
                 if not self.step():
                     if time.monotonic() >= next_check:
                         self.check_liveness()
-                        next_check = time.monotonic() + self.liveness_interval_s
-                    self._wait_for_command()
+                        next_check = time.monotonic() + _LIVENESS_INTERVAL_S
+                    self._run_commands(wait_s=_IDLE_WAIT_S)
         except BaseException as exc:  # the loop must report, never vanish silently
             self.error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
@@ -136,29 +138,19 @@ class WorkerLoop:
             with self._events_ready:
                 self._events_ready.notify_all()
 
-    def _run_commands(self) -> None:
+    def _run_commands(self, wait_s: float = 0.0) -> None:
+        """Run every queued command; with none queued, wait up to `wait_s` for the first."""
         while True:
             try:
-                fn, future = self._commands.get_nowait()
+                fn, future = self._commands.get(block=wait_s > 0, timeout=wait_s)
             except queue.Empty:
                 return
-            self._run_one(fn, future)
-
-    def _wait_for_command(self) -> None:
-        try:
-            fn, future = self._commands.get(timeout=self.idle_wait_s)
-        except queue.Empty:
-            return
-        self._run_one(fn, future)
-
-    @staticmethod
-    def _run_one(fn: Callable[[], Any], future: Future[Any]) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
+            wait_s = 0.0
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
 
     def _fail_pending_commands(self) -> None:
         while True:
@@ -168,3 +160,13 @@ class WorkerLoop:
                 return
             if future.set_running_or_notify_cancel():
                 future.set_exception(WorkerUnavailable(f"{self.instance_id}: {self.error}"))
+
+
+def on_loop_thread(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P], T]:
+    """A worker method whose body runs on the loop thread, between two steps (through `call`)."""
+
+    @functools.wraps(method)
+    def call(self: L, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self.call(lambda: method(self, *args, **kwargs))
+
+    return call

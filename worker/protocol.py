@@ -14,14 +14,15 @@ implements (worker/instance.py, router/synthetic.py); the router's async handles
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from engine.outputs import SchedulerStats
 from engine.sampling_params import SamplingParams
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
 
 ControlMessage = KVTransferDone | KVAbort  # between the two sides of a hand-off
+SendControl = Callable[[str, ControlMessage], None]  # how a worker reaches a peer, by its id
 
 R = TypeVar("R")
 
@@ -110,35 +111,6 @@ class InstanceLoad:
     num_preemptions: int = 0
     healthy: bool = True
     extra: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def from_stats(
-        cls,
-        instance_id: str,
-        role: Role,
-        stats: SchedulerStats,
-        healthy: bool,
-        num_other_waiting: int = 0,
-        **extra: float,
-    ) -> InstanceLoad:
-        """A worker's load from its scheduler's counters; `extra` adds worker-specific ones."""
-        return cls(
-            instance_id,
-            role,
-            num_waiting_requests=stats.num_waiting + num_other_waiting,
-            num_waiting_tokens=stats.num_queued_prompt_tokens,
-            num_running=stats.num_running,
-            num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks,
-            prefix_cache_hit_rate=stats.prefix_hit_rate,
-            num_preemptions=stats.num_preemptions,
-            healthy=healthy,
-            extra={
-                "num_prefix_hit_tokens": float(stats.num_prefix_hit_tokens),
-                "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
-                **{name: float(value) for name, value in extra.items()},
-            },
-        )
 
 
 class Worker(Protocol):

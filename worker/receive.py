@@ -17,7 +17,6 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from decode_worker.rank import Endpoints, PollReceives, StartReceive
@@ -29,10 +28,9 @@ from kv_transfer.channel import ChannelEndpoint
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.messages import KVAbort, KVRefusal, KVReserveRequest, KVTicket, KVTransferDone
 from kv_transfer.receiver import KVReceiver
-from worker.protocol import Overloaded, TokenEvent, WorkerRequest
+from worker.loop import Emit
+from worker.protocol import Overloaded, SendControl, TokenEvent, WorkerRequest
 
-SendControl = Callable[[str, KVAbort | KVTransferDone], None]
-Emit = Callable[[list[TokenEvent]], None]
 _MAX_REMEMBERED_ABORTS = 65536  # a few MB; a late reserve trails its abort by milliseconds
 
 
@@ -121,7 +119,7 @@ class ReceiveConnector(KVConnector):
             return False
         message = self.kv_receiver.abort(request_id, "the request was aborted")
         if message is not None:  # the prefill side finishes the wire protocol at once
-            self._tell_prefill(incoming.ticket, message)
+            self._send_control(incoming.ticket.prefill_instance_id, message)
         self._emit([TokenEvent(request_id, [], "abort", None, self.instance_id)])
         return True
 
@@ -141,18 +139,15 @@ class ReceiveConnector(KVConnector):
         """Take the ranks' ended receives: ack them; the landed requests join the engine."""
         landed: list[Request] = []
         reports = self.executor.run_on_ranks(PollReceives()) if self._num_reports_due else []
-        for rank_reports in reports:
-            for report in rank_reports:
-                self._num_reports_due -= 1
-                incoming = self._incoming.get(report.request_id)
-                if incoming is not None and incoming.ticket.transfer_id == report.transfer_id:
-                    incoming.cancelled = incoming.cancelled or report.cancelled
-                    if report.first_token_id is not None:
-                        incoming.first_token_id = report.first_token_id
-                ack = self.kv_receiver.on_rank_finished(
-                    report.request_id, report.rank, report.error
-                )
-                landed.extend(self._settled(report.request_id, ack))
+        for report in reports:
+            self._num_reports_due -= 1
+            incoming = self._incoming.get(report.request_id)
+            if incoming is not None and incoming.ticket.transfer_id == report.transfer_id:
+                incoming.cancelled = incoming.cancelled or report.cancelled
+                if report.first_token_id is not None:
+                    incoming.first_token_id = report.first_token_id
+            ack = self.kv_receiver.on_rank_finished(report.request_id, report.rank, report.error)
+            landed.extend(self._settled(report.request_id, ack))
         for ack in self.kv_receiver.expire():
             landed.extend(self._settled(ack.request_id, ack))
         return landed
@@ -164,7 +159,7 @@ class ReceiveConnector(KVConnector):
     def _settled(self, request_id: str, ack: KVTransferDone | None) -> list[Request]:
         incoming = self._incoming.get(request_id)
         if ack is not None and incoming is not None:
-            self._tell_prefill(incoming.ticket, ack)
+            self._send_control(incoming.ticket.prefill_instance_id, ack)
         if self.kv_receiver.is_landed(request_id):
             return self._join(request_id)
         if ack is not None and not ack.success and incoming is not None:
@@ -197,9 +192,3 @@ class ReceiveConnector(KVConnector):
                 num_computed_tokens=len(request.prompt_token_ids),
             )
         ]
-
-    def _tell_prefill(self, ticket: KVTicket, message: KVTransferDone | KVAbort) -> None:
-        try:
-            self._send_control(ticket.prefill_instance_id, message)
-        except Exception:  # noqa: S110 - best effort: the prefill side has its deadline
-            pass

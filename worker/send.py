@@ -11,13 +11,13 @@
 
 What this side reports: an error when the hand-off fails after the first token went out (unless
 someone else reports the end: an abort, or the decode side). Control messages to the decode
-instance (KVAbort) go through the worker's `send_control(decode_instance_id, message)`.
+instance (KVAbort) go through the worker's `send_control(decode_instance_id, message)`, best
+effort (Worker._tell).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
@@ -27,17 +27,15 @@ from engine.request import Request
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
 from kv_transfer.sender import KVSender
 from prefill_worker.rank import CancelSend, PollSends, StartSend
-from worker.protocol import TokenEvent, WorkerRequest
+from worker.loop import Emit
+from worker.protocol import SendControl, TokenEvent, WorkerRequest
 
-SendControl = Callable[[str, KVAbort | KVTransferDone], None]
-Emit = Callable[[list[TokenEvent]], None]
 _MAX_REMEMBERED_CANCELS = 65536  # a few MB; a transfer is cancelled within seconds of its ticket
 
 
 @dataclass
 class _Handoff:
     ticket: KVTicket
-    sending: bool = False  # the first token went out and the send started
     quiet: bool = False  # a failed send is reported by someone else (abort, decode side)
     send_error: str | None = None  # the first rank's send failure, for the error event
 
@@ -95,12 +93,12 @@ class SendConnector(KVConnector):
     def abort(self, request_id: str) -> bool:
         """Abort a hand-off in flight (the engine no longer holds the request)."""
         handoff = self._handoffs.get(request_id)
-        if handoff is None or not handoff.sending:
-            return False
+        if handoff is None or not self.kv_sender.holds(request_id):
+            return False  # its send has not started: the engine still holds the request
         handoff.quiet = True
         message = self.kv_sender.abort(request_id, "the request was aborted")
         if message is not None:
-            self._tell_decode(handoff.ticket, message)
+            self._send_control(handoff.ticket.decode_instance_id, message)
         return True
 
     def deliver(self, message: KVTransferDone | KVAbort) -> str | None:
@@ -129,7 +127,7 @@ class SendConnector(KVConnector):
 
     def fail_all(self) -> list[str]:
         """The worker failed: forget every hand-off; the ids whose end is still to report."""
-        ids = [i for i, handoff in self._handoffs.items() if handoff.sending and not handoff.quiet]
+        ids = [i for i, h in self._handoffs.items() if self.kv_sender.holds(i) and not h.quiet]
         self._handoffs.clear()
         return ids
 
@@ -146,7 +144,6 @@ class SendConnector(KVConnector):
         self.kv_sender.start(handoff.ticket, block_ids)
         first_token_id = request.output_token_ids[0]
         self.executor.run_on_ranks(StartSend(handoff.ticket, block_ids, first_token_id))
-        handoff.sending = True
         return True
 
     def request_finished(self, request: Request) -> None:
@@ -174,21 +171,18 @@ class SendConnector(KVConnector):
         if not self.has_work():
             return
         tickets = {request_id: handoff.ticket for request_id, handoff in self._handoffs.items()}
-        for rank_reports in self.executor.run_on_ranks(PollSends()):
-            for report in rank_reports:
-                if report.cancel:
-                    self._num_cancel_reports_due -= 1
-                    continue
-                handoff = self._handoffs.get(report.request_id)
-                if handoff is not None and report.error is not None and not handoff.send_error:
-                    handoff.send_error = f"rank {report.rank}: {report.error}"
-                abort = self.kv_sender.on_rank_finished(
-                    report.request_id, report.rank, report.error
-                )
-                if abort is not None:
-                    self._tell_decode(tickets[report.request_id], abort)
+        for report in self.executor.run_on_ranks(PollSends()):
+            if report.cancel:
+                self._num_cancel_reports_due -= 1
+                continue
+            handoff = self._handoffs.get(report.request_id)
+            if handoff is not None and report.error is not None and not handoff.send_error:
+                handoff.send_error = f"rank {report.rank}: {report.error}"
+            abort = self.kv_sender.on_rank_finished(report.request_id, report.rank, report.error)
+            if abort is not None:
+                self._send_control(tickets[report.request_id].decode_instance_id, abort)
         for abort in self.kv_sender.expire():
-            self._tell_decode(tickets[abort.request_id], abort)
+            self._send_control(tickets[abort.request_id].decode_instance_id, abort)
 
     def _on_released(self, request_id: str, success: bool) -> None:
         """KVSender dropped the transfer's reference: the hand-off is over, either way."""
@@ -200,9 +194,3 @@ class SendConnector(KVConnector):
             event = TokenEvent(request_id, [], "error", message, self.instance_id)
             event.failed_peer = decode_id
             self._emit([event])
-
-    def _tell_decode(self, ticket: KVTicket, message: KVAbort) -> None:
-        try:
-            self._send_control(ticket.decode_instance_id, message)
-        except Exception:  # noqa: S110 - best effort: the receive also ends at its deadline
-            pass
