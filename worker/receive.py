@@ -167,7 +167,11 @@ class ReceiveConnector(KVConnector):
             if not incoming.cancelled:
                 prefill_id = incoming.ticket.prefill_instance_id
                 message = f"receiving the KV from {prefill_id} failed: {ack.error}"
-                self._emit([TokenEvent(request_id, [], "error", message, self.instance_id)])
+                # The hand-off broke (a dead, stalled or cut-off sender): the router may place
+                # the request again, as when the sending side reports its decode peer gone.
+                event = TokenEvent(request_id, [], "error", message, self.instance_id)
+                event.failed_peer = prefill_id
+                self._emit([event])
         return []
 
     def _join(self, request_id: str) -> list[Request]:

@@ -113,6 +113,7 @@ def test_a_reservation_nobody_serves_expires_with_an_error(board, tiny_model) ->
     decode.reserve(request("lonely", 20), "p")  # no prefill instance ever dials
     (event,) = events_until_end(decode, "lonely")
     assert event.finish_reason == "error" and "receiving the KV from p failed" in event.error
+    assert event.failed_peer == "p"  # a broken hand-off: the router may place it again
     assert decode.load().num_free_blocks == NUM_BLOCKS
 
 
