@@ -1,4 +1,5 @@
-"""The router in the serving process, on an event loop thread of its own (both runtimes).
+"""The serving process of both runtimes: the router on an event loop thread of its own, and the
+cluster surface LocalCluster and RayCluster share (`ServingCluster`).
 
     host = RouterHost(router_config)
     address = host.start(prefill_handles, decode_handles)   # gRPC (and HTTP, metrics) bound
@@ -12,22 +13,36 @@ accepted gRPC calls more slowly than it finished them, the excess waited inside 
 admission never sees a call, and a health probe timed out while health said SERVING. A process
 of its own adds nothing to availability either: the Ray actors are owned by this process and go
 down with it.
+
+    with open_cluster(config, model_dir) as cluster:   # a ServingCluster (deploy/runtime/launch.py)
+        address = cluster.start(progress=print)        # each step said and timed; health SERVING
+        cluster.address, cluster.metrics_port, cluster.http_port, cluster.serving()
+    # shutdown(): the router drains, then the runtime stops its workers
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from deploy.config.cluster_spec import ClusterSpec
+from deploy.runtime.local.handles import HandleBase
 from engine.gc_tuning import freeze_startup_heap
 from router.config import RouterConfig
 from router.server import Router
 from router.worker_api import DecodeHandle, PrefillHandle
+from worker.config import WorkerConfig
+from worker.protocol import Role
 
+logger = logging.getLogger(__name__)
 _LOOP_TIMEOUT_S = 60.0
 T = TypeVar("T")
+C = TypeVar("C", bound="ServingCluster")
+Progress = Callable[[str], None]
 
 
 class RouterHost:
@@ -70,15 +85,132 @@ class RouterHost:
             self._loop.close()
             self._loop = None
 
+    def serving(self) -> bool:
+        """True while the router is up and its workers can take requests (what its gRPC health
+        reports, SERVING, after each load refresh)."""
+        if self._loop is None or self.router is None:
+            return False
+        return self.run(_healthy(self.router))
+
+
+async def _healthy(router: Router) -> bool:
+    return router.pool.healthy()  # on the router's loop, which owns the pool's state
+
+
+class ServingCluster:
+    """What both runtimes share: the spec, the router hosted here, a start in timed steps, the
+    router's ports and health, and shutdown on leaving a `with` block."""
+
+    def __init__(self, spec: ClusterSpec, start_timeout_s: float) -> None:
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self.host = RouterHost(spec.router)
+        self.startup_timings: dict[str, float] = {}  # step -> seconds
+        self.handles: dict[str, HandleBase] = {}  # by instance id, once the router starts
+        self._closed = False
+
+    def start(self, progress: Progress | None = None) -> str:
+        """Bring the whole cluster up; returns the router's address once health is SERVING.
+        A start that fails (or is interrupted by a signal) shuts down what it started."""
+        say = progress or (lambda _line: None)
+        started_at = time.monotonic()
+        try:
+            self._start(say)
+            self._step("health", say, "waiting for the router's health SERVING", self._wait_serving)
+        except BaseException:
+            self.shutdown(grace_s=0.1)
+            raise
+        say(f"serving on {self.address} ({time.monotonic() - started_at:.1f} s)")
+        return self.address
+
+    def _start(self, say: Progress) -> None:
+        """The runtime's own start-up steps, the router's last."""
+        raise NotImplementedError
+
+    def _step(self, key: str, say: Progress, message: str, run: Callable[[], None]) -> None:
+        say(message)
+        started = time.perf_counter()
+        run()
+        self.startup_timings[key] = time.perf_counter() - started
+
+    def _wait_serving(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.serving():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the router at {self.address} did not report SERVING within "
+                    f"{self.start_timeout_s:.0f}s"
+                )
+            time.sleep(0.05)
+
+    def _start_router(self) -> None:
+        """The router, with a handle (`_handle`) per worker."""
+        spec = self.spec
+        prefill_tp = {} if spec.prefill is None else {
+            i: spec.prefill.engine.tensor_parallel_size for i in spec.instance_ids()
+        }  # fmt: skip
+        for instance_id in spec.instance_ids():
+            if instance_id.startswith("decode"):
+                self.handles[instance_id] = self._handle(instance_id, Role.DECODE, prefill_tp)
+            else:
+                role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
+                self.handles[instance_id] = self._handle(instance_id, role, {})
+        handles = list(self.handles.values())
+        self.host.start(
+            [h for h in handles if h.role != Role.DECODE],
+            [h for h in handles if h.role == Role.DECODE],
+        )
+
+    def _handle(self, instance_id: str, role: Role, prefill_tp: dict[str, int]) -> HandleBase:
+        """The router's handle on one worker (for a decode one, every prefill instance's TP
+        size: its tickets' re-sharding plan)."""
+        raise NotImplementedError
+
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop admitting, let in-flight streams finish for `grace_s` (default: the router's
+        `shutdown_grace_s`), abort the rest, then stop every worker; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_restarts()
+        try:
+            self.host.stop(grace_s)
+        except Exception as exc:  # the workers must stop all the same
+            logger.warning("stopping the router failed: %r", exc)
+        self._stop_workers()
+
+    def _stop_restarts(self) -> None:
+        """Before the drain: no worker may be restarted from here on."""
+
+    def _stop_workers(self) -> None:
+        raise NotImplementedError
+
+    def worker_configs(self) -> dict[str, WorkerConfig]:
+        """The config each worker is built with, by instance id, prefill first."""
+        return {i: self.spec.worker_config(i) for i in self.spec.instance_ids()}
+
+    def serving(self) -> bool:
+        return self.host.serving()
+
+    @property
+    def router(self) -> Router | None:
+        return self.host.router
+
     @property
     def address(self) -> str:
-        assert self.router is not None, "start() the router first"
-        return self.router.address
+        """host:port of the router's gRPC server ("" before `start`)."""
+        return "" if self.host.router is None else self.host.router.address
 
     @property
     def metrics_port(self) -> int | None:
-        return None if self.router is None else self.router.metrics_port
+        return None if self.host.router is None else self.host.router.metrics_port
 
     @property
     def http_port(self) -> int | None:
-        return None if self.router is None else self.router.http_port
+        return None if self.host.router is None else self.host.router.http_port
+
+    def __enter__(self: C) -> C:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

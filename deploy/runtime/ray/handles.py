@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from deploy.runtime.channels import PeerCall
 from deploy.runtime.local.handles import HandleBase
 from worker.protocol import Deliver, Role, WorkerCall, WorkerUnavailable
 
@@ -42,6 +43,17 @@ R = TypeVar("R")
 
 def actor_name(instance_id: str) -> str:
     return f"pdserve-{instance_id}"
+
+
+def actor_call(namespace: str, timeout_s: float) -> PeerCall:
+    """A typed call on the worker actor of an instance, by name, waited for (deploy/runtime/
+    channels.py reaches peers with it)."""
+
+    def call(instance_id: str, command: WorkerCall[Any]) -> Any:
+        actor = ray.get_actor(actor_name(instance_id), namespace)
+        return ray.get(actor.call.remote(command), timeout=timeout_s)
+
+    return call
 
 
 class RayHandle(HandleBase):
