@@ -1,10 +1,10 @@
-"""The serving process of both runtimes: the router on an event loop thread of its own, and the
-cluster surface LocalCluster and RayCluster share (`ServingCluster`).
+"""The serving process of both runtimes (`ServingCluster`, which LocalCluster and RayCluster
+extend): the router on an event loop thread of its own, a start in timed steps, shutdown.
 
-    host = RouterHost(router_config)
-    address = host.start(prefill_handles, decode_handles)   # gRPC (and HTTP, metrics) bound
-    ...
-    host.stop(grace_s=30)                                   # drain, abort the rest, close loop
+    with open_cluster(config, model_dir) as cluster:   # deploy/runtime/launch.py
+        address = cluster.start(progress=print)        # each step said and timed; health SERVING
+        cluster.address, cluster.metrics_port, cluster.http_port, cluster.serving()
+    # shutdown(): the router drains for shutdown_grace_s, then the runtime stops its workers
 
 Plain processes reach their workers through ProcessHandles, Ray through RayHandles; the router
 itself runs here either way. It used to run in a Ray actor of its own in Ray mode, where it
@@ -13,11 +13,6 @@ accepted gRPC calls more slowly than it finished them, the excess waited inside 
 admission never sees a call, and a health probe timed out while health said SERVING. A process
 of its own adds nothing to availability either: the Ray actors are owned by this process and go
 down with it.
-
-    with open_cluster(config, model_dir) as cluster:   # a ServingCluster (deploy/runtime/launch.py)
-        address = cluster.start(progress=print)        # each step said and timed; health SERVING
-        cluster.address, cluster.metrics_port, cluster.http_port, cluster.serving()
-    # shutdown(): the router drains, then the runtime stops its workers
 """
 
 from __future__ import annotations
@@ -26,15 +21,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.local.handles import HandleBase
 from engine.gc_tuning import freeze_startup_heap
-from router.config import RouterConfig
 from router.server import Router
-from router.worker_api import DecodeHandle, PrefillHandle
 from worker.config import WorkerConfig
 from worker.protocol import Role
 
@@ -45,58 +38,6 @@ C = TypeVar("C", bound="ServingCluster")
 Progress = Callable[[str], None]
 
 
-class RouterHost:
-    def __init__(self, config: RouterConfig) -> None:
-        self.config = config
-        self.router: Router | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self, prefill: Sequence[PrefillHandle], decode: Sequence[DecodeHandle]) -> str:
-        """Start the loop thread and the router on it; returns the gRPC host:port."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="router-loop", daemon=True
-        )
-        self._thread.start()
-        self.router = Router(self.config, list(prefill), list(decode))
-        self.run(self.router.start())
-        freeze_startup_heap()  # the model and the router are built: keep them out of GC scans
-        return self.router.address
-
-    def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = _LOOP_TIMEOUT_S) -> T:
-        """Run `coroutine` on the router's loop and wait for its result."""
-        assert self._loop is not None, "start() the router first"
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
-
-    def stop(self, grace_s: float | None = None) -> None:
-        """Stop admitting, let in-flight streams finish for `grace_s` (default: the config's
-        `shutdown_grace_s`), abort the rest, and close the loop; idempotent."""
-        if self._loop is None:
-            return
-        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
-        try:
-            if self.router is not None:
-                self.run(self.router.stop(grace), timeout_s=_LOOP_TIMEOUT_S + grace)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            if self._thread is not None:
-                self._thread.join(_LOOP_TIMEOUT_S)
-            self._loop.close()
-            self._loop = None
-
-    def serving(self) -> bool:
-        """True while the router is up and its workers can take requests (what its gRPC health
-        reports, SERVING, after each load refresh)."""
-        if self._loop is None or self.router is None:
-            return False
-        return self.run(_healthy(self.router))
-
-
-async def _healthy(router: Router) -> bool:
-    return router.pool.healthy()  # on the router's loop, which owns the pool's state
-
-
 class ServingCluster:
     """What both runtimes share: the spec, the router hosted here, a start in timed steps, the
     router's ports and health, and shutdown on leaving a `with` block."""
@@ -104,7 +45,9 @@ class ServingCluster:
     def __init__(self, spec: ClusterSpec, start_timeout_s: float) -> None:
         self.spec = spec
         self.start_timeout_s = start_timeout_s
-        self.host = RouterHost(spec.router)
+        self.router: Router | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self.startup_timings: dict[str, float] = {}  # step -> seconds
         self.handles: dict[str, HandleBase] = {}  # by instance id, once the router starts
         self._closed = False
@@ -144,7 +87,7 @@ class ServingCluster:
             time.sleep(0.05)
 
     def _start_router(self) -> None:
-        """The router, with a handle (`_handle`) per worker."""
+        """The router on its loop thread, with a handle (`_handle`) per worker."""
         spec = self.spec
         prefill_tp = {} if spec.prefill is None else {
             i: spec.prefill.engine.tensor_parallel_size for i in spec.instance_ids()
@@ -156,10 +99,35 @@ class ServingCluster:
                 role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
                 self.handles[instance_id] = self._handle(instance_id, role, {})
         handles = list(self.handles.values())
-        self.host.start(
-            [h for h in handles if h.role != Role.DECODE],
-            [h for h in handles if h.role == Role.DECODE],
+        front = [h for h in handles if h.role != Role.DECODE]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="router-loop", daemon=True
         )
+        self._thread.start()
+        self.router = Router(spec.router, front, [h for h in handles if h.role == Role.DECODE])
+        self._run(self.router.start())
+        freeze_startup_heap()  # the model and the router are built: keep them out of GC scans
+
+    def _run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = _LOOP_TIMEOUT_S) -> T:
+        """Run `coroutine` on the router's loop and wait for its result."""
+        assert self._loop is not None, "start() the router first"
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    def _stop_router(self, grace_s: float | None) -> None:
+        """Stop admitting, let in-flight streams finish, abort the rest, close the loop."""
+        if self._loop is None:
+            return
+        grace = self.spec.router.shutdown_grace_s if grace_s is None else grace_s
+        try:
+            if self.router is not None:
+                self._run(self.router.stop(grace), timeout_s=_LOOP_TIMEOUT_S + grace)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(_LOOP_TIMEOUT_S)
+            self._loop.close()
+            self._loop = None
 
     def _handle(self, instance_id: str, role: Role, prefill_tp: dict[str, int]) -> HandleBase:
         """The router's handle on one worker (for a decode one, every prefill instance's TP
@@ -174,7 +142,7 @@ class ServingCluster:
         self._closed = True
         self._stop_restarts()
         try:
-            self.host.stop(grace_s)
+            self._stop_router(grace_s)
         except Exception as exc:  # the workers must stop all the same
             logger.warning("stopping the router failed: %r", exc)
         self._stop_workers()
@@ -190,27 +158,31 @@ class ServingCluster:
         return {i: self.spec.worker_config(i) for i in self.spec.instance_ids()}
 
     def serving(self) -> bool:
-        return self.host.serving()
-
-    @property
-    def router(self) -> Router | None:
-        return self.host.router
+        """True while the router is up and its workers can take requests (what its gRPC health
+        reports, SERVING, after each load refresh)."""
+        if self._loop is None or self.router is None:
+            return False
+        return self._run(_healthy(self.router))
 
     @property
     def address(self) -> str:
         """host:port of the router's gRPC server ("" before `start`)."""
-        return "" if self.host.router is None else self.host.router.address
+        return "" if self.router is None else self.router.address
 
     @property
     def metrics_port(self) -> int | None:
-        return None if self.host.router is None else self.host.router.metrics_port
+        return None if self.router is None else self.router.metrics_port
 
     @property
     def http_port(self) -> int | None:
-        return None if self.host.router is None else self.host.router.http_port
+        return None if self.router is None else self.router.http_port
 
     def __enter__(self: C) -> C:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+async def _healthy(router: Router) -> bool:
+    return router.pool.healthy()  # on the router's loop, which owns the pool's state

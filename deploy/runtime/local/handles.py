@@ -2,14 +2,16 @@
 
 A worker object (worker/instance.Worker) has blocking, thread-safe methods; each handle method
 makes the matching typed call (worker/protocol.py: Submit, Reserve, Abort, Load, PollEvents).
-The router's interface is async, so each call runs on a thread of the default executor with its
-own timeout. `LocalHandle` runs the call on a worker in this process; `ProcessHandle` sends it to
-one hosted by deploy/process_host.ProcessWorker; deploy/ray_handles.RayHandle to a Ray actor.
+The router's interface is async, so each call runs on a thread (`_executor`; None: the default
+one) with its own timeout. `LocalHandle` runs the call on a worker in this process; `ProcessHandle`
+sends it to one hosted by deploy/runtime/local/process_host.ProcessWorker;
+deploy/runtime/ray/handles.RayHandle to a Ray actor.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from deploy.runtime.local.process_host import ProcessWorker
@@ -34,6 +36,8 @@ R = TypeVar("R")
 class HandleBase:
     """PrefillHandle / DecodeHandle / colocated handle; subclasses say how a call is made."""
 
+    _executor: Executor | None = None
+
     def __init__(
         self,
         instance_id: str,
@@ -55,7 +59,8 @@ class HandleBase:
 
     async def _call(self, command: WorkerCall[R], timeout_s: float | None = None) -> R:
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
-        return await asyncio.to_thread(self._invoke, command, timeout)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._invoke, command, timeout)
 
     async def load(self) -> InstanceLoad:
         load = await self._call(Load())
