@@ -1,6 +1,6 @@
 """A whole pdserve cluster on this machine without Ray: every worker a plain process.
 
-    with LocalCluster(spec) as cluster:          # spec: deploy/cluster_spec.ClusterSpec
+    with LocalCluster(spec) as cluster:          # spec: deploy/config/cluster_spec.ClusterSpec
         cluster.start(progress=print)            # workers, control relay, router; returns address
         ...gRPC clients on cluster.address...
     # shutdown: router drains, every worker process (and its TP ranks) stopped and joined
@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,7 +40,6 @@ from deploy.runtime.channels import settle_prefill_channels
 from deploy.runtime.local.control_relay import ControlRelay
 from deploy.runtime.local.handles import ProcessHandle
 from deploy.runtime.local.process_host import PipeControl, ProcessWorker
-from deploy.runtime.local.restart_backoff import RestartBackoff
 from deploy.runtime.router_host import Progress, ServingCluster
 from engine.gc_tuning import unfreeze_heap
 from worker.config import WorkerConfig
@@ -48,6 +48,8 @@ from worker.protocol import InstanceLoad, Load, ProcessIds, Role, WorkerUnavaila
 
 _WATCH_INTERVAL_S = 0.2
 _WATCH_JOIN_S = 10.0  # the watch thread's calls are bounded by the workers' timeouts
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
 
 
 def pinned_worker(
@@ -68,6 +70,32 @@ def cpu_sets(num_ranks_per_worker: list[int], cpu_ids: list[int]) -> list[list[i
         sets.append(sorted({cpu_ids[(next_index + j) % len(cpu_ids)] for j in range(num_ranks)}))
         next_index += num_ranks
     return sets
+
+
+class RestartBackoff:
+    """When each instance may be restarted: at once the first time, then after a failed
+    restart 1 s, doubling up to 30 s, until a restart succeeds (a worker that cannot start, say
+    its model folder is bad, must not reload the model on every tick of the watch thread)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._delay_s: dict[str, float] = {}
+        self._not_before: dict[str, float] = {}
+
+    def due(self, instance_id: str) -> bool:
+        return self._clock() >= self._not_before.get(instance_id, 0.0)
+
+    def failed(self, instance_id: str) -> float:
+        """Records a failed restart; returns the wait before the next one."""
+        previous = self._delay_s.get(instance_id)
+        delay_s = FIRST_BACKOFF_S if previous is None else min(2 * previous, MAX_BACKOFF_S)
+        self._delay_s[instance_id] = delay_s
+        self._not_before[instance_id] = self._clock() + delay_s
+        return delay_s
+
+    def succeeded(self, instance_id: str) -> None:
+        self._delay_s.pop(instance_id, None)
+        self._not_before.pop(instance_id, None)
 
 
 class LocalCluster(ServingCluster):
@@ -93,8 +121,7 @@ class LocalCluster(ServingCluster):
     def _start(self, say: Progress) -> None:
         """Every worker (concurrently), then the router and the watch thread."""
         self._start_workers(say)
-        say("starting the router")
-        self._start_router()
+        self._step("router", say, "starting the router", self._start_router)
         if self.restart_workers:
             self._watch = threading.Thread(
                 target=self._keep_alive, name="worker-watch", daemon=True

@@ -1,7 +1,7 @@
 """RayCluster: the one object the command line uses to run pdserve on Ray.
 
     with RayCluster(build_cluster_spec(config)) as c:     # the ClusterSpec plain processes take
-        address = c.start(progress=print)      # "127.0.0.1:50123", gRPC health SERVING
+        address = c.start(progress=print)      # "127.0.0.1:50123", health SERVING
         c.status()                             # workers, loads, KV usage, health
     # shutdown(): drain, stop the actors, remove the placement groups, stop Ray
 
@@ -26,10 +26,10 @@ after its constructor rebuilt the worker and its KV pair channels (deploy/runtim
 restarted prefill driver replaces its TP rank actors (deploy/runtime/ray/launcher.py).
 
 Shutdown (`shutdown()`; `pdserve serve` calls it on SIGINT/SIGTERM): the router stops
-admitting and gives in-flight requests
-`shutdown_grace_s`, then aborts them; the workers shut down (freeing every block, ending their
-TP ranks); every actor is killed, the placement groups removed, and a Ray cluster that this
-object started is stopped with every one of its processes, checked by process id.
+admitting and gives in-flight requests `shutdown_grace_s`, then aborts them; the workers shut
+down (freeing every block, ending their TP ranks); every actor is killed, the placement groups
+removed, and a Ray cluster that this object started is stopped with every one of its
+processes, checked by process id.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class WorkerStatus:
 @dataclass
 class ClusterStatus:
     router_address: str
-    serving: bool  # gRPC health of the router
+    serving: bool  # the router's health
     workers: list[WorkerStatus]
     ray_pids: list[int]  # every process of the local Ray cluster (empty when joined)
 
