@@ -1,8 +1,8 @@
 """The serving process of both runtimes (`ServingCluster`, which LocalCluster and RayCluster
-extend): the router on an event loop thread of its own, a start in timed steps, shutdown.
+extend): the router on an event loop thread of its own, a start in steps, shutdown.
 
     with open_cluster(config, model_dir) as cluster:   # deploy/runtime/launch.py
-        address = cluster.start(progress=print)        # each step said and timed; health SERVING
+        address = cluster.start(progress=print)        # each step said; returns once SERVING
         cluster.address, cluster.metrics_port, cluster.http_port, cluster.serving()
     # shutdown(): the router drains for shutdown_grace_s, then the runtime stops its workers
 
@@ -48,7 +48,6 @@ class ServingCluster:
         self.router: Router | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.startup_timings: dict[str, float] = {}  # step -> seconds
         self.handles: dict[str, HandleBase] = {}  # by instance id, once the router starts
         self._closed = False
 
@@ -59,7 +58,8 @@ class ServingCluster:
         started_at = time.monotonic()
         try:
             self._start(say)
-            self._step("health", say, "waiting for the router's health SERVING", self._wait_serving)
+            say("waiting for the router's health SERVING")
+            self._wait_serving()
         except BaseException:
             self.shutdown(grace_s=0.1)
             raise
@@ -69,12 +69,6 @@ class ServingCluster:
     def _start(self, say: Progress) -> None:
         """The runtime's own start-up steps, the router's last."""
         raise NotImplementedError
-
-    def _step(self, key: str, say: Progress, message: str, run: Callable[[], None]) -> None:
-        say(message)
-        started = time.perf_counter()
-        run()
-        self.startup_timings[key] = time.perf_counter() - started
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s

@@ -121,7 +121,8 @@ class LocalCluster(ServingCluster):
     def _start(self, say: Progress) -> None:
         """Every worker (concurrently), then the router and the watch thread."""
         self._start_workers(say)
-        self._step("router", say, "starting the router", self._start_router)
+        say("starting the router")
+        self._start_router()
         if self.restart_workers:
             self._watch = threading.Thread(
                 target=self._keep_alive, name="worker-watch", daemon=True

@@ -5,7 +5,7 @@
         c.status()                             # workers, loads, KV usage, health
     # shutdown(): drain, stop the actors, remove the placement groups, stop Ray
 
-Start-up, in order (each step reported through `progress` and timed in `startup_timings`):
+Start-up, in order (each step reported through `progress`):
 1. Ray: a local cluster on 127.0.0.1 (deploy/runtime/ray/node.py), or join `spec.ray.address`.
 2. Placement groups (deploy/runtime/ray/placement.py): each prefill instance STRICT_PACK, one bundle
    per TP rank; decode replicas spread; GPUs or CPU shares claimed as Ray resources.
@@ -109,19 +109,21 @@ class RayCluster(ServingCluster):
 
     # ---------------------------------------------------------------- start
     def _start(self, say: Progress) -> None:
-        self._step("ray", say, "starting Ray" if self.spec.ray.address is None
-                   else f"joining Ray at {self.spec.ray.address}", self._start_ray)  # fmt: skip
+        address = self.spec.ray.address
+        say("starting Ray" if address is None else f"joining Ray at {address}")
+        self._start_ray()
         if self.temp_dir is not None:
             say(f"Ray temp dir {self.temp_dir}")
-        self._step("placement", say, f"reserving {self.spec.num_workers} workers", self._place)
-        self._step("workers", say, "loading the model on every worker", self._start_workers)
-        self._step("channels", say, "forming the KV channels", self._form_kv_channels)
-        self._step("router", say, "starting the router", self._start_router)
-
-    def _step(self, key: str, say: Progress, message: str, run: Callable[[], None]) -> None:
-        super()._step(key, say, message, run)
-        if self._node is not None:
-            self._node.remember_processes()
+        for message, run in [
+            (f"reserving {self.spec.num_workers} workers", self._place),
+            ("loading the model on every worker", self._start_workers),
+            ("forming the KV channels", self._form_kv_channels),
+            ("starting the router", self._start_router),
+        ]:
+            say(message)
+            run()
+            assert self._node is not None
+            self._node.remember_processes()  # Ray's new processes, to stop them by id at shutdown
 
     def _start_ray(self) -> None:
         if self.spec.ray.address is None:
@@ -181,7 +183,7 @@ class RayCluster(ServingCluster):
     def _form_kv_channels(self) -> None:
         timeout_s = self.prefill.kv_transfer.transfer_timeout_s + 10
         form_all_channels(
-            list(self._actors_of("prefill-")), list(self._actors_of("decode-")),
+            self._ids_of(Role.PREFILL), self._ids_of(Role.DECODE),
             self.prefill.engine.tensor_parallel_size, actor_call(self.namespace, timeout_s),
             timeout_s,
         )  # fmt: skip
@@ -189,12 +191,11 @@ class RayCluster(ServingCluster):
     def _peers_of(self, role: Role) -> dict[str, int]:
         """The instances a worker of `role` hands KV to or from, with their TP sizes."""
         peers = self.prefill if role == Role.DECODE else self.decode
-        prefix = "prefill-" if role == Role.DECODE else "decode-"
-        names = [i for i in self.spec.instance_ids() if i.startswith(prefix)]
-        return dict.fromkeys(names, peers.engine.tensor_parallel_size)
+        other = Role.PREFILL if role == Role.DECODE else Role.DECODE
+        return dict.fromkeys(self._ids_of(other), peers.engine.tensor_parallel_size)
 
-    def _actors_of(self, prefix: str) -> dict[str, Any]:
-        return {i: a for i, a in self.worker_actors.items() if i.startswith(prefix)}
+    def _ids_of(self, role: Role) -> list[str]:
+        return [i for i in self.spec.instance_ids() if i.startswith(f"{role.value}-")]
 
     def _handle(self, instance_id: str, role: Role, prefill_tp: dict[str, int]) -> RayHandle:
         actor, timeout_s = self.worker_actors[instance_id], self.spec.router.worker_timeout_s
