@@ -95,9 +95,6 @@ class LocalHandle(HandleBase):
     def _alive(self) -> bool:
         return bool(getattr(self.worker, "healthy", True))
 
-    async def close(self) -> None:
-        await asyncio.to_thread(self.worker.shutdown)
-
 
 class ProcessHandle(HandleBase):
     """A worker object in a child process (ProcessWorker)."""
@@ -111,6 +108,3 @@ class ProcessHandle(HandleBase):
 
     def _alive(self) -> bool:
         return self.worker.is_alive()
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.worker.shutdown)
