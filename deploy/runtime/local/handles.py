@@ -54,19 +54,13 @@ class HandleBase:
     def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
         raise NotImplementedError
 
-    def _alive(self) -> bool:
-        return True
-
     async def _call(self, command: WorkerCall[R], timeout_s: float | None = None) -> R:
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._invoke, command, timeout)
 
     async def load(self) -> InstanceLoad:
-        load = await self._call(Load())
-        if not self._alive():
-            load.healthy = False
-        return load
+        return await self._call(Load())  # healthy=False from a worker whose loop failed
 
     async def abort(self, request_id: str) -> None:
         await self._call(Abort(request_id))
@@ -92,9 +86,6 @@ class LocalHandle(HandleBase):
     def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
         return command.run(self.worker)
 
-    def _alive(self) -> bool:
-        return bool(getattr(self.worker, "healthy", True))
-
 
 class ProcessHandle(HandleBase):
     """A worker object in a child process (ProcessWorker)."""
@@ -105,6 +96,3 @@ class ProcessHandle(HandleBase):
 
     def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
         return self.worker.call(command, timeout_s)
-
-    def _alive(self) -> bool:
-        return self.worker.is_alive()
