@@ -39,8 +39,8 @@ Progress = Callable[[str], None]
 
 
 class ServingCluster:
-    """What both runtimes share: the spec, the router hosted here, a start in timed steps, the
-    router's ports and health, and shutdown on leaving a `with` block."""
+    """What both runtimes share: the spec, the router hosted here, a start in steps, the router's
+    ports and health, and shutdown on leaving a `with` block."""
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float) -> None:
         self.spec = spec
@@ -82,24 +82,22 @@ class ServingCluster:
 
     def _start_router(self) -> None:
         """The router on its loop thread, with a handle (`_handle`) per worker."""
-        spec = self.spec
-        prefill_tp = {} if spec.prefill is None else {
-            i: spec.prefill.engine.tensor_parallel_size for i in spec.instance_ids()
-        }  # fmt: skip
-        for instance_id in spec.instance_ids():
-            if instance_id.startswith("decode"):
-                self.handles[instance_id] = self._handle(instance_id, Role.DECODE, prefill_tp)
-            else:
-                role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
-                self.handles[instance_id] = self._handle(instance_id, role, {})
-        handles = list(self.handles.values())
-        front = [h for h in handles if h.role != Role.DECODE]
+        spec, ids = self.spec, self.spec.instance_ids()
+        prefill_tp = {i: spec.worker_config(i).engine.tensor_parallel_size for i in ids
+                      if i.startswith("prefill")}  # fmt: skip
+        front_role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
+        for i in ids:
+            decode = i.startswith("decode")
+            role, tp = (Role.DECODE, prefill_tp) if decode else (front_role, {})
+            self.handles[i] = self._handle(i, role, tp)
+        front = [h for h in self.handles.values() if h.role != Role.DECODE]
+        back = [h for h in self.handles.values() if h.role == Role.DECODE]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="router-loop", daemon=True
         )
         self._thread.start()
-        self.router = Router(spec.router, front, [h for h in handles if h.role == Role.DECODE])
+        self.router = Router(spec.router, front, back)
         self._run(self.router.start())
         freeze_startup_heap()  # the model and the router are built: keep them out of GC scans
 

@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.channels import settle_prefill_channels
@@ -109,12 +108,12 @@ class LocalCluster(ServingCluster):
         self.workers: dict[str, ProcessWorker] = {}
         self._relay = ControlRelay(self.workers)
         self._pins: dict[str, list[int] | None] = {}
-        self._restarting: set[str] = set()
+        self._restarting: str | None = None  # the watch thread restarts one at a time
         self.num_restarts: dict[str, int] = {}
         self._stopping = threading.Event()
         self._watch: threading.Thread | None = None
         self._lock = threading.Lock()  # _stopping vs. a restart's new worker joining `workers`
-        self._starting: dict[str, ProcessWorker] = {}  # processes of restarts in progress
+        self._starting: ProcessWorker | None = None  # the process of that restart
         self._backoff = RestartBackoff()
 
     # ------------------------------------------------------------------ lifecycle
@@ -174,9 +173,9 @@ class LocalCluster(ServingCluster):
         take minutes) and its worker never joins `workers`."""
         with self._lock:
             self._stopping.set()
-            starting = list(self._starting.values())
-        for worker in starting:
-            worker.kill()
+            starting = self._starting
+        if starting is not None:
+            starting.kill()
         if self._watch is not None and self._watch is not threading.current_thread():
             self._watch.join(_WATCH_JOIN_S)
             self._watch = None
@@ -188,7 +187,7 @@ class LocalCluster(ServingCluster):
         loads = []
         for instance_id, worker in list(self.workers.items()):
             try:
-                if instance_id in self._restarting:
+                if instance_id == self._restarting:
                     raise WorkerUnavailable(f"{instance_id} is restarting")
                 loads.append(worker.call(Load(), timeout_s=10.0))
             except WorkerUnavailable:
@@ -207,7 +206,9 @@ class LocalCluster(ServingCluster):
         return ids
 
     # ------------------------------------------------------------------ internals
-    def _new_worker(self, instance_id: str, on_spawn: Any = None) -> ProcessWorker:
+    def _new_worker(
+        self, instance_id: str, on_spawn: Callable[[ProcessWorker], None] | None = None
+    ) -> ProcessWorker:
         config, control = self.spec.worker_config(instance_id), self._relay.sender()
         return ProcessWorker(
             pinned_worker, self._pins[instance_id], config, instance_id, control,
@@ -232,23 +233,23 @@ class LocalCluster(ServingCluster):
                     print(f"restarting {instance_id} failed: {exc!r}; again in {delay_s:.0f} s",
                           flush=True)  # fmt: skip
 
-    def _spawned(self, instance_id: str, worker: ProcessWorker) -> None:
+    def _spawned(self, worker: ProcessWorker) -> None:
         with self._lock:
-            self._starting[instance_id] = worker
+            self._starting = worker
             stopping = self._stopping.is_set()
         if stopping:  # shutdown began before this process existed
             worker.kill()
 
     def _restart(self, instance_id: str, dead: ProcessWorker) -> None:
-        self._restarting.add(instance_id)
+        self._restarting = instance_id
         try:
             dead.kill()  # reap it
             print(f"{instance_id} died (exit code {dead.exitcode}); restarting it", flush=True)
             try:
-                worker = self._new_worker(instance_id, lambda w: self._spawned(instance_id, w))
+                worker = self._new_worker(instance_id, on_spawn=self._spawned)
             finally:
                 with self._lock:
-                    self._starting.pop(instance_id, None)
+                    self._starting = None
             with self._lock:
                 if self._stopping.is_set():  # shutdown came during the start
                     worker.kill()
@@ -261,7 +262,7 @@ class LocalCluster(ServingCluster):
             handle.worker = worker  # the router reaches it from here on
             self.num_restarts[instance_id] = self.num_restarts.get(instance_id, 0) + 1
         finally:
-            self._restarting.discard(instance_id)
+            self._restarting = None
 
     def _settle_prefill(self, instance_id: str, worker: ProcessWorker) -> None:
         timeout_s = self.spec.router.worker_timeout_s
