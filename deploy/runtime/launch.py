@@ -4,46 +4,26 @@
     with cluster:
         address = cluster.start(progress=print)
 
-Both runtimes take the same ClusterSpec (deploy/config/cluster_spec.py) and have the same surface:
-`start(progress) -> address`, `address`, `metrics_port`, `http_port`, `shutdown()`, and use as a
-context manager. `--no-ray` (or `ray.enabled: false`) asks for plain processes; the colocated
-layout (a baseline for benchmarks) runs only as plain processes.
+Both runtimes take the same ClusterSpec (deploy/config/cluster_spec.py) and have the same surface,
+deploy/runtime/router_host.ServingCluster: `start(progress) -> address`, `address`,
+`metrics_port`, `http_port`, `serving()`, `shutdown()`, and use as a context manager.
+`--no-ray` (or `ray.enabled: false`) asks for plain processes; the colocated layout (a baseline
+for benchmarks) runs only as plain processes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 from deploy.config.cluster_spec import build_cluster_spec
 from deploy.config.serve_config import ConfigError, ServeConfig
 from deploy.runtime.local.local_cluster import LocalCluster
-
-
-class Cluster(Protocol):
-    """What the command line needs from a cluster (LocalCluster and RayCluster have it)."""
-
-    @property
-    def address(self) -> str: ...
-
-    @property
-    def metrics_port(self) -> int | None: ...
-
-    @property
-    def http_port(self) -> int | None: ...
-
-    def start(self, progress: Callable[[str], None] | None = None) -> str: ...
-
-    def shutdown(self) -> None: ...
-
-    def __enter__(self) -> Cluster: ...
-
-    def __exit__(self, *exc_info: object) -> None: ...
+from deploy.runtime.router_host import ServingCluster
 
 
 def open_cluster(
     config: ServeConfig, model_dir: str, say: Callable[[str], None] = print
-) -> Cluster:
+) -> ServingCluster:
     """A cluster for `config` (not started yet), on Ray unless `config.ray.enabled` is off."""
     if not config.ray.enabled:
         return LocalCluster(build_cluster_spec(config, model_dir))

@@ -180,8 +180,8 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
         "prefill-0": spec.prefill,
         **dict.fromkeys(spec.instance_ids()[1:], spec.decode),
     }
-    assert ray_cluster.host.config.auth_token == "s3cret"
-    assert ray_cluster.host.config.prefill_policy == "prefix_affinity"
+    assert ray_cluster.spec.router.auth_token == "s3cret"
+    assert ray_cluster.spec.router.prefill_policy == "prefix_affinity"
 
 
 def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
@@ -191,8 +191,8 @@ def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
         "worker_timeout_s": 7.5, "shutdown_grace_s": 12, "http_port": 0,
     }  # fmt: skip
     config = parse_config({"model": model_dir, "router": router})
-    plain = LocalCluster(build_cluster_spec(config)).host.config
-    assert plain == RayCluster(build_cluster_spec(config)).host.config
+    plain = LocalCluster(build_cluster_spec(config)).spec.router
+    assert plain == RayCluster(build_cluster_spec(config)).spec.router
     assert (plain.max_running_requests, plain.max_queued_requests) == (3, 2)
     assert (plain.max_model_len, plain.worker_timeout_s, plain.shutdown_grace_s) == (300, 7.5, 12)
     assert (plain.http_host, plain.http_port) == ("127.0.0.1", 0)  # the HTTP API, on loopback
@@ -200,8 +200,8 @@ def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
     assert spec.prefill is not None and spec.prefill.engine.max_model_len == 300
     # the defaults agree too, and the drain outlasts a typical stream
     default = parse_config({"model": model_dir})
-    plain = LocalCluster(build_cluster_spec(default)).host.config
-    assert plain == RayCluster(build_cluster_spec(default)).host.config
+    plain = LocalCluster(build_cluster_spec(default)).spec.router
+    assert plain == RayCluster(build_cluster_spec(default)).spec.router
     assert (plain.max_running_requests, plain.max_queued_requests) == (256, 256)
     assert plain.shutdown_grace_s == 30
     assert plain.http_port is None  # the HTTP API is opt-in

@@ -67,7 +67,7 @@ def one(values: Any) -> Any:
 
 
 def plain_view(cluster: LocalCluster) -> View:
-    return View("plain", cluster.worker_configs(), cluster.host.config, cluster.spec.pin_cpus)
+    return View("plain", cluster.worker_configs(), cluster.spec.router, cluster.spec.pin_cpus)
 
 
 def ray_view(cluster: RayCluster, monkeypatch: pytest.MonkeyPatch) -> View:
@@ -89,7 +89,7 @@ def ray_view(cluster: RayCluster, monkeypatch: pytest.MonkeyPatch) -> View:
     assert plan.decode_tp_size == workers["decode-0"].engine.tensor_parallel_size
     assert plan.device == one(config.engine.device for config in workers.values())
     return View(
-        "ray", dict(workers), cluster.host.config, cluster.spec.pin_cpus, calls[0], plan,
+        "ray", dict(workers), cluster.spec.router, cluster.spec.pin_cpus, calls[0], plan,
         cluster.actor_options(),
     )  # fmt: skip
 

@@ -9,8 +9,7 @@ import signal
 import time
 
 from deploy.config.cluster_spec import ClusterSpec
-from deploy.runtime.local.local_cluster import LocalCluster
-from deploy.runtime.local.restart_backoff import RestartBackoff
+from deploy.runtime.local.local_cluster import LocalCluster, RestartBackoff
 from engine import EngineConfig
 from router.config import RouterConfig
 from tests.router.tiny_tokenizer import add_tiny_tokenizer

@@ -2,14 +2,16 @@
 
 A worker object (worker/instance.Worker) has blocking, thread-safe methods; each handle method
 makes the matching typed call (worker/protocol.py: Submit, Reserve, Abort, Load, PollEvents).
-The router's interface is async, so each call runs on a thread of the default executor with its
-own timeout. `LocalHandle` runs the call on a worker in this process; `ProcessHandle` sends it to
-one hosted by deploy/process_host.ProcessWorker; deploy/ray_handles.RayHandle to a Ray actor.
+The router's interface is async, so each call runs on a thread (`_executor`; None: the default
+one) with its own timeout. `LocalHandle` runs the call on a worker in this process; `ProcessHandle`
+sends it to one hosted by deploy/runtime/local/process_host.ProcessWorker;
+deploy/runtime/ray/handles.RayHandle to a Ray actor.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from deploy.runtime.local.process_host import ProcessWorker
@@ -34,6 +36,8 @@ R = TypeVar("R")
 class HandleBase:
     """PrefillHandle / DecodeHandle / colocated handle; subclasses say how a call is made."""
 
+    _executor: Executor | None = None
+
     def __init__(
         self,
         instance_id: str,
@@ -50,18 +54,13 @@ class HandleBase:
     def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
         raise NotImplementedError
 
-    def _alive(self) -> bool:
-        return True
-
     async def _call(self, command: WorkerCall[R], timeout_s: float | None = None) -> R:
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
-        return await asyncio.to_thread(self._invoke, command, timeout)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._invoke, command, timeout)
 
     async def load(self) -> InstanceLoad:
-        load = await self._call(Load())
-        if not self._alive():
-            load.healthy = False
-        return load
+        return await self._call(Load())  # healthy=False from a worker whose loop failed
 
     async def abort(self, request_id: str) -> None:
         await self._call(Abort(request_id))
@@ -87,12 +86,6 @@ class LocalHandle(HandleBase):
     def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
         return command.run(self.worker)
 
-    def _alive(self) -> bool:
-        return bool(getattr(self.worker, "healthy", True))
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.worker.shutdown)
-
 
 class ProcessHandle(HandleBase):
     """A worker object in a child process (ProcessWorker)."""
@@ -103,9 +96,3 @@ class ProcessHandle(HandleBase):
 
     def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
         return self.worker.call(command, timeout_s)
-
-    def _alive(self) -> bool:
-        return self.worker.is_alive()
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.worker.shutdown)

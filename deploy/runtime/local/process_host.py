@@ -59,6 +59,7 @@ class _Shutdown:
         if hasattr(worker, "shutdown"):
             worker.shutdown()
 
+
 _FAILED_EXIT_DELAY_S = 1.0
 CONTROL = -1  # the call id of a control message going up the pipe (call ids start at 0)
 # In a worker process: sends a control message up its pipe (set by _child_main).

@@ -14,13 +14,12 @@ process (deploy/runtime/router_host.py), with a RayHandle per worker actor.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from deploy.runtime.channels import form_decode_channels, settle_prefill_channels
 from deploy.runtime.local.process_host import exit_when_failed
-from deploy.runtime.ray.channels import form_channels, settle_prefill_channels
-from deploy.runtime.ray.handles import ActorControl
+from deploy.runtime.ray.handles import ActorControl, actor_call
 from deploy.runtime.ray.placement import InstancePlacement, core_set, pin_to_core_set
 from engine.gc_tuning import freeze_startup_heap
 from worker.protocol import Role, WorkerCall
@@ -44,14 +43,12 @@ class WorkerActor:
         rank_actor_names: list[str] | None = None,
         peers: dict[str, int] | None = None,
     ) -> None:
-        started_at = time.time()
         import ray
         import torch
 
         from deploy.runtime.ray.launcher import RayRankLauncher
         from worker.instance import Worker
 
-        imported_at = time.time()
         if pin_cores:
             pin_to_core_set(core_set(placement.worker_indices[0], num_workers))
         torch.set_num_threads(config.engine.num_threads or 1)
@@ -62,40 +59,18 @@ class WorkerActor:
             config = replace(config, kv_transfer=replace(config.kv_transfer, host=self.node_ip))
         # By name, not handle: handles in the arguments of a restartable actor pin objects.
         rank_actors = []
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
             _kill_stale_ranks(rank_actor_names or [])
         else:
             rank_actors = [ray.get_actor(name) for name in rank_actor_names or []]
         launcher = None
         if placement.tp_size > 1:
             launcher = RayRankLauncher(placement, num_workers, pin_cores, rank_actors)
-        control = ActorControl(namespace)
         self.instance_id = placement.instance_id
-        self.worker = Worker(config, self.instance_id, control, launcher=launcher)
-        built_at = time.time()
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed and bool(peers)
-        timeout_s = config.kv_transfer.transfer_timeout_s + 5
-        if restarted and placement.role == Role.DECODE:
-            failing = form_channels(
-                self.worker, Role.DECODE, self.instance_id, 1, peers or {}, namespace, timeout_s
-            )
-            if failing:
-                print(f"{self.instance_id}: KV channels to {failing} did not form", flush=True)
-        if restarted and placement.role == Role.PREFILL:
-            # Acks (KVTransferDone) reach this actor only once its constructor returned: settle
-            # the channels on a thread, reporting unhealthy (so the router avoids it) until then.
-            self.worker.ready.clear()
-            threading.Thread(
-                target=self._settle, args=(placement.tp_size, peers or {}, namespace, timeout_s),
-                daemon=True,
-            ).start()  # fmt: skip
-        # where start-up time goes: process start (driver side), imports, model + TP group + KV
-        self.startup = {
-            "started_at": started_at,
-            "import_s": imported_at - started_at,
-            "build_s": built_at - imported_at,
-            "channels_s": time.time() - built_at,
-        }
+        self.worker = Worker(config, self.instance_id, ActorControl(namespace), launcher=launcher)
+        if restarted and peers:
+            self._rejoin(placement, peers, namespace, config.kv_transfer.transfer_timeout_s + 5)
         # A worker whose loop died (say, a TP rank was killed) exits, so Ray restarts the actor;
         # alive but broken, it would report unhealthy for good.
         threading.Thread(target=exit_when_failed, args=(self.worker,), daemon=True).start()
@@ -105,20 +80,34 @@ class WorkerActor:
         """The worker's API (worker/protocol.py): every router and peer call is one command."""
         return command.run(self.worker)
 
-    def _settle(self, tp_size: int, peers: dict[str, int], namespace: str, timeout: float) -> None:
-        try:
-            settle_prefill_channels(
-                self.worker, self.instance_id, tp_size, peers, namespace, timeout
-            )
-        finally:
-            self.worker.ready.set()
+    def _rejoin(
+        self, placement: InstancePlacement, peers: dict[str, int], namespace: str, timeout_s: float
+    ) -> None:
+        """A restarted actor forms its KV channels (deploy/runtime/channels.py) before the
+        router uses it."""
+        peer_call = actor_call(namespace, timeout_s)
+        if placement.role == Role.DECODE:
+            failing = form_decode_channels(self.worker, self.instance_id, peers, peer_call,
+                                           timeout_s)  # fmt: skip
+            if failing:
+                print(f"{self.instance_id}: KV channels to {failing} did not form", flush=True)
+            return
+        # Acks (KVTransferDone) reach this actor only once its constructor returned: settle
+        # the channels on a thread, reporting unhealthy (so the router avoids it) until then.
+        self.worker.ready.clear()
+
+        def settle() -> None:
+            try:
+                settle_prefill_channels(self.call, self.instance_id, placement.tp_size,
+                                        list(peers), peer_call, timeout_s)  # fmt: skip
+            finally:
+                self.worker.ready.set()
+
+        threading.Thread(target=settle, daemon=True).start()
 
     def info(self) -> dict[str, Any]:
         """Where this instance runs: node address and id, process ids (rank 0 first)."""
-        return {
-            "node_ip": self.node_ip, "node_id": self.node_id, "pids": self.worker.process_ids(),
-            "startup": self.startup,
-        }  # fmt: skip
+        return {"node_ip": self.node_ip, "node_id": self.node_id, "pids": self.worker.process_ids()}
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -1,11 +1,11 @@
 """RayCluster: the one object the command line uses to run pdserve on Ray.
 
     with RayCluster(build_cluster_spec(config)) as c:     # the ClusterSpec plain processes take
-        address = c.start(progress=print)      # "127.0.0.1:50123", gRPC health SERVING
+        address = c.start(progress=print)      # "127.0.0.1:50123", health SERVING
         c.status()                             # workers, loads, KV usage, health
-        c.serve_forever()                      # until SIGINT/SIGTERM, then shutdown()
+    # shutdown(): drain, stop the actors, remove the placement groups, stop Ray
 
-Start-up, in order (each step reported through `progress` and timed in `startup_timings`):
+Start-up, in order (each step reported through `progress`):
 1. Ray: a local cluster on 127.0.0.1 (deploy/runtime/ray/node.py), or join `spec.ray.address`.
 2. Placement groups (deploy/runtime/ray/placement.py): each prefill instance STRICT_PACK, one bundle
    per TP rank; decode replicas spread; GPUs or CPU shares claimed as Ray resources.
@@ -15,21 +15,21 @@ Start-up, in order (each step reported through `progress` and timed in `startup_
 4. KV channels: one two-token request through every (prefill, decode) pair builds every pair
    channel before the first user request (and checks the hand-off end to end).
 5. The router, in this process (deploy/runtime/router_host.py) with a RayHandle per worker actor; then
-   wait until gRPC health is SERVING.
+   wait until its health is SERVING.
 
 Failures: a worker actor whose process dies is restarted by Ray (`ray.max_restarts`) behind the
 same name and handle. Its in-flight requests end with UNAVAILABLE ("worker decode-1 became
 unavailable (...); retry the request"): pdserve does not re-run them, because tokens already
 streamed cannot be taken back and sampling may not be reproducible. New requests avoid the
 instance (the router's pool marks it unhealthy) until its load reports healthy again, which is
-after its constructor rebuilt the worker and its KV pair channels (deploy/runtime/ray/channels.py). A
+after its constructor rebuilt the worker and its KV pair channels (deploy/runtime/channels.py). A
 restarted prefill driver replaces its TP rank actors (deploy/runtime/ray/launcher.py).
 
-Shutdown (`shutdown()`, also on SIGINT/SIGTERM via `serve_forever` or
-`install_signal_handlers`): the router stops admitting and gives in-flight requests
-`shutdown_grace_s`, then aborts them; the workers shut down (freeing every block, ending their
-TP ranks); every actor is killed, the placement groups removed, and a Ray cluster that this
-object started is stopped with every one of its processes, checked by process id.
+Shutdown (`shutdown()`; `pdserve serve` calls it on SIGINT/SIGTERM): the router stops
+admitting and gives in-flight requests `shutdown_grace_s`, then aborts them; the workers shut
+down (freeing every block, ending their TP ranks); every actor is killed, the placement groups
+removed, and a Ray cluster that this object started is stopped with every one of its
+processes, checked by process id.
 """
 
 from __future__ import annotations
@@ -37,23 +37,17 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import signal
-import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import grpc
 import ray
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.config.cluster_spec import ClusterSpec
+from deploy.runtime.channels import form_all_channels
 from deploy.runtime.ray.actors import WorkerActor
-from deploy.runtime.ray.channels import form_all_channels
-from deploy.runtime.ray.handles import RayHandle, actor_name
+from deploy.runtime.ray.handles import RayHandle, actor_call, actor_name
 from deploy.runtime.ray.launcher import rank_actor_name, start_rank_actors
 from deploy.runtime.ray.node import LocalRay, connect_ray, start_local_ray
 from deploy.runtime.ray.placement import (
@@ -63,13 +57,11 @@ from deploy.runtime.ray.placement import (
     remove_placements,
     wait_until_placed,
 )
-from deploy.runtime.router_host import RouterHost
+from deploy.runtime.router_host import Progress, ServingCluster
 from worker.config import WorkerConfig
 from worker.protocol import InstanceLoad, Load, Role
 
 logger = logging.getLogger(__name__)
-Progress = Callable[[str], None]
-_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @dataclass
@@ -90,39 +82,25 @@ class WorkerStatus:
 @dataclass
 class ClusterStatus:
     router_address: str
-    serving: bool  # gRPC health of the router
+    serving: bool  # the router's health
     workers: list[WorkerStatus]
     ray_pids: list[int]  # every process of the local Ray cluster (empty when joined)
 
 
-class RayCluster:
+class RayCluster(ServingCluster):
     """The ClusterSpec on Ray: `spec.ray` holds what only this runtime reads."""
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 180.0) -> None:
         if spec.prefill is None or spec.decode is None:
             raise ValueError("Ray runs the disaggregated layout only; run colocated without Ray")
-        self.spec = spec
+        super().__init__(spec, start_timeout_s)
         self.prefill: WorkerConfig = spec.prefill
         self.decode: WorkerConfig = spec.decode
-        self.start_timeout_s = start_timeout_s
         self.namespace = f"pdserve-{uuid.uuid4().hex[:8]}"
-        self.startup_timings: dict[str, float] = {}  # step -> seconds
-        self.worker_startup: dict[str, dict[str, float]] = {}  # id -> process start/import/build
         self.placements: list[InstancePlacement] = []
         self.worker_actors: dict[str, Any] = {}
-        self.host = RouterHost(spec.router)
         self.rank_actors: list[Any] = []  # TP ranks 1..k-1 (a restarted driver makes its own)
         self._node: LocalRay | None = None
-        self._address = ""
-        self._closed = False
-        self._stop_requested = threading.Event()
-        self._serving = threading.Event()
-        self.stop_signal: int | None = None
-
-    @property
-    def address(self) -> str:
-        """host:port of the router's gRPC server (after `start`)."""
-        return self._address
 
     @property
     def temp_dir(self) -> str | None:
@@ -130,33 +108,22 @@ class RayCluster:
         return None if self._node is None else self._node.temp_dir
 
     # ---------------------------------------------------------------- start
-    def start(self, progress: Progress | None = None) -> str:
-        """Bring the whole cluster up; returns the router's address once health is SERVING."""
-        say = progress or (lambda message: None)
-        try:
-            self._step("ray", say, "starting Ray" if self.spec.ray.address is None
-                       else f"joining Ray at {self.spec.ray.address}", self._start_ray)  # fmt: skip
-            if self.temp_dir is not None:
-                say(f"Ray temp dir {self.temp_dir}")
-            self._step("placement", say, f"reserving {self.spec.num_workers} workers",
-                       self._place)  # fmt: skip
-            self._step("workers", say, "loading the model on every worker", self._start_workers)
-            self._step("channels", say, "forming the KV channels", self._form_kv_channels)
-            self._step("router", say, "starting the router", self._start_router)
-            self._step("health", say, "waiting for gRPC health SERVING", self._wait_serving)
-        except BaseException:
-            self.shutdown(grace_s=0.1)
-            raise
-        say(f"serving on {self._address} ({sum(self.startup_timings.values()):.1f}s)")
-        return self._address
-
-    def _step(self, key: str, say: Progress, message: str, run: Callable[[], None]) -> None:
-        say(message)
-        started = time.perf_counter()
-        run()
-        self.startup_timings[key] = time.perf_counter() - started
-        if self._node is not None:
-            self._node.remember_processes()
+    def _start(self, say: Progress) -> None:
+        address = self.spec.ray.address
+        say("starting Ray" if address is None else f"joining Ray at {address}")
+        self._start_ray()
+        if self.temp_dir is not None:
+            say(f"Ray temp dir {self.temp_dir}")
+        for message, run in [
+            (f"reserving {self.spec.num_workers} workers", self._place),
+            ("loading the model on every worker", self._start_workers),
+            ("forming the KV channels", self._form_kv_channels),
+            ("starting the router", self._start_router),
+        ]:
+            say(message)
+            run()
+            assert self._node is not None
+            self._node.remember_processes()  # Ray's new processes, to stop them by id at shutdown
 
     def _start_ray(self) -> None:
         if self.spec.ray.address is None:
@@ -182,13 +149,6 @@ class RayCluster:
         plan = self.placement_plan(ray.cluster_resources().get("CPU", 1.0))
         self.placements = place_instances(plan, f"{self.namespace}-")
         wait_until_placed(self.placements, self.start_timeout_s)
-
-    def worker_configs(self) -> dict[str, WorkerConfig]:
-        """The config each worker actor is built with, by instance id."""
-        return {
-            i: self.prefill if i.startswith("prefill-") else self.decode
-            for i in self.spec.instance_ids()
-        }
 
     def actor_options(self) -> dict[str, Any]:
         """The Ray options of every worker actor, beside its placement."""
@@ -217,87 +177,33 @@ class RayCluster:
                 configs[placement.instance_id], placement, num_workers, pin, self.namespace,
                 ranks, self._peers_of(placement.role),
             )  # fmt: skip
-        created_at = time.time()
         infos = [actor.info.remote() for actor in self.worker_actors.values()]
-        answers = ray.get(infos, timeout=self.start_timeout_s)  # built: ready
-        for instance_id, info in zip(self.worker_actors, answers, strict=True):
-            startup = dict(info["startup"])
-            startup["process_start_s"] = startup.pop("started_at") - created_at
-            self.worker_startup[instance_id] = startup
+        ray.get(infos, timeout=self.start_timeout_s)  # built: ready
 
     def _form_kv_channels(self) -> None:
+        timeout_s = self.prefill.kv_transfer.transfer_timeout_s + 10
         form_all_channels(
-            self._actors_of("prefill-"), self._actors_of("decode-"),
-            self.prefill.engine.tensor_parallel_size,
-            self.prefill.kv_transfer.transfer_timeout_s + 10,
+            self._ids_of(Role.PREFILL), self._ids_of(Role.DECODE),
+            self.prefill.engine.tensor_parallel_size, actor_call(self.namespace, timeout_s),
+            timeout_s,
         )  # fmt: skip
 
     def _peers_of(self, role: Role) -> dict[str, int]:
         """The instances a worker of `role` hands KV to or from, with their TP sizes."""
         peers = self.prefill if role == Role.DECODE else self.decode
-        prefix = "prefill-" if role == Role.DECODE else "decode-"
-        names = [i for i in self.spec.instance_ids() if i.startswith(prefix)]
-        return dict.fromkeys(names, peers.engine.tensor_parallel_size)
+        other = Role.PREFILL if role == Role.DECODE else Role.DECODE
+        return dict.fromkeys(self._ids_of(other), peers.engine.tensor_parallel_size)
 
-    def _actors_of(self, prefix: str) -> dict[str, Any]:
-        return {i: a for i, a in self.worker_actors.items() if i.startswith(prefix)}
+    def _ids_of(self, role: Role) -> list[str]:
+        return [i for i in self.spec.instance_ids() if i.startswith(f"{role.value}-")]
 
-    def _start_router(self) -> None:
-        prefill, decode = self._actors_of("prefill-"), self._actors_of("decode-")
-        tp_sizes = dict.fromkeys(prefill, self.prefill.engine.tensor_parallel_size)
-        timeout_s = self.host.config.worker_timeout_s
-        self._address = self.host.start(
-            [RayHandle(i, Role.PREFILL, a, self.namespace, timeout_s) for i, a in prefill.items()],
-            [RayHandle(i, Role.DECODE, a, self.namespace, timeout_s, tp_sizes)
-             for i, a in decode.items()],
-        )  # fmt: skip
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self.host.metrics_port
-
-    @property
-    def http_port(self) -> int | None:
-        return self.host.http_port
-
-    def _wait_serving(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self.serving():
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the router at {self._address} did not report SERVING within "
-                    f"{self.start_timeout_s:.0f}s"
-                )
-            time.sleep(0.05)
+    def _handle(self, instance_id: str, role: Role, prefill_tp: dict[str, int]) -> RayHandle:
+        actor, timeout_s = self.worker_actors[instance_id], self.spec.router.worker_timeout_s
+        return RayHandle(instance_id, role, actor, self.namespace, timeout_s, prefill_tp)
 
     # --------------------------------------------------------------- status
-    def serving(self, timeout_s: float = 2.0) -> bool:
-        """True when the router's gRPC health check answers SERVING."""
-        if not self._address:
-            return False
-        try:
-            with self._channel() as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                reply = stub.Check(
-                    health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=self._metadata()
-                )
-        except grpc.RpcError:
-            return False
-        return bool(reply.status == _SERVING)
-
-    def _channel(self) -> grpc.Channel:
-        cert_file = self.host.config.tls_cert_file
-        if cert_file is None:
-            return grpc.insecure_channel(self._address)
-        root = Path(cert_file).read_bytes()
-        return grpc.secure_channel(self._address, grpc.ssl_channel_credentials(root))
-
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        token = self.host.config.auth_token
-        return (("authorization", f"Bearer {token}"),) if token else ()
-
     def status(self, timeout_s: float = 5.0) -> ClusterStatus:
-        """Every worker's health, load and KV usage, and the router's gRPC health."""
+        """Every worker's health, load and KV usage, and the router's health."""
         workers = []
         for placement in self.placements:
             actor = self.worker_actors.get(placement.instance_id)
@@ -313,62 +219,26 @@ class RayCluster:
             except Exception as exc:  # dead, restarting or stuck: say so, do not raise
                 status.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}"
             workers.append(status)
-        return ClusterStatus(self._address, self.serving(), workers, self.pids())
+        return ClusterStatus(self.address, self.serving(), workers, self.pids())
 
     def pids(self) -> list[int]:
         """Every live process of the Ray cluster this object started (empty when joined)."""
         return self._node.pids() if self._node is not None and self._node.owned else []
 
     # ------------------------------------------------------------- shutdown
-    def install_signal_handlers(self) -> None:
-        """SIGINT/SIGTERM: stop `serve_forever`; during `start`, interrupt it (it shuts down)."""
-
-        def handle(signum: int, frame: Any) -> None:
-            self.stop_signal = signum
-            self._stop_requested.set()
-            if not self._serving.is_set():
-                raise KeyboardInterrupt(f"signal {signum}")
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, handle)
-
-    def serve_forever(self) -> int | None:
-        """Serve until SIGINT or SIGTERM, then shut down; returns the signal number."""
-        self.install_signal_handlers()
-        self._serving.set()
-        while not self._stop_requested.wait(0.5):
-            pass
-        self.shutdown()
-        return self.stop_signal
-
-    def shutdown(self, grace_s: float | None = None) -> None:
-        """Graceful and idempotent: see the module docstring."""
-        if self._closed:
-            return
-        self._closed = True
-        grace = self.host.config.shutdown_grace_s if grace_s is None else grace_s
+    def _stop_workers(self) -> None:
         if ray.is_initialized():
-            self._stop_actors(grace)
+            stops = [actor.shutdown.remote() for actor in self.worker_actors.values()]
+            if stops:
+                # after the drain, all of shutdown fits in ~15 s: workers 5, Ray's processes 6
+                ray.wait(stops, num_returns=len(stops), timeout=5)
+            for actor in [*self.worker_actors.values(), *self.rank_actors]:
+                _best_effort(functools.partial(ray.kill, actor, no_restart=True))
             remove_placements(self.placements)
         if self._node is not None:
             survivors = self._node.stop(timeout_s=6.0)
             if survivors:
                 logger.error("processes still running after shutdown: %s", survivors)
-
-    def _stop_actors(self, grace_s: float) -> None:
-        _best_effort(lambda: self.host.stop(grace_s))
-        stops = [actor.shutdown.remote() for actor in self.worker_actors.values()]
-        if stops:
-            # after the drain, all of shutdown fits in ~15 s: workers 5, Ray's processes 6
-            ray.wait(stops, num_returns=len(stops), timeout=5)
-        for actor in [*self.worker_actors.values(), *self.rank_actors]:
-            _best_effort(functools.partial(ray.kill, actor, no_restart=True))
-
-    def __enter__(self) -> RayCluster:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
 
 
 def _best_effort(run: Callable[[], Any]) -> None:

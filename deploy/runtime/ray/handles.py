@@ -20,7 +20,6 @@ kv_transfer channels.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -28,6 +27,7 @@ from typing import Any, TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from deploy.runtime.channels import PeerCall
 from deploy.runtime.local.handles import HandleBase
 from worker.protocol import Deliver, Role, WorkerCall, WorkerUnavailable
 
@@ -44,6 +44,17 @@ def actor_name(instance_id: str) -> str:
     return f"pdserve-{instance_id}"
 
 
+def actor_call(namespace: str, timeout_s: float) -> PeerCall:
+    """A typed call on the worker actor of an instance, by name, waited for (deploy/runtime/
+    channels.py reaches peers with it)."""
+
+    def call(instance_id: str, command: WorkerCall[Any]) -> Any:
+        actor = ray.get_actor(actor_name(instance_id), namespace)
+        return ray.get(actor.call.remote(command), timeout=timeout_s)
+
+    return call
+
+
 class RayHandle(HandleBase):
     """A router handle over the worker actor named `actor_name(instance_id)` in `namespace`.
     The handle methods are deploy/runtime/local/handles.py's; only how a call is made differs."""
@@ -58,6 +69,7 @@ class RayHandle(HandleBase):
         prefill_tp_sizes: dict[str, int] | None = None,
     ) -> None:
         super().__init__(instance_id, role, call_timeout_s, prefill_tp_sizes)
+        self._executor = _CALLS
         self.namespace = namespace
         self._actor: Any | None = actor
 
@@ -69,23 +81,14 @@ class RayHandle(HandleBase):
                 raise WorkerUnavailable(f"{self.instance_id}: no such actor (yet)") from None
         return self._actor
 
-    async def _call(self, command: WorkerCall[R], timeout_s: float | None = None) -> R:
-        timeout = self.call_timeout_s if timeout_s is None else timeout_s
-        actor = self._resolve()
-
-        def invoke() -> R:
-            ref = actor.call.remote(command)
-            try:
-                return ray.get(ref, timeout=timeout)
-            except GetTimeoutError:
-                ray.cancel(ref)
-                raise
-
+    def _invoke(self, command: WorkerCall[R], timeout_s: float) -> R:
+        ref = self._resolve().call.remote(command)
         try:
-            return await asyncio.get_running_loop().run_in_executor(_CALLS, invoke)
-        except (TimeoutError, asyncio.TimeoutError, GetTimeoutError):
+            return ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError:
+            ray.cancel(ref)
             raise WorkerUnavailable(
-                f"{self.instance_id} did not answer {type(command).__name__} within {timeout:.1f}s"
+                f"{self.instance_id} did not answer {type(command).__name__} within {timeout_s:.1f}s"
             ) from None
         except RayActorError as exc:
             self._actor = None  # look it up again next time

@@ -42,9 +42,6 @@ class RankActor:
         self._reported = threading.Event()
         self._state = ("", "")
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def run(self, spec: RankSpec) -> None:
         from engine.ranks import run_rank
 
@@ -60,11 +57,11 @@ class RankActor:
             # memory until the cluster stops. run_rank ended: SHUTDOWN, or the driver is gone.
             _leave()
 
-    def wait_ready(self, timeout_s: float) -> tuple[str, str]:
-        """("ready", "") | ("error", traceback) | ("timeout", "")."""
+    def wait_ready(self, timeout_s: float) -> tuple[str, str, int]:
+        """("ready", "") | ("error", traceback) | ("timeout", ""), and this rank's process id."""
         if not self._reported.wait(timeout_s):
-            return ("timeout", "")
-        return self._state
+            return ("timeout", "", os.getpid())
+        return (*self._state, os.getpid())
 
 
 def _leave() -> None:
@@ -120,13 +117,13 @@ class RayRankLauncher:
         answers = ray.get(
             [a.wait_ready.remote(timeout_s) for a in self.actors], timeout=timeout_s + 10
         )
-        for rank, (state, detail) in enumerate(answers, start=1):
+        for rank, (state, detail, _) in enumerate(answers, start=1):
             if state != "ready":
                 raise RuntimeError(
                     f"TP rank {rank} of {self.placement.instance_id} failed to start: "
                     + (detail or f"not ready within {timeout_s:.0f}s")
                 )
-        self._pids = ray.get([a.pid.remote() for a in self.actors], timeout=timeout_s)
+        self._pids = [pid for _, _, pid in answers]
 
     def dead(self) -> list[str]:
         if not self._runs:

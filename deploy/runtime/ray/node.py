@@ -141,7 +141,6 @@ class LocalRay:
 
     owned: bool
     temp_dir: str | None = None
-    node_ip_address: str = "127.0.0.1"
     known_pids: set[int] = field(default_factory=set)
     other_pids: set[int] = field(default_factory=set)  # children this process had before Ray
 
@@ -176,28 +175,24 @@ def start_local_ray(namespace: str, num_cpus: int | None = None) -> LocalRay:
     os.environ.update(worker_env_vars())
     temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")
     try:
-        _init_local_ray(namespace, num_cpus, temp_dir)
+        with ray_processes_in_own_session():
+            ray.init(
+                num_cpus=num_cpus or len(os.sched_getaffinity(0)),
+                namespace=namespace,
+                include_dashboard=False,
+                object_store_memory=_OBJECT_STORE_BYTES,
+                log_to_driver=False,
+                configure_logging=False,
+                _node_ip_address="127.0.0.1",
+                _temp_dir=temp_dir,
+                _system_config=_GCS_SYSTEM_CONFIG,
+            )
     except BaseException:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     node = LocalRay(owned=True, temp_dir=temp_dir, other_pids=other_pids)
     node.remember_processes()
     return node
-
-
-def _init_local_ray(namespace: str, num_cpus: int | None, temp_dir: str) -> None:
-    with ray_processes_in_own_session():
-        ray.init(
-            num_cpus=num_cpus or len(os.sched_getaffinity(0)),
-            namespace=namespace,
-            include_dashboard=False,
-            object_store_memory=_OBJECT_STORE_BYTES,
-            log_to_driver=False,
-            configure_logging=False,
-            _node_ip_address="127.0.0.1",
-            _temp_dir=temp_dir,
-            _system_config=_GCS_SYSTEM_CONFIG,
-        )
 
 
 def connect_ray(address: str, namespace: str) -> LocalRay:
@@ -209,4 +204,4 @@ def connect_ray(address: str, namespace: str) -> LocalRay:
         log_to_driver=False,
         configure_logging=False,
     )
-    return LocalRay(owned=False, node_ip_address=ray.util.get_node_ip_address())
+    return LocalRay(owned=False)

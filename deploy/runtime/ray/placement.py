@@ -57,13 +57,6 @@ class PlacementPlan:
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def num_workers(self) -> int:
-        return (
-            self.num_prefill_instances * self.prefill_tp_size
-            + self.num_decode_instances * self.decode_tp_size
-        )
-
 
 def _bundle(plan: PlacementPlan, extra: dict[str, float]) -> dict[str, float]:
     bundle = {"CPU": plan.num_cpus_per_worker, **extra}
@@ -74,45 +67,29 @@ def _bundle(plan: PlacementPlan, extra: dict[str, float]) -> dict[str, float]:
 
 def place_instances(plan: PlacementPlan, name_prefix: str) -> list[InstancePlacement]:
     """Create the placement groups (not yet ready: see `wait_until_placed`)."""
-    num_gpus = 1 if plan.device.startswith("cuda") else 0
-    placements: list[InstancePlacement] = []
-    next_worker = 0
+    groups: list[tuple[str, Role, int, PlacementGroup, tuple[int, ...]]] = []
 
-    def instance(
-        instance_id: str, role: Role, tp: int, group: PlacementGroup, bundles: tuple[int, ...]
-    ) -> None:
-        nonlocal next_worker
-        workers = tuple(range(next_worker, next_worker + tp))
-        next_worker += tp
-        placements.append(InstancePlacement(
-            instance_id, role, tp, group, bundles, workers, plan.num_cpus_per_worker, num_gpus
-        ))  # fmt: skip
+    def packed(instance_id: str, role: Role, tp: int, resources: dict[str, float]) -> None:
+        bundles = [_bundle(plan, resources)] * tp
+        group = placement_group(bundles, strategy="STRICT_PACK", name=name_prefix + instance_id)
+        groups.append((instance_id, role, tp, group, tuple(range(tp))))
 
     for i in range(plan.num_prefill_instances):
-        bundle = _bundle(plan, plan.prefill_resources)
-        group = placement_group(
-            [bundle] * plan.prefill_tp_size,
-            strategy="STRICT_PACK",
-            name=f"{name_prefix}prefill-{i}",
-        )
-        instance(f"prefill-{i}", Role.PREFILL, plan.prefill_tp_size, group,
-                 tuple(range(plan.prefill_tp_size)))  # fmt: skip
-    bundle = _bundle(plan, plan.decode_resources)
+        packed(f"prefill-{i}", Role.PREFILL, plan.prefill_tp_size, plan.prefill_resources)
     if plan.decode_tp_size == 1:
-        group = placement_group(
-            [bundle] * plan.num_decode_instances, strategy="SPREAD", name=f"{name_prefix}decode"
-        )
-        for j in range(plan.num_decode_instances):
-            instance(f"decode-{j}", Role.DECODE, 1, group, (j,))
+        bundles = [_bundle(plan, plan.decode_resources)] * plan.num_decode_instances
+        group = placement_group(bundles, strategy="SPREAD", name=f"{name_prefix}decode")
+        groups += [(f"decode-{j}", Role.DECODE, 1, group, (j,)) for j in range(len(bundles))]
     else:
         for j in range(plan.num_decode_instances):
-            group = placement_group(
-                [bundle] * plan.decode_tp_size,
-                strategy="STRICT_PACK",
-                name=f"{name_prefix}decode-{j}",
-            )
-            instance(f"decode-{j}", Role.DECODE, plan.decode_tp_size, group,
-                     tuple(range(plan.decode_tp_size)))  # fmt: skip
+            packed(f"decode-{j}", Role.DECODE, plan.decode_tp_size, plan.decode_resources)
+    num_gpus = 1 if plan.device.startswith("cuda") else 0
+    placements, next_worker = [], 0
+    for instance_id, role, tp, group, bundle_indices in groups:
+        workers = tuple(range(next_worker, next_worker + tp))  # each rank's core set
+        next_worker += tp
+        placements.append(InstancePlacement(instance_id, role, tp, group, bundle_indices, workers,
+                                            plan.num_cpus_per_worker, num_gpus))  # fmt: skip
     return placements
 
 
