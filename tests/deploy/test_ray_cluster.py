@@ -139,7 +139,8 @@ def test_streams_of_a_killed_decode_actor_migrate_and_it_is_restarted(
     # prefilled again) and finish token for token as transformers does.
     assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(results)
     assert [r.token_ids for r in results] == reference["long"]
-    registry = cluster.host.router.metrics.registry  # the router runs in this process
+    assert cluster.router is not None  # the router runs in this process
+    registry = cluster.router.metrics.registry
     migrations = registry.get_sample_value("pdserve:request_migrations_total")
     assert migrations is not None and migrations >= 1, f"{name} held none of the streams"
 
