@@ -142,7 +142,9 @@ def test_a_client_that_leaves_while_waiting_for_a_whole_response_frees_every_kv_
     ).encode()
     with socket.create_connection(("127.0.0.1", cluster.router.http_port), timeout=10) as sock:
         sock.sendall(head + body)
-        _wait_for("the request decoding", lambda: _blocks_in_use(cluster)[-1] > 0)
+        # Leave as soon as the request holds KV somewhere: on a quiet machine the tiny model
+        # decodes all of it in about a second, and waiting for the decode side let it finish.
+        _wait_for("the request holding KV", lambda: sum(_blocks_in_use(cluster)) > 0)
     _wait_for("every block free", lambda: sum(_blocks_in_use(cluster)) == 0)
     _wait_for("no request running in the router", lambda: _running(cluster) == 0)
     assert _num_finished(cluster) == finished_before  # aborted, not run to its end
