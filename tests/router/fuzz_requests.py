@@ -301,15 +301,32 @@ def _string_or_message(draw: st.DrawFn, kind: str, path: str) -> tuple[bytes, st
     return length_delimited(1, role) + length_delimited(2, content), None
 
 
+_GROUP_START, _GROUP_END = varint(13 << 3 | 3), varint(13 << 3 | 4)
+_PATHOLOGICAL = [
+    _GROUP_START * 100_000 + _GROUP_END * 100_000,  # nested past any parser's depth limit
+    _GROUP_START * 3 + _GROUP_END * 3,  # a well-formed unknown group
+    _GROUP_START,  # a group never closed
+    _GROUP_END,  # a group never opened
+    varint(1 << 3 | 2) + varint(2**63) + b"abc",  # a length far past the end
+    varint(2 << 3 | 2) + varint(3) + b"\xff\xff\xff",  # packed ids cut inside a varint
+    varint(4 << 3) + b"\xff" * 20,  # a varint longer than 10 bytes
+    b"\x00\x01",  # field number 0
+    varint((2**29 - 1) << 3) + b"\x01",  # the largest field number
+    varint(2**29 << 3) + b"\x01",  # one past it
+]
+
+
 @st.composite
 def garbled_bytes(draw: st.DrawFn) -> bytes:
     """Bytes that are mostly not a protobuf message: random, or a valid request cut or flipped."""
     valid = pb.GenerateRequest(
         prompt=draw(st.text(max_size=8)), max_tokens=2, stop=["a"], request_id="r"
     ).SerializeToString()
-    how = draw(st.sampled_from(["random", "cut", "flip", "splice"]))
+    how = draw(st.sampled_from(["random", "cut", "flip", "splice", "pathological"]))
     if how == "random":
         return draw(st.binary(max_size=64))
+    if how == "pathological":
+        return draw(st.sampled_from(_PATHOLOGICAL))
     if how == "cut":
         return valid[: draw(st.integers(0, max(0, len(valid) - 1)))]
     if how == "flip":
