@@ -25,14 +25,8 @@ from router.config import RouterConfig
 from router.synthetic import synthetic_cluster
 from router.tokenizer import RouterTokenizer
 from router.worker_api import InstanceLoad
-from tests.router.fuzz_requests import (
-    RawRequest,
-    expected,
-    garbled_bytes,
-    generate_requests,
-    named_fields,
-    raw_requests,
-)
+from tests.router.fuzz_requests import expected, generate_requests, named_fields
+from tests.router.fuzz_wire import RawRequest, garbled_bytes, raw_requests
 from tests.router.harness import RouterThread
 
 _TIMEOUT_S = 20.0  # per call: far above any answer's time; reaching it is a hang
