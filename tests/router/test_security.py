@@ -211,3 +211,9 @@ def test_which_hosts_count_as_loopback() -> None:
     public = ["0.0.0.0", "::", "", "10.1.2.3", "192.168.0.1", "example.com", "fe80::1"]
     assert all(is_loopback_host(host) for host in loopback)
     assert not any(is_loopback_host(host) for host in public)
+
+
+def test_the_open_options_take_booleans_only(tiny_model_dir: str) -> None:
+    for name in ("auth_exempt_health", "auth_exempt_reflection"):
+        with pytest.raises(ValueError, match=f"{name} must be true or false, got 'yes'"):
+            RouterConfig(model_dir=tiny_model_dir, auth_token=TOKEN, **{name: "yes"})
