@@ -148,9 +148,9 @@ class RouterConfig:
         return self.tls_cert_file is not None
 
     @property
-    def metrics_need_auth(self) -> bool:
-        """Whether the metrics port needs the bearer token (and TLS, when configured)."""
-        return self.auth_token is not None and not is_loopback_host(self.metrics_host)
+    def metrics_public(self) -> bool:
+        """Whether the metrics port takes the bearer token and TLS (those configured)."""
+        return not is_loopback_host(self.metrics_host)
 
     @property
     def http_metrics_need_auth(self) -> bool:

@@ -159,7 +159,7 @@ class Router:
     def _start_metrics_http(self) -> None:
         config = self.config
         assert config.metrics_port is not None
-        public = config.metrics_need_auth
+        public = config.metrics_public
         tls_files = None
         if public and config.tls_cert_file and config.tls_key_file:
             tls_files = (config.tls_cert_file, config.tls_key_file)
