@@ -1,35 +1,46 @@
-"""Bearer-token authentication for every RPC, as a gRPC server interceptor.
+"""Bearer-token authentication: the one check, and its gRPC interceptor and WSGI wrapper.
 
-A call without `authorization: Bearer <token>` metadata matching the configured token ends with
-UNAUTHENTICATED before its handler runs, whatever the method: an unknown method is refused too,
-so a caller without the token learns nothing about which methods exist. The scheme name is
-case-insensitive (RFC 7235: "bearer" is "Bearer"); the token is compared exactly, in constant
-time.
+A call without `authorization: Bearer <token>` matching the configured token is refused before
+its handler runs. On gRPC that is UNAUTHENTICATED whatever the method: an unknown method is
+refused too, so a caller without the token learns nothing about which methods exist. Only the
+services the configuration names open (health, reflection: see RouterConfig) skip the check.
+The scheme name is case-insensitive (RFC 7235: "bearer" is "Bearer"); the token is compared
+exactly, in constant time. The HTTP API (router/http_api) and the metrics endpoint
+(router/metrics_http.py) use the same check.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from typing import Any
 
 import grpc
 
 _MESSAGE = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
-_SCHEME = "bearer"
+_SCHEME = b"bearer"
+
+
+def bearer_token_matches(authorization: str | bytes | None, expected: bytes) -> bool:
+    """Whether an Authorization value is `Bearer <expected>`."""
+    given = authorization or b""
+    given = given if isinstance(given, bytes) else given.encode()
+    scheme, _, token = given.partition(b" ")
+    # Compare the token even when the scheme is wrong: the time taken says nothing.
+    token_matches = hmac.compare_digest(token.strip(b" "), expected)
+    return scheme.lower() == _SCHEME and token_matches
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, open_services: Collection[str] = ()) -> None:
+        """`open_services`: full names of services whose methods need no token."""
         self._expected = token.encode()
+        self._open_prefixes = tuple(f"/{service}/" for service in open_services)
 
     def _authorized(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
         for key, value in metadata or ():
             if key == "authorization":
-                given = value if isinstance(value, bytes) else value.encode()
-                scheme, _, token = given.partition(b" ")
-                # Compare the token even when the scheme is wrong: the time taken says nothing.
-                token_matches = hmac.compare_digest(token.strip(b" "), self._expected)
-                return scheme.lower() == _SCHEME.encode() and token_matches
+                return bearer_token_matches(value, self._expected)
         return False
 
     async def intercept_service(
@@ -38,6 +49,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if self._open_prefixes and method.startswith(self._open_prefixes):
+            return handler
         if self._authorized(handler_call_details.invocation_metadata):
             return handler  # None for an unknown method: gRPC answers UNIMPLEMENTED
         return _denying_handler(handler)
@@ -63,3 +77,20 @@ def _denying_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHan
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
     return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def bearer_token_wsgi(app: WsgiApp, token: str) -> WsgiApp:
+    """`app`, answering 401 to a request without `Authorization: Bearer <token>`."""
+    expected = token.encode()
+
+    def checked(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if bearer_token_matches(environ.get("HTTP_AUTHORIZATION"), expected):
+            return app(environ, start_response)
+        headers = [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")]
+        start_response("401 Unauthorized", headers)
+        return [b"missing or wrong bearer token: send the header 'Authorization: Bearer <token>'\n"]
+
+    return checked

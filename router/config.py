@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -14,11 +15,21 @@ class RouterConfig:
     """How the router listens, admits and dispatches.
 
     `port=0` (and `metrics_port=0`) bind a free port; the server reports the one it got.
+    Every host defaults to loopback: nothing listens off this machine unless configured.
     `metrics_port=None` serves no metrics over HTTP (they are still collected).
     `http_port` serves the OpenAI-compatible HTTP API (router/http_api) on `http_host`, beside
     gRPC and over the same admission, dispatch and metrics; None turns it off. It takes the same
     bearer token and TLS files as gRPC. Its models list names the model `served_model_name`
     (None: the model folder's name).
+    Auth: with `auth_token` set, every gRPC method (health and server reflection included) and
+    every HTTP API route needs `authorization: Bearer <token>`. `auth_exempt_health` leaves the
+    gRPC health service and the HTTP API's /health open, for probes that cannot send a token
+    (Kubernetes' gRPC probe sends no metadata); `auth_exempt_reflection` leaves gRPC server
+    reflection open, for tools such as grpcurl (it tells no more than the published .proto
+    files). Metrics (the metrics port, and the HTTP API's /metrics) need the token, and TLS when
+    configured, only on a non-loopback host: on loopback only processes of this machine reach
+    them, a node-local scraper then needs no secret, and they hold counts and latencies, never a
+    request's content.
     Admission: at most `max_running_requests` are dispatched to workers at once and at most
     `max_queued_requests` more wait in the router; past that a request gets RESOURCE_EXHAUSTED
     at once. `max_model_len` must match the workers' (None: the model's max_position_embeddings).
@@ -44,6 +55,8 @@ class RouterConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     auth_token: str | None = None
+    auth_exempt_health: bool = False
+    auth_exempt_reflection: bool = False
     max_model_len: int | None = None
     block_size: int = 16
     prefill_policy: str = "least_tokens"
@@ -81,6 +94,9 @@ class RouterConfig:
                 raise ValueError(f"{name} {path!r} does not exist")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token must not be empty; use None to turn auth off")
+        for name in ("auth_exempt_health", "auth_exempt_reflection"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_positive_ints()
         self._check_positive_floats()
         if self.prefill_policy not in PREFILL_POLICIES:
@@ -132,6 +148,27 @@ class RouterConfig:
         return self.tls_cert_file is not None
 
     @property
+    def metrics_public(self) -> bool:
+        """Whether the metrics port takes the bearer token and TLS (those configured)."""
+        return not is_loopback_host(self.metrics_host)
+
+    @property
+    def http_metrics_need_auth(self) -> bool:
+        """Whether the HTTP API's /metrics needs the bearer token."""
+        return self.auth_token is not None and not is_loopback_host(self.http_host)
+
+    @property
     def model_name(self) -> str:
         """The name the HTTP API lists and expects in a request's `model` field."""
         return self.served_model_name or os.path.basename(os.path.normpath(self.model_dir))
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a listening address is reachable from this machine only ("localhost", 127.0.0.0/8,
+    ::1). The empty host, "0.0.0.0" and "::" listen on every interface."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to a public address

@@ -1,14 +1,12 @@
 """Prometheus metrics of one router, named like vLLM's with a `pdserve:` prefix.
 
-Each router owns its registry (so several routers can live in one test process) and serves it
-over HTTP with prometheus-client when a metrics port is configured.
+Each router owns its registry (so several routers can live in one test process); the router
+serves it on its metrics port (router/metrics_http.py) when one is configured.
 """
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.worker_api import InstanceLoad, Role
 
@@ -21,7 +19,6 @@ _LATENCY_BUCKETS = (
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._http_server: WSGIServer | None = None
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -120,15 +117,3 @@ class RouterMetrics:
         self.worker_waiting.labels(*labels).set(0)
         self.worker_running.labels(*labels).set(0)
         self.worker_blocks_used.labels(*labels).set(0)
-
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics over HTTP; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http_server = server
-        return int(server.server_address[1])
-
-    def close(self) -> None:
-        if self._http_server is not None:
-            self._http_server.shutdown()
-            self._http_server.server_close()
-            self._http_server = None

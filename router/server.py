@@ -9,6 +9,10 @@
 With `config.http_port` set, the OpenAI-compatible HTTP API (router/http_api) listens too, on
 the same event loop and over the same runner; `router.http_port` is the port it got.
 
+Auth: with `config.auth_token` set, every gRPC method needs the bearer token, except health and
+reflection when the configuration leaves them open; the metrics port needs it on a public host
+(RouterConfig's docstring says why loopback stays open).
+
 Health: the overall status ("") and "pdserve.v1.Generation" are SERVING while the workers can
 take requests (a healthy prefill or colocated instance, plus a decode instance when split), and
 NOT_SERVING otherwise; the status follows each load refresh.
@@ -35,6 +39,7 @@ from router.generation import GenerationRunner
 from router.http_api.app import OpenAIFrontDoor, build_app
 from router.http_api.server import HttpServer
 from router.metrics import RouterMetrics
+from router.metrics_http import MetricsHttpServer
 from router.policies import make_decode_policy, make_prefill_policy
 from router.servicer import SERVICE_NAME, GenerationServicer
 from router.tokenizer import RouterTokenizer, load_model_limits
@@ -66,6 +71,16 @@ def _server_options(config: RouterConfig) -> tuple[tuple[str, int], ...]:
         ("grpc.server.max_pending_requests", bound),
         ("grpc.server.max_pending_requests_hard_limit", bound),
     )
+
+
+def _interceptors(config: RouterConfig) -> list[grpc.aio.ServerInterceptor]:
+    if config.auth_token is None:
+        return []
+    health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    open_services = [health] if config.auth_exempt_health else []
+    if config.auth_exempt_reflection:
+        open_services.append(reflection.SERVICE_NAME)
+    return [BearerTokenInterceptor(config.auth_token, open_services)]
 
 
 class Router:
@@ -104,6 +119,7 @@ class Router:
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._http: HttpServer | None = None
+        self._metrics_http: MetricsHttpServer | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._stopping = False
         self.port = 0
@@ -116,10 +132,9 @@ class Router:
 
     async def start(self) -> None:
         await self.pool.start()
-        interceptors = []
-        if self.config.auth_token is not None:
-            interceptors.append(BearerTokenInterceptor(self.config.auth_token))
-        server = grpc.aio.server(interceptors=interceptors, options=_server_options(self.config))
+        server = grpc.aio.server(
+            interceptors=_interceptors(self.config), options=_server_options(self.config)
+        )
         server.add_generic_rpc_handlers((self._servicer.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -133,15 +148,26 @@ class Router:
         await self._update_health()
         self._health_task = asyncio.create_task(self._health_loop())
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(
-                self.config.metrics_host, self.config.metrics_port
-            )
+            self._start_metrics_http()
         if self.config.http_port is not None:
             await self._start_http()
         logger.info(
             "router listening on %s (metrics port %s, HTTP port %s)",
             self.address, self.metrics_port, self.http_port,
         )  # fmt: skip
+
+    def _start_metrics_http(self) -> None:
+        config = self.config
+        assert config.metrics_port is not None
+        public = config.metrics_public
+        tls_files = None
+        if public and config.tls_cert_file and config.tls_key_file:
+            tls_files = (config.tls_cert_file, config.tls_key_file)
+        self._metrics_http = MetricsHttpServer.start(
+            self.metrics.registry, config.metrics_host, config.metrics_port,
+            token=config.auth_token if public else None, tls_files=tls_files,
+        )  # fmt: skip
+        self.metrics_port = self._metrics_http.port
 
     async def _start_http(self) -> None:
         front = OpenAIFrontDoor(
@@ -192,7 +218,9 @@ class Router:
         await asyncio.gather(self._stop_grpc(grace), self._stop_http(grace))
         await self.pool.stop()
         self._validator.close()
-        self.metrics.close()
+        if self._metrics_http is not None:
+            self._metrics_http.close()
+            self._metrics_http = None
 
     async def _stop_grpc(self, grace_s: float) -> None:
         if self._server is not None:

@@ -7,14 +7,14 @@
     GET  /metrics               the router's Prometheus registry
 
 A request becomes the gRPC API's GenerateRequest and goes through the same validator and the
-same runner (admission, dispatch, streaming, cancellation, metrics) as a gRPC call does. The
-/v1 routes need `Authorization: Bearer <token>` when the router has a token (the gRPC one);
-/health and /metrics answer anyone, like the separate metrics port.
+same runner (admission, dispatch, streaming, cancellation, metrics) as a gRPC call does. When the
+router has a token (the gRPC one), every route needs `Authorization: Bearer <token>`, except
+/health with `auth_exempt_health` and /metrics on a loopback `http_host` (the rules of the gRPC
+health service and of the metrics port; RouterConfig says why).
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 import uuid
 from collections.abc import Callable
@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from router.auth import bearer_token_matches
 from router.config import RouterConfig
 from router.generation import GenerationRunner
 from router.http_api import errors
@@ -78,10 +79,7 @@ class OpenAIFrontDoor:
     def authorize(self, request: Request) -> None:
         if self._token is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").encode().partition(b" ")
-        # Compare the token even when the scheme is wrong: the time taken says nothing.
-        token_matches = hmac.compare_digest(token.strip(b" "), self._token)
-        if not (scheme.lower() == b"bearer" and token_matches):
+        if not bearer_token_matches(request.headers.get("authorization"), self._token):
             raise errors.unauthorized()
 
     async def generate(
@@ -130,6 +128,7 @@ def build_app(front: OpenAIFrontDoor) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, front.metrics)
     authorized = [Depends(front.authorize)]
+    config = front.config
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> ModelList:
@@ -148,13 +147,13 @@ def build_app(front: OpenAIFrontDoor) -> FastAPI:
         request_id = body.request_id or uuid.uuid4().hex
         return await front.generate(request, body, chat_to_proto(body, request_id))
 
-    @app.get("/health")
+    @app.get("/health", dependencies=[] if config.auth_exempt_health else authorized)
     async def health() -> Response:
         if not front.is_serving():
             raise errors.unavailable("no healthy worker can take requests (or the router stops)")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=authorized if config.http_metrics_need_auth else [])
     async def metrics() -> Response:
         return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
