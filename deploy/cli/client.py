@@ -16,6 +16,7 @@ a local one.
 
 from __future__ import annotations
 
+import ssl
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -88,10 +89,21 @@ class RouterClient:
         self.close()
 
 
-def fetch_metrics(metrics_address: str, timeout_s: float = 5.0) -> str:
-    """The Prometheus text of a router's metrics endpoint (HOST:PORT or a full URL)."""
-    url = metrics_address if "://" in metrics_address else f"http://{metrics_address}/metrics"
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http only)
+def fetch_metrics(
+    metrics_address: str,
+    timeout_s: float = 5.0,
+    token: str | None = None,
+    tls_ca: str | None = None,
+) -> str:
+    """The Prometheus text of a router's metrics endpoint (HOST:PORT or a full URL). A router
+    with a token serves metrics on a public host only to callers with the token, over TLS when
+    it has a certificate (`tls_ca` verifies it; the scheme is then https)."""
+    scheme = "https" if tls_ca else "http"
+    url = metrics_address if "://" in metrics_address else f"{scheme}://{metrics_address}/metrics"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    context = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:  # noqa: S310
         return response.read().decode()
 
 

@@ -289,15 +289,19 @@ def cmd_status(args: argparse.Namespace) -> int:
             health = health_pb2.HealthCheckResponse.ServingStatus.Name(client.health())
         except grpc.RpcError as exc:
             health = f"unreachable ({exc.code().name})"
-    status = parse_metrics(fetch_metrics(metrics_address))
+    status = parse_metrics(fetch_metrics(metrics_address, token=_token(args), tls_ca=args.tls_ca))
     print(format_status(args.address, health, status))
     return 0 if health == "SERVING" else 1
 
 
 def _client(args: argparse.Namespace) -> RouterClient:
     """A client of the router that --address, --token / --auth-token and --tls-ca name."""
-    token = read_token_file(args.token_file, "token file") if args.token_file else args.auth_token
-    return RouterClient(args.address, token, args.tls_ca)
+    return RouterClient(args.address, _token(args), args.tls_ca)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The bearer token --token (a file) or --auth-token gives, if any."""
+    return read_token_file(args.token_file, "token file") if args.token_file else args.auth_token
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

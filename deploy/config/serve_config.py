@@ -94,6 +94,8 @@ class RouterSection:
     http_port: int | None = knob(None, checks.port_number)
     auth_token: str | None = knob(None, checks.token)
     auth_token_file: str | None = knob(None, checks.file)
+    auth_exempt_health: bool = knob(False, checks.boolean)  # health open to tokenless probes
+    auth_exempt_reflection: bool = knob(False, checks.boolean)  # reflection open (grpcurl)
     tls_cert_file: str | None = knob(None, checks.file)
     tls_key_file: str | None = knob(None, checks.file)
     max_running_requests: int = knob(256, checks.integer(1))

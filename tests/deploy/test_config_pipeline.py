@@ -164,6 +164,8 @@ def table(tmp: Path) -> dict[str, Row]:
         "router.http_host": Row("0.0.0.0", router("http_host")),
         "router.http_port": Row(6002, router("http_port")),
         "router.auth_token": Row("s3cret", router("auth_token")),
+        "router.auth_exempt_health": Row(True, router("auth_exempt_health")),
+        "router.auth_exempt_reflection": Row(True, router("auth_exempt_reflection")),
         "router.auth_token_file": Row(str(tmp / "token"), router("auth_token"), "s3cret"),
         "router.tls_cert_file": Row(cert, router("tls_cert_file"),
                                     also={"router.tls_key_file": key}),

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
+from deploy.cli.client import fetch_metrics
 from router.config import RouterConfig, is_loopback_host
 from router.synthetic import synthetic_cluster
 from tests.listening import is_loopback, listening_addresses
@@ -192,6 +193,11 @@ def test_public_metrics_take_tls_when_it_is_configured(tiny_model_dir: str, tmp_
             _http_get(f"http://127.0.0.1:{port}/metrics", f"Bearer {TOKEN}")
         with socket.create_connection(("127.0.0.1", port)):  # a silent client blocks no one
             assert _http_get(url, f"Bearer {TOKEN}", context) == 200
+        # `pdserve status` reads them the same way (--auth-token/--token and --tls-ca)
+        text = fetch_metrics(f"localhost:{port}", token=TOKEN, tls_ca=str(cert))
+        assert "pdserve:num_requests_running" in text
+        with pytest.raises(urllib.error.HTTPError):
+            fetch_metrics(f"localhost:{port}", tls_ca=str(cert))
 
 
 def test_nothing_listens_off_loopback_unless_configured(tiny_model_dir: str) -> None:
