@@ -57,9 +57,10 @@ def measure_path(model_dir: str, engine: Any, model: StepModel, log: Any) -> dic
     from benchmarks.goodput.layouts import cluster_spec, start_local_cluster
     from benchmarks.goodput.workloads import build_requests
     from planner.metrics import tpot, ttft
+    from worker.config import WorkerConfig
 
     spec = cluster_spec("colocated", model_dir, pin_cpus=True)
-    spec = dataclasses.replace(spec, colocated=engine, num_colocated_instances=1)
+    spec = dataclasses.replace(spec, colocated=WorkerConfig(engine), num_colocated_instances=1)
     cluster = start_local_cluster(spec)
     driver = LoadDriver(num_processes=1)
     rng, prompt_len, output_len = random.Random(0), 64, 64  # TTFT runs: output_len

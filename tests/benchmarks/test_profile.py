@@ -56,3 +56,16 @@ def test_fit_path_recovers_planted_costs() -> None:
     assert terms["relay_request_ms"] == pytest.approx(3.0)
     assert terms["relay_token_ms"] == pytest.approx(0.25)
     assert terms["path_ttft_ms"] == pytest.approx(11.0)
+
+
+def test_profile_path_measures_the_serving_path_behind_a_real_router(
+    tiny_model: str, tmp_path
+) -> None:
+    """`--path` starts one colocated instance behind the router and times the hops."""
+    out = tmp_path / "profile.json"
+    code = pdserve(["profile", "--bench-model", tiny_model, "--quick", "--path", "--no-transfer",
+                    "--out", str(out)])  # fmt: skip
+    assert code == 0
+    path = load_profile(out).tp(1).serving_path
+    assert path["path_ttft_ms"] > 0 and path["relay_token_ms"] > 0
+    assert path["worker_step_ms"] >= 0 and path["worker_seq_ms"] >= 0
