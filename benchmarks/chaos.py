@@ -52,6 +52,7 @@ from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from benchmarks.chaos_faults import FAULTS, Faults, rss_by_kind
 from benchmarks.chaos_load import classify, run_load
+from benchmarks.output import emit
 from deploy.config.cluster_spec import build_cluster_spec
 from deploy.config.models import resolve_model
 from deploy.config.serve_config import parse_config
@@ -194,10 +195,7 @@ def report(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(line, flush=True)
+    emit(result, args.out)
     return 0 if result["ok"] else 1
 
 

@@ -43,6 +43,7 @@ from benchmarks.load_cancel_run import (
     run_phase,
     wait_for_pools,
 )
+from benchmarks.output import emit
 
 _NOT_ERRORS = ("OK", "RESOURCE_EXHAUSTED", "CANCELLED_BY_CLIENT")
 LAYOUT: dict[str, Any] = {
@@ -149,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stopped = server.stop()
     result = report(args, outcome, stopped)
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(line, flush=True)
+    emit(result, args.out)
     return 0 if result["ok"] else 1
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from benchmarks.chaos import cluster_spec, leaked_blocks, prompts, reference
 from benchmarks.chaos_faults import rss_by_kind
 from benchmarks.chaos_load import classify, run_load
+from benchmarks.output import emit
 from deploy.config.models import resolve_model
 from deploy.runtime.local.local_cluster import LocalCluster
 
@@ -99,9 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result), flush=True)
+    emit(result, args.out)
     return 0 if result["ok"] else 1
 
 
