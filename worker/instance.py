@@ -97,6 +97,9 @@ class _Tracked:
         first = None
         if self.timings is None and output.new_token_ids:
             if self.landed_at_wall:
+                # KV that lands in a step's start hook is decoded in that same step: its queue
+                # is empty, not the few hundred microseconds before the landing (negative).
+                started_at = max(started_at, self.start)
                 self.decode_from = started_at
                 first = RequestTimings(
                     landed_at=self.landed_at_wall, decode_queue_s=started_at - self.start

@@ -138,6 +138,7 @@ def test_timings_stages_add_up_and_the_transfer_is_the_transfer(
         )  # fmt: skip
         assert 0.0 < timings.kv_transfer_s < 0.1, timings
         assert timings.prefill_s > 0.0 and timings.decode_s > 0.0, timings
+        assert timings.decode_queue_s >= 0.0, timings  # KV landing in a step: decoded in it
         assert stages <= timings.e2e_s + 1e-3, timings
         assert stages >= timings.e2e_s - max(0.05, 0.2 * timings.e2e_s), timings
         assert timings.first_token_s >= timings.router_queue_s + timings.prefill_s, timings
