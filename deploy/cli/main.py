@@ -312,7 +312,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _say(line: str) -> None:
-    print(f"[pdserve] {line}", flush=True)
+    # One write per line: workers start on threads of their own, and print() writes the text
+    # and its newline apart, so two lines could run together.
+    sys.stdout.write(f"[pdserve] {line}\n")
+    sys.stdout.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

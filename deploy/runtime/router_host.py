@@ -63,7 +63,7 @@ class ServingCluster:
         except BaseException:
             self.shutdown(grace_s=0.1)
             raise
-        say(f"serving on {self.address} ({time.monotonic() - started_at:.1f} s)")
+        say(f"ready on {self.address} in {time.monotonic() - started_at:.1f} s")
         return self.address
 
     def _start(self, say: Progress) -> None:

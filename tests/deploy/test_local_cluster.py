@@ -58,7 +58,7 @@ def test_colocated_replicas_are_pinned_serve_round_robin_and_leave_nothing(
         assert sorted(placed) == ["colocated-0", "colocated-0", "colocated-1", "colocated-1"]
         assert [load.healthy for load in cluster.status()] == [True, True]
     assert progress[0].startswith("starting colocated-0 (TP=1): loading ")
-    assert progress[-1].startswith(f"serving on {address} (")
+    assert progress[-1].startswith(f"ready on {address} in ")
     deadline = time.monotonic() + 10
     while any(_running(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.05)

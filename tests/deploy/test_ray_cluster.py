@@ -62,7 +62,7 @@ def cluster(model_dir: str) -> Iterator[RayCluster]:
     progress: list[str] = []
     try:
         ray_cluster.start(progress=progress.append)
-        assert progress[0] == "starting Ray" and progress[-1].startswith("serving on 127.0.0.1:")
+        assert progress[0] == "starting Ray" and progress[-1].startswith("ready on 127.0.0.1:")
         yield ray_cluster
     finally:
         pids = ray_cluster.pids()
