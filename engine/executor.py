@@ -215,6 +215,10 @@ class Executor:
     def _wait_ready(self, timeout_s: float) -> None:
         self._workers.launcher.wait_ready(timeout_s)
 
+    def lost_ranks(self) -> list[str]:
+        """The TP ranks that have died, described (empty while all live, and for TP=1)."""
+        return self._workers.launcher.dead() if self.tp_size > 1 else []
+
     def _raise_if_dead(self) -> None:
         dead = self._workers.launcher.dead()
         if dead:

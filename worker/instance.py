@@ -367,12 +367,19 @@ class Worker(WorkerLoop):
         self.engine.executor.check_ranks()  # a dead TP rank: this instance must be replaced
 
     def fail_all(self, message: str) -> None:
-        """The loop crashed: end every request it holds with an error event."""
+        """The loop crashed: end every request it holds with an error event. When it crashed
+        because a TP rank died, the instance is lost (its process exits and is replaced): the
+        events name it as the failed peer, so the router places the requests again. Any other
+        crash stays a plain error, never retried: the request may be what broke the engine."""
         ids = set(self._tracked)
         for side in (self.sending, self.receiving):
             if side is not None:
                 ids.update(side.fail_all())
-        self._emit([TokenEvent(i, [], "error", message, self.instance_id) for i in sorted(ids)])
+        lost = self.instance_id if self.engine.executor.lost_ranks() else ""
+        events = [TokenEvent(i, [], "error", message, self.instance_id) for i in sorted(ids)]
+        for event in events:
+            event.failed_peer = lost
+        self._emit(events)
         self._tracked.clear()
         self._not_started.clear()
 

@@ -93,9 +93,9 @@ class TokenEvent:
     error: str | None = None  # what went wrong, when finish_reason == "error"
     source: str = ""  # instance id that produced these tokens
     timings: RequestTimings | None = None  # on the first token event and on the last
-    # On an error: the other instance whose failure ended the request (the other side of a KV
-    # hand-off that broke), so the router places the request again (router/recovery.py) or
-    # answers UNAVAILABLE, retryable, instead of INTERNAL.
+    # On an error: the instance whose loss ended the request (the other side of a KV hand-off
+    # that broke, or this one when it lost a TP rank), so the router places the request again
+    # (router/recovery.py) or answers UNAVAILABLE, retryable, instead of INTERNAL.
     failed_peer: str = ""
 
 

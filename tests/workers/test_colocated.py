@@ -257,3 +257,23 @@ def test_overloaded_past_the_queue_bound(tiny_model) -> None:
         assert worker.load().num_free_blocks == 128
     finally:
         worker.shutdown()
+
+
+def test_a_lost_tp_rank_ends_its_requests_as_a_lost_instance(tiny_model) -> None:
+    """The loop dies because a TP rank did: its requests' error events name this instance as
+    the failed peer, so the router places them again (a plain crash stays INTERNAL)."""
+    import os
+    import signal
+
+    worker = colocated("tp2", config(tiny_model("llama"), tensor_parallel_size=2))
+    try:
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        worker.submit(request("long", PROMPTS[0], params))
+        first = [e for e in worker.poll_events(5.0) if e.request_id == "long"]
+        assert first and first[0].token_ids, "the request never started"
+        os.kill(worker.engine.executor.worker_pids[0], signal.SIGKILL)  # TP rank 1
+        (last,) = [e for e in collect(worker.poll_events, ["long"])["long"] if e.finish_reason]
+    finally:
+        worker.shutdown()
+    assert last.finish_reason == "error" and "died" in (last.error or "")
+    assert last.failed_peer == "tp2"
