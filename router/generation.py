@@ -22,19 +22,20 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.admission import AdmissionController, AdmissionFull
 from router.detokenizer import IncrementalDetokenizer
-from router.dispatch import Dispatch, Dispatcher
+from router.dispatch import Dispatcher
 from router.generation_errors import FailureKind, GenerationFailed
 from router.metrics import RouterMetrics
+from router.progress import Progress, is_stale
 from router.recovery import Recovery, continuation
 from router.stop_strings import StopStringMatcher
 from router.timings import RouterClock, RouterTimings, merge_timings, request_timings
 from router.tokenizer import RouterTokenizer
 from router.validation import ValidatedRequest
-from router.worker_api import RequestTimings, TokenEvent
+from router.worker_api import TokenEvent
 from router.worker_pool import InstanceLost, RequestChannel, WorkerPool
 
 
@@ -51,40 +52,6 @@ class GenerationChunk:
     timings: RouterTimings | None = None  # on the last chunk
     prefill_instance: str = ""  # on the last chunk: where the request ran
     decode_instance: str = ""
-
-
-@dataclass
-class _Progress:
-    """The mutable state of one streaming request."""
-
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher
-    recovery: Recovery
-    accepted_at: float  # perf_counter
-    dispatched_at: float = 0.0  # its first placement
-    first_token_at: float | None = None
-    last_token_at: float = 0.0
-    sent_token_ids: list[int] = field(default_factory=list)  # every token the client got
-    worker_timings: RequestTimings = field(default_factory=RequestTimings)
-    # The current placement:
-    placed_at: float = 0.0
-    prefill_instance: str = ""
-    decode_instance: str = ""
-    prefilled: bool = False  # its prefill's first event is in
-    early_events: list[TokenEvent] = field(default_factory=list)  # decode before that
-    finished_by: str | None = None  # instance whose finish event ended the placement
-    decode_started: bool = False  # an event from the decode instance: the KV has landed
-    first_placed_at: float = 0.0  # the placement that sent the client's first token
-
-    def start_placement(self, dispatch: Dispatch) -> None:
-        self.placed_at = time.perf_counter()
-        self.prefill_instance = dispatch.prefill_id
-        self.decode_instance = dispatch.decode_id or ""
-        self.prefilled = self.decode_started = False
-        self.early_events.clear()
-        self.finished_by = None
-        if self.first_token_at is None:  # a retry: only the placement that answers counts
-            self.worker_timings = RequestTimings()
 
 
 class GenerationRunner:
@@ -114,7 +81,7 @@ class GenerationRunner:
         request that would spend it all in the queue)."""
         accepted_at = time.perf_counter()
         deadline_at = None if deadline_s is None else time.monotonic() + deadline_s
-        progress = _Progress(
+        progress = Progress(
             IncrementalDetokenizer(self._tokenizer),
             StopStringMatcher(request.stop_strings),
             Recovery(self._max_retries, deadline_at),
@@ -178,7 +145,7 @@ class GenerationRunner:
             for request_id, instance_ids in channel.abandoned:
                 self._pool.abort_everywhere(request_id, instance_ids)
 
-    def _recover(self, failure: GenerationFailed, progress: _Progress) -> None:
+    def _recover(self, failure: GenerationFailed, progress: Progress) -> None:
         """Count a recovery from `failure`, or re-raise it (or what replaces it)."""
         progress.recovery.take(failure, len(progress.sent_token_ids))
         if progress.sent_token_ids:
@@ -194,7 +161,7 @@ class GenerationRunner:
         self,
         request: ValidatedRequest,
         channel: RequestChannel,
-        progress: _Progress,
+        progress: Progress,
         prefill_id: str,
     ) -> AsyncIterator[GenerationChunk]:
         """Chunks in token order. Events that queued up while the client was being served go
@@ -204,7 +171,7 @@ class GenerationRunner:
             merged: GenerationChunk | None = None
             try:
                 for item in items:
-                    if _is_stale(item, channel, progress):
+                    if is_stale(item, channel, progress):
                         continue
                     for event in self._in_order(item, progress, prefill_id):
                         self._release_prefill_once_decoding(channel, progress, event, prefill_id)
@@ -222,7 +189,7 @@ class GenerationRunner:
 
     @staticmethod
     def _release_prefill_once_decoding(
-        channel: RequestChannel, progress: _Progress, event: TokenEvent, prefill_id: str
+        channel: RequestChannel, progress: Progress, event: TokenEvent, prefill_id: str
     ) -> None:
         """Once the first token is in and the decode instance has sent a step of its own, the
         KV has landed there: the prefill instance holds nothing more for the request, so losing
@@ -233,7 +200,7 @@ class GenerationRunner:
             channel.holder_ids.discard(prefill_id)
 
     def _in_order(
-        self, item: TokenEvent | InstanceLost, progress: _Progress, prefill_id: str
+        self, item: TokenEvent | InstanceLost, progress: Progress, prefill_id: str
     ) -> list[TokenEvent]:
         """The events to handle now: the first token must come before any decode step."""
         if isinstance(item, InstanceLost):
@@ -251,7 +218,7 @@ class GenerationRunner:
         return []
 
     def _on_event(
-        self, request: ValidatedRequest, progress: _Progress, event: TokenEvent
+        self, request: ValidatedRequest, progress: Progress, event: TokenEvent
     ) -> GenerationChunk:
         if event.finish_reason == "error":
             progress.finished_by = event.source or None
@@ -281,7 +248,7 @@ class GenerationRunner:
             return GenerationChunk(request.request_id, list(event.token_ids), text)
         return self._last_chunk(request, progress, event, text, finish_reason, stop_reason)
 
-    def _note_token_times(self, progress: _Progress, event: TokenEvent) -> None:
+    def _note_token_times(self, progress: Progress, event: TokenEvent) -> None:
         now = time.perf_counter()
         if progress.first_token_at is None:
             progress.first_token_at = now
@@ -299,7 +266,7 @@ class GenerationRunner:
     def _last_chunk(
         self,
         request: ValidatedRequest,
-        progress: _Progress,
+        progress: Progress,
         event: TokenEvent,
         text: str,
         finish_reason: str,
@@ -346,24 +313,6 @@ class GenerationRunner:
         if timings.kv_transfer_s > 0:
             self._metrics.kv_transfer_time.observe(timings.kv_transfer_s)
         self._metrics.request_success.labels(finish_reason).inc()
-
-
-def _is_stale(
-    item: TokenEvent | InstanceLost, channel: RequestChannel, progress: _Progress
-) -> bool:
-    """An item the request must ignore: the loss of an instance it no longer depends on, an
-    event of an abandoned placement or from an instance it was not placed on, or an error from
-    an instance it no longer depends on (a prefill that failed after the decode instance took
-    over: the KV has landed there)."""
-    if isinstance(item, InstanceLost):
-        return item.instance_id not in channel.holder_ids
-    if item.request_id != channel.request_id:
-        return True  # queued before the dispatcher gave up on that placement
-    if not item.source:
-        return False  # a worker that does not say who it is (tests' in-process handles)
-    if item.source not in (progress.prefill_instance, progress.decode_instance):
-        return True
-    return item.finish_reason == "error" and item.source not in channel.holder_ids
 
 
 def _after(lost: GenerationFailed | None, failure: GenerationFailed) -> GenerationFailed:
