@@ -5,7 +5,8 @@ or through the first --target): requests sent one at a time through the whole se
 `calibrate` (--calibrate engine): one LLMEngine in this process on one thread (a worker's core,
 without the cluster around it), which leaves out gRPC, the router and the process hop, so SLOs
 of a few times its figures can be tighter than the path allows even unloaded:
-  prefill_s      a prompt of the workload's median length, alone: the best TTFT possible
+  prefill_s      a prompt of the workload's 90th-percentile length (compare.slo_base_prompt_len),
+                 alone: the best TTFT such a prompt can have
   decode_step_s  one decode step of a single sequence with that context: the best TPOT possible
 Each is the median of a few repetitions, after a warm-up.
 """

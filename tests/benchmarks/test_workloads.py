@@ -70,3 +70,16 @@ def test_requests_carry_ids_lengths_and_offsets() -> None:
     ]
     with pytest.raises(ValueError, match="2 prompts but 1 arrival"):
         build_requests(prompts, [0.0], "x")
+
+
+def test_slos_are_calibrated_on_the_long_prompts_of_a_workload() -> None:
+    from benchmarks.goodput.compare import slo_base_prompt_len
+
+    # 100 prompts 1..100 tokens: the base is the 90th percentile, not the median, so that
+    # prompts longer than the median do not miss the TTFT SLO at every rate.
+    assert slo_base_prompt_len(list(range(100, 0, -1))) == 91
+    assert slo_base_prompt_len([7]) == 7
+    lengths = [n for n, _ in synthetic_lengths(SHAPES["code"], 200, 1024, seed=0)]
+    base = slo_base_prompt_len(lengths)
+    assert sum(n <= base for n in lengths) >= 0.9 * len(lengths)
+    assert base > statistics.median(lengths)
