@@ -102,6 +102,11 @@ class Dispatcher:
             num_failed += int(not overloaded)
             self._abandon(channel)
 
+    def prefilled(self, dispatch: Dispatch) -> None:
+        """The request's first token is in: its prompt no longer waits on the prefill instance
+        (the policies read that instance's outstanding prompt tokens as its queue)."""
+        self._pool.note_prefilled(dispatch.prefill_id, dispatch.num_prompt_tokens)
+
     def release(self, dispatch: Dispatch, prefilled: bool) -> None:
         """Undo the dispatch's bookkeeping when the request ends."""
         if not prefilled:

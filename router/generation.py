@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from router.admission import AdmissionController, AdmissionFull
 from router.detokenizer import IncrementalDetokenizer
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatch, Dispatcher
 from router.generation_errors import FailureKind, GenerationFailed
 from router.metrics import RouterMetrics
 from router.progress import Progress, is_stale
@@ -121,9 +121,7 @@ class GenerationRunner:
                     progress.recovery.retries += dispatch.num_failed
                     self._metrics.request_retries.inc(dispatch.num_failed)
                 try:
-                    async for chunk in self._stream(
-                        request, channel, progress, dispatch.prefill_id
-                    ):
+                    async for chunk in self._stream(request, channel, progress, dispatch):
                         yield chunk
                     return
                 except GenerationFailed as failure:
@@ -162,7 +160,7 @@ class GenerationRunner:
         request: ValidatedRequest,
         channel: RequestChannel,
         progress: Progress,
-        prefill_id: str,
+        dispatch: Dispatch,
     ) -> AsyncIterator[GenerationChunk]:
         """Chunks in token order. Events that queued up while the client was being served go
         out as one chunk: under load that means fewer, larger messages, not a growing backlog."""
@@ -173,8 +171,10 @@ class GenerationRunner:
                 for item in items:
                     if is_stale(item, channel, progress):
                         continue
-                    for event in self._in_order(item, progress, prefill_id):
-                        self._release_prefill_once_decoding(channel, progress, event, prefill_id)
+                    for event in self._in_order(item, progress, dispatch):
+                        self._release_prefill_once_decoding(
+                            channel, progress, event, dispatch.prefill_id
+                        )
                         chunk = self._on_event(request, progress, event)
                         merged = chunk if merged is None else _concat(merged, chunk)
                         if chunk.finish_reason is not None:
@@ -200,7 +200,7 @@ class GenerationRunner:
             channel.holder_ids.discard(prefill_id)
 
     def _in_order(
-        self, item: TokenEvent | InstanceLost, progress: Progress, prefill_id: str
+        self, item: TokenEvent | InstanceLost, progress: Progress, dispatch: Dispatch
     ) -> list[TokenEvent]:
         """The events to handle now: the first token must come before any decode step."""
         if isinstance(item, InstanceLost):
@@ -209,8 +209,10 @@ class GenerationRunner:
                 f"worker {item.instance_id} became unavailable ({item.reason}); retry the request",
                 lost_instance=item.instance_id,
             )
-        if progress.prefilled or item.source in ("", prefill_id):
-            progress.prefilled = True
+        if progress.prefilled or item.source in ("", dispatch.prefill_id):
+            if not progress.prefilled:  # the prompt no longer waits on the prefill instance
+                progress.prefilled = True
+                self._dispatcher.prefilled(dispatch)
             events = [item, *progress.early_events]
             progress.early_events.clear()
             return events
