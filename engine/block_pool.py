@@ -43,7 +43,7 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     """Chained hash of one full block: it depends on every token before it, not just its own.
 
     Python's hash of a tuple of ints does not depend on PYTHONHASHSEED, so the same prefix hashes
-    the same in every process (the router's prefix-affinity policy relies on that). Collisions are
+    the same in every process (the router's KV-aware policy relies on that). Collisions are
     harmless: a hit is only used after its token ids compare equal.
     """
     return BlockHash(hash((parent if parent is not None else -1, tuple(token_ids))))
@@ -57,6 +57,18 @@ def hash_prompt_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockH
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+@dataclass
+class PrefixCacheChanges:
+    """What a prefix cache stored and evicted since it was last asked, as chained block hashes:
+    the events a KV-aware router keeps its index of "which instance holds which prefix" with
+    (vLLM's KV events, Dynamo's stored/removed). With `snapshot`, `stored` is every block the
+    cache holds, and replaces whatever the reader knew."""
+
+    stored: list[BlockHash]
+    removed: list[BlockHash]
+    snapshot: bool = False
 
 
 @dataclass
@@ -87,6 +99,9 @@ class BlockPool:
         # searches for runs of consecutive free ids.
         self._state = bytearray(_PLAIN * num_blocks)
         self.num_cache_evictions = 0
+        # Hash -> still cached?, since the last `take_cache_changes`; None until a reader asks
+        # (and after an overflow: then the next reader gets a snapshot).
+        self._changes: dict[BlockHash, bool] | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -226,8 +241,28 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block_id
+        self._note_change(block_hash, True)
+
+    def take_cache_changes(self, snapshot: bool = False) -> PrefixCacheChanges:
+        """The cache's changes since the last call (a snapshot on the first call, when asked,
+        and after more changes piled up than twice the pool's blocks: a reader that stopped
+        asking costs bounded memory)."""
+        changes, self._changes = self._changes, {}
+        if snapshot or changes is None:
+            return PrefixCacheChanges(list(self._cached), [], snapshot=True)
+        stored = [block_hash for block_hash, cached in changes.items() if cached]
+        removed = [block_hash for block_hash, cached in changes.items() if not cached]
+        return PrefixCacheChanges(stored, removed)
+
+    def _note_change(self, block_hash: BlockHash, cached: bool) -> None:
+        changes = self._changes
+        if changes is not None:
+            changes[block_hash] = cached
+            if len(changes) > 2 * self.num_blocks:
+                self._changes = None
 
     def reset_prefix_cache(self) -> None:
+        self._changes = None  # the next reader gets a snapshot (an empty one)
         for block_hash, block_id in list(self._cached.items()):
             del self._cached[block_hash]
             block = self.blocks[block_id]
@@ -247,6 +282,7 @@ class BlockPool:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            self._note_change(block.block_hash, False)
         block.block_hash = None
         block.token_ids = None
         block.reused = False

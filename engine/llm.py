@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, PrefixCacheChanges
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.kv_connector import KVConnector
@@ -127,6 +127,10 @@ class LLMEngine:
     @property
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def prefix_cache_changes(self, snapshot: bool = False) -> PrefixCacheChanges:
+        """What the prefix cache stored and evicted since the last call (BlockPool)."""
+        return self.block_pool.take_cache_changes(snapshot)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

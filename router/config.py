@@ -6,7 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-PREFILL_POLICIES = ("least_tokens", "round_robin", "prefix_affinity")
+PREFILL_POLICIES = ("least_tokens", "round_robin", "kv_aware")
 DECODE_POLICIES = ("most_free_blocks",)
 
 
@@ -33,7 +33,7 @@ class RouterConfig:
     Admission: at most `max_running_requests` are dispatched to workers at once and at most
     `max_queued_requests` more wait in the router; past that a request gets RESOURCE_EXHAUSTED
     at once. `max_model_len` must match the workers' (None: the model's max_position_embeddings).
-    `block_size` must match the workers' KV block size (the prefix-affinity policy hashes prompt
+    `block_size` must match the workers' KV block size (the kv_aware policy hashes prompt
     blocks the way their prefix caches do).
     A prompt longer than `max_prompt_chars_per_token * max_model_len` characters is refused before
     it is tokenized (a generous bound: real text averages a few characters per token).

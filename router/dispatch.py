@@ -34,7 +34,7 @@ from router.worker_pool import RequestChannel, WorkerPool
 class Dispatch:
     prefill_id: str
     decode_id: str | None  # None when colocated
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # those the prefill instance computes (a cached prefix excepted)
     num_failed: int = 0  # placements that failed on the way (not merely full): retries
 
 
@@ -92,10 +92,11 @@ class Dispatcher:
                 worker_request, channel, prefill_id, decode_id
             )
             if failed_id is None:
-                num_tokens = len(request.prompt_token_ids)
+                prompt = request.prompt_token_ids
+                num_tokens = self._prefill_policy.placed(prompt, prefill_id)
                 self._pool.note_dispatch(prefill_id, num_tokens, is_prefill=True)
                 if decode_id is not None:
-                    self._pool.note_dispatch(decode_id, num_tokens, is_prefill=False)
+                    self._pool.note_dispatch(decode_id, len(prompt), is_prefill=False)
                 return Dispatch(prefill_id, decode_id, num_tokens, num_failed)
             refused.add(failed_id)
             num_overloaded += int(overloaded)
@@ -108,7 +109,8 @@ class Dispatcher:
         self._pool.note_prefilled(dispatch.prefill_id, dispatch.num_prompt_tokens)
 
     def release(self, dispatch: Dispatch, prefilled: bool) -> None:
-        """Undo the dispatch's bookkeeping when the request ends."""
+        """Undo the dispatch's bookkeeping when the request ends (`prefilled`: `prefilled`
+        was called for it)."""
         if not prefilled:
             self._pool.note_prefilled(dispatch.prefill_id, dispatch.num_prompt_tokens)
         self._pool.note_done(dispatch.prefill_id)
@@ -140,7 +142,8 @@ class Dispatcher:
         candidates = self._pool.prefill_candidates(exclude=refused)
         if not candidates:
             return None
-        return self._prefill_policy.select(request.prompt_token_ids, candidates).instance_id
+        prompt, max_tokens = request.prompt_token_ids, request.params.max_tokens
+        return self._prefill_policy.select(prompt, candidates, max_tokens).instance_id
 
     async def _place(
         self,

@@ -96,6 +96,14 @@ class RouterMetrics:
         self.kv_transfer_seconds = gauge(
             "pdserve:kv_transfer_seconds_total", "Seconds spent on KV transfers, per worker."
         )
+        # Prefix-cache tokens, as vLLM's prefix_cache_queries / prefix_cache_hits (their ratio
+        # is the hit rate KV-aware routing raises).
+        self.prefix_cache_queries = gauge(
+            "pdserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = gauge(
+            "pdserve:prefix_cache_hits_total", "Prompt tokens whose KV the prefix cache held."
+        )
 
     def observe_load(self, load: InstanceLoad) -> None:
         labels = (load.instance_id, load.role.value)
@@ -108,6 +116,9 @@ class RouterMetrics:
             self.kv_transfer_bytes.labels(*labels).set(load.extra["kv_transfer_bytes_total"])
         if "kv_transfer_seconds_total" in load.extra:
             self.kv_transfer_seconds.labels(*labels).set(load.extra["kv_transfer_seconds_total"])
+        if "num_prefix_queried_tokens" in load.extra:
+            self.prefix_cache_queries.labels(*labels).set(load.extra["num_prefix_queried_tokens"])
+            self.prefix_cache_hits.labels(*labels).set(load.extra["num_prefix_hit_tokens"])
 
     def observe_down(self, instance_id: str, role: Role) -> None:
         """A worker that does not answer: down, and holding nothing (a dead process holds no

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import BlockHash, hash_prompt_blocks
+from engine.block_pool import hash_prompt_blocks
+from router.prefix_index import PrefixIndex
 from router.worker_api import InstanceLoad
 
 
@@ -37,8 +37,17 @@ class PrefillPolicy(ABC):
 
     @abstractmethod
     def select(
-        self, prompt_token_ids: Sequence[int], candidates: Sequence[InstanceState]
-    ) -> InstanceState: ...
+        self,
+        prompt_token_ids: Sequence[int],
+        candidates: Sequence[InstanceState],
+        max_tokens: int = 1,
+    ) -> InstanceState:
+        """`max_tokens`: the request's (a colocated instance also decodes it)."""
+
+    def placed(self, prompt_token_ids: Sequence[int], instance_id: str) -> int:
+        """The prompt went to the instance: the prompt tokens it has to compute there (the
+        router counts them as that instance's queue until the first token)."""
+        return len(prompt_token_ids)
 
 
 class DecodePolicy(ABC):
@@ -60,7 +69,10 @@ class LeastOutstandingTokens(PrefillPolicy):
     name = "least_tokens"
 
     def select(
-        self, prompt_token_ids: Sequence[int], candidates: Sequence[InstanceState]
+        self,
+        prompt_token_ids: Sequence[int],
+        candidates: Sequence[InstanceState],
+        max_tokens: int = 1,
     ) -> InstanceState:
         return min(candidates, key=_least_tokens_key)
 
@@ -72,67 +84,70 @@ class RoundRobin(PrefillPolicy):
         self._counter = itertools.count()
 
     def select(
-        self, prompt_token_ids: Sequence[int], candidates: Sequence[InstanceState]
+        self,
+        prompt_token_ids: Sequence[int],
+        candidates: Sequence[InstanceState],
+        max_tokens: int = 1,
     ) -> InstanceState:
         ordered = sorted(candidates, key=lambda s: s.instance_id)
         return ordered[next(self._counter) % len(ordered)]
 
 
-class PrefixAffinity(PrefillPolicy):
-    """Send a prompt where its longest prefix went before, so the prefix cache there hits.
+class KVAware(PrefillPolicy):
+    """The instance that computes the fewest tokens before this request is done, counting what
+    its prefix cache already holds:
 
-    The router remembers, per instance, the chained hashes of the prompt blocks it sent there
-    (the same `hash_prompt_blocks` the workers' prefix caches use, so equal hashes mean equal
-    prefixes), most recent last, up to `max_hashes_per_instance`. A prompt with no remembered
-    prefix, or whose best instance has `max_imbalance_tokens` more outstanding tokens than the
-    least loaded, goes by least outstanding tokens instead: affinity must not pile work on one
-    instance while another idles.
+        cost = prompt tokens queued there + this prompt's tokens its cache lacks
+             + its active requests x this request's max_tokens
+
+    The last term is the decode work the request shares steps with: each request active there
+    adds a token to each of the steps that decode this one (a colocated instance decodes what it
+    prefills; for a prefill-only instance it counts its in-flight prompts). The cache contents
+    come from the workers' own reports (router/prefix_index.py), so an evicted prefix stops
+    attracting prompts. A long cached prefix outweighs a short queue and a light decode load,
+    and loses to a long queue or a heavy one: a system prompt that every conversation shares
+    does not pull all of them onto one instance. The queue counts what each placed prompt's
+    cache lacked (`placed`), not its whole length. Ties go to fewer active requests, then the id.
+    Dynamo's cost counts the KV blocks running sequences hold instead of their decode steps;
+    measured here (benchmarks/kv_routing.py) that term outweighed any cached history and gave
+    round robin's hit rate.
     """
 
-    name = "prefix_affinity"
+    name = "kv_aware"
 
-    def __init__(
-        self,
-        block_size: int,
-        max_hashes_per_instance: int = 65536,
-        max_imbalance_tokens: int = 4096,
-    ) -> None:
+    def __init__(self, block_size: int, index: PrefixIndex) -> None:
         self._block_size = block_size
-        self._max_hashes = max_hashes_per_instance
-        self._max_imbalance_tokens = max_imbalance_tokens
-        self._hashes: dict[str, OrderedDict[BlockHash, None]] = {}
+        self.index = index
 
     def select(
-        self, prompt_token_ids: Sequence[int], candidates: Sequence[InstanceState]
+        self,
+        prompt_token_ids: Sequence[int],
+        candidates: Sequence[InstanceState],
+        max_tokens: int = 1,
     ) -> InstanceState:
         block_hashes = hash_prompt_blocks(prompt_token_ids, self._block_size)
-        least_loaded = min(candidates, key=_least_tokens_key)
-        best, best_num_blocks = least_loaded, 0
-        for state in sorted(candidates, key=_least_tokens_key):
-            num_blocks = self.num_matching_blocks(state.instance_id, block_hashes)
-            if num_blocks > best_num_blocks:
-                best, best_num_blocks = state, num_blocks
-        excess = best.num_outstanding_prompt_tokens - least_loaded.num_outstanding_prompt_tokens
-        if excess > self._max_imbalance_tokens:
-            best = least_loaded
-        self._remember(best.instance_id, block_hashes)
-        return best
+        matched = self.index.matching_blocks(block_hashes, (s.instance_id for s in candidates))
+        num_prompt = len(prompt_token_ids)
 
-    def num_matching_blocks(self, instance_id: str, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of the prompt were sent to the instance before."""
-        known: Mapping[BlockHash, None] = self._hashes.get(instance_id, {})
-        for num_blocks, block_hash in enumerate(block_hashes):
-            if block_hash not in known:
-                return num_blocks
-        return len(block_hashes)
+        def cost(state: InstanceState) -> tuple[int, int, str]:
+            cached = self._cached(matched[state.instance_id], num_prompt)
+            prefill = state.num_outstanding_prompt_tokens + num_prompt - cached
+            decode = state.num_active_requests * max(max_tokens, 1)
+            return (prefill + decode, state.num_active_requests, state.instance_id)
 
-    def _remember(self, instance_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        known = self._hashes.setdefault(instance_id, OrderedDict())
-        for block_hash in block_hashes:
-            known[block_hash] = None
-            known.move_to_end(block_hash)
-        while len(known) > self._max_hashes:
-            known.popitem(last=False)
+        return min(candidates, key=cost)
+
+    def placed(self, prompt_token_ids: Sequence[int], instance_id: str) -> int:
+        """What the instance will compute, and from now on: the prompt's blocks are expected
+        there (it caches them once it has prefilled the prompt)."""
+        block_hashes = hash_prompt_blocks(prompt_token_ids, self._block_size)
+        matched = self.index.matching_blocks(block_hashes, (instance_id,))[instance_id]
+        self.index.expect(instance_id, block_hashes)
+        return len(prompt_token_ids) - self._cached(matched, len(prompt_token_ids))
+
+    def _cached(self, num_matched_blocks: int, num_prompt: int) -> int:
+        # the last prompt token is computed even on a full hit: its logits give the token
+        return min(num_matched_blocks * self._block_size, num_prompt - 1)
 
 
 class MostFreeBlocks(DecodePolicy):
@@ -153,13 +168,17 @@ class MostFreeBlocks(DecodePolicy):
         )
 
 
-def make_prefill_policy(name: str, block_size: int) -> PrefillPolicy:
+def make_prefill_policy(
+    name: str, block_size: int, index: PrefixIndex | None = None
+) -> PrefillPolicy:
     if name == "least_tokens":
         return LeastOutstandingTokens()
     if name == "round_robin":
         return RoundRobin()
-    if name == "prefix_affinity":
-        return PrefixAffinity(block_size)
+    if name == "kv_aware":
+        if index is None:
+            raise ValueError("the kv_aware policy needs the pool's PrefixIndex")
+        return KVAware(block_size, index)
     raise ValueError(f"unknown prefill policy {name!r}")
 
 

@@ -41,6 +41,7 @@ from router.http_api.server import HttpServer
 from router.metrics import RouterMetrics
 from router.metrics_http import MetricsHttpServer
 from router.policies import make_decode_policy, make_prefill_policy
+from router.prefix_index import PrefixIndex
 from router.servicer import SERVICE_NAME, GenerationServicer
 from router.tokenizer import RouterTokenizer, load_model_limits
 from router.validation import RequestValidator
@@ -94,13 +95,14 @@ class Router:
         self.metrics = RouterMetrics()
         self.tokenizer = RouterTokenizer(config.model_dir)
         self.limits = load_model_limits(config.model_dir, config.max_model_len)
-        self.pool = WorkerPool(config, self.metrics, prefill_handles, decode_handles)
+        prefix_index = PrefixIndex() if config.prefill_policy == "kv_aware" else None
+        self.pool = WorkerPool(config, self.metrics, prefill_handles, decode_handles, prefix_index)
         self.admission = AdmissionController(
             config.max_running_requests, config.max_queued_requests
         )
         dispatcher = Dispatcher(
             self.pool,
-            make_prefill_policy(config.prefill_policy, config.block_size),
+            make_prefill_policy(config.prefill_policy, config.block_size, prefix_index),
             make_decode_policy(config.decode_policy),
             config.worker_timeout_s,
         )

@@ -29,6 +29,7 @@ from router.worker_api import (
     InstanceLoad,
     KVTicket,
     Overloaded,
+    PrefixReport,
     Role,
     TokenEvent,
     WorkerRequest,
@@ -69,7 +70,7 @@ class SyntheticWorker:
 
     # -- the handle interface -----------------------------------------------------------------
 
-    async def load(self) -> InstanceLoad:
+    async def load(self, prefix: PrefixReport = PrefixReport.NONE) -> InstanceLoad:
         num_waiting = sum(1 for s in self._sequences.values() if not s.running)
         return InstanceLoad(
             self.instance_id,
@@ -78,6 +79,9 @@ class SyntheticWorker:
             num_running=len(self._sequences) - num_waiting,
             num_free_blocks=self.pool.num_free_blocks,
             num_total_blocks=self.num_blocks,
+            prefix_cache=None
+            if prefix is PrefixReport.NONE
+            else self.pool.take_cache_changes(prefix is PrefixReport.SNAPSHOT),
         )
 
     async def abort(self, request_id: str) -> None:

@@ -26,6 +26,7 @@ from kv_transfer.messages import KVTicket
 from worker.protocol import (
     InstanceLoad,
     Overloaded,
+    PrefixReport,
     RequestTimings,
     Role,
     TokenEvent,
@@ -39,6 +40,7 @@ __all__ = [
     "KVTicket",
     "Overloaded",
     "PrefillHandle",
+    "PrefixReport",
     "RequestTimings",
     "Role",
     "TokenEvent",
@@ -54,7 +56,9 @@ class WorkerHandle(Protocol):
     instance_id: str
     role: Role
 
-    async def load(self) -> InstanceLoad: ...
+    async def load(self, prefix: PrefixReport = PrefixReport.NONE) -> InstanceLoad:
+        """The instance's load; with `prefix`, its prefix cache's changes or contents too."""
+        ...
 
     async def abort(self, request_id: str) -> None:
         """Free every state the instance holds for the request; a no-op if it holds none."""

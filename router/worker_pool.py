@@ -11,7 +11,8 @@ the channel. A client that reuses an id (right after cancelling it, or concurren
 never receive another attempt's tokens, nor have its new attempt hit by the abort of the old one;
 and an instance that took a placement the router gave up on (a submit that timed out but landed)
 cannot feed the retry's stream. Another task refreshes every load each `load_refresh_interval_s`
-for the policies and the metrics.
+for the policies and the metrics; when a policy routes by prefix (kv_aware), the prefill
+instances' reports also carry their prefix caches' changes into the `PrefixIndex`.
 
 A handle that fails (WorkerUnavailable, a timeout, any error) is marked unhealthy: policies
 stop choosing it, and every request holding state on it gets an `InstanceLost` in its channel.
@@ -26,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 import uuid
 from collections import deque
 from collections.abc import Collection, Sequence
@@ -34,10 +36,12 @@ from dataclasses import dataclass
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policies import InstanceState
+from router.prefix_index import SNAPSHOT_INTERVAL_S, PrefixIndex
 from router.worker_api import (
     DecodeHandle,
     InstanceLoad,
     PrefillHandle,
+    PrefixReport,
     Role,
     TokenEvent,
     WorkerHandle,
@@ -107,6 +111,7 @@ class _Instance:
     num_outstanding_prompt_tokens: int = 0
     num_active_requests: int = 0
     num_blocks_reserved_since_load: int = 0
+    next_prefix_snapshot_at: float = 0.0  # time.monotonic(); 0: the next report is a snapshot
 
     def state(self) -> InstanceState:
         return InstanceState(
@@ -125,10 +130,13 @@ class WorkerPool:
         metrics: RouterMetrics,
         prefill_handles: Sequence[PrefillHandle],
         decode_handles: Sequence[DecodeHandle] = (),
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         _check_roles(prefill_handles, decode_handles)
         self._config = config
         self._metrics = metrics
+        # Fed with the prefill instances' prefix-cache reports when a policy reads it.
+        self._prefix_index = prefix_index
         self._instances: dict[str, _Instance] = {}
         for handle in [*prefill_handles, *decode_handles]:
             if handle.instance_id in self._instances:
@@ -148,6 +156,11 @@ class WorkerPool:
         self._abort_tasks: set[asyncio.Task[None]] = set()
         # Set, and replaced by a fresh one, each time an instance becomes healthy.
         self._recovered: asyncio.Event | None = None
+
+    @property
+    def prefix_index(self) -> PrefixIndex | None:
+        """What the prefill instances' prefix caches hold, when a policy routes by it."""
+        return self._prefix_index
 
     @property
     def disaggregated(self) -> bool:
@@ -304,13 +317,19 @@ class WorkerPool:
 
     async def _refresh_load(self, instance_id: str) -> None:
         instance = self._instances[instance_id]
+        prefix = self._prefix_report(instance)
         try:
-            load = await asyncio.wait_for(instance.handle.load(), self._config.worker_timeout_s)
+            load = await asyncio.wait_for(
+                instance.handle.load(prefix), self._config.worker_timeout_s
+            )
         except asyncio.CancelledError:
+            instance.next_prefix_snapshot_at = 0.0  # the worker may have told changes: lost
             raise
         except Exception as exc:
             self._lose(instance_id, f"its load report failed: {exc!r}")
             return
+        if self._prefix_index is not None and load.prefix_cache is not None:
+            self._prefix_index.apply(instance_id, load.prefix_cache)
         instance.load = load
         instance.num_blocks_reserved_since_load = 0
         if instance.healthy and not load.healthy:
@@ -321,11 +340,26 @@ class WorkerPool:
         instance.healthy = load.healthy
         self._metrics.observe_load(load)
 
+    def _prefix_report(self, instance: _Instance) -> PrefixReport:
+        """What the next load report should tell of the instance's prefix cache: nothing
+        unless a policy reads the index and the instance prefills; else its changes, or a
+        snapshot when one is due (router/prefix_index.py)."""
+        if self._prefix_index is None or instance.handle.role is Role.DECODE:
+            return PrefixReport.NONE
+        now = time.monotonic()
+        if now < instance.next_prefix_snapshot_at:
+            return PrefixReport.CHANGES
+        instance.next_prefix_snapshot_at = now + SNAPSHOT_INTERVAL_S
+        return PrefixReport.SNAPSHOT
+
     def _lose(self, instance_id: str, reason: str) -> None:
         instance = self._instances[instance_id]
         if instance.healthy:
             logger.warning("worker %s is unavailable: %s", instance_id, reason)
         instance.healthy = False
+        instance.next_prefix_snapshot_at = 0.0
+        if self._prefix_index is not None:
+            self._prefix_index.forget(instance_id)
         self._metrics.observe_down(instance_id, instance.handle.role)
         for channel in self._channels.values():
             if instance_id in channel.holder_ids:

@@ -48,6 +48,7 @@ from worker.protocol import (
     ControlMessage,
     InstanceLoad,
     Overloaded,
+    PrefixReport,
     RequestTimings,
     SendControl,
     TokenEvent,
@@ -229,7 +230,7 @@ class Worker(WorkerLoop):
             self.engine.abort(message.request_id)
 
     @on_loop_thread
-    def load(self) -> InstanceLoad:
+    def load(self, prefix: PrefixReport = PrefixReport.NONE) -> InstanceLoad:
         stats = self.engine.stats
         extra = {
             "num_prefix_hit_tokens": float(stats.num_prefix_hit_tokens),
@@ -253,6 +254,9 @@ class Worker(WorkerLoop):
             num_preemptions=stats.num_preemptions,
             healthy=self.healthy,
             extra=extra,
+            prefix_cache=None
+            if prefix is PrefixReport.NONE
+            else self.engine.prefix_cache_changes(prefix is PrefixReport.SNAPSHOT),
         )
 
     def process_ids(self) -> list[int]:

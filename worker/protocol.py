@@ -1,6 +1,7 @@
 """Everything that crosses a process boundary around a worker, typed: one module.
 
     router ──Reserve / Submit / Abort / Load / PollEvents──▶ a worker (any role)
+                (Load may carry back the prefix cache's changes, for KV-aware routing)
     worker ──KVTransferDone / KVAbort (ControlMessage)─────▶ its peer worker (through Deliver)
 
 The messages are plain, picklable dataclasses; protobuf conversion happens once, in the router.
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from engine.block_pool import PrefixCacheChanges
 from engine.sampling_params import SamplingParams
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
 
@@ -35,6 +37,15 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
+
+
+class PrefixReport(str, enum.Enum):
+    """What a load report tells of the instance's prefix cache (router/prefix_index.py): nothing,
+    its changes since the last report that told them, or all it holds."""
+
+    NONE = "none"
+    CHANGES = "changes"
+    SNAPSHOT = "snapshot"
 
 
 class Overloaded(Exception):
@@ -112,6 +123,7 @@ class InstanceLoad:
     num_preemptions: int = 0
     healthy: bool = True
     extra: dict[str, float] = field(default_factory=dict)
+    prefix_cache: PrefixCacheChanges | None = None  # when the load call asked for it
 
 
 class Worker(Protocol):
@@ -132,7 +144,7 @@ class Worker(Protocol):
 
     def deliver(self, message: ControlMessage) -> None: ...
 
-    def load(self) -> InstanceLoad: ...
+    def load(self, prefix: PrefixReport = PrefixReport.NONE) -> InstanceLoad: ...
 
     def poll_events(self, timeout_s: float) -> list[TokenEvent]: ...
 
@@ -185,8 +197,10 @@ class Deliver(WorkerCall[None]):
 
 @dataclass(frozen=True)
 class Load(WorkerCall[InstanceLoad]):
+    prefix: PrefixReport = PrefixReport.NONE
+
     def run(self, worker: Worker) -> InstanceLoad:
-        return worker.load()
+        return worker.load(self.prefix)
 
 
 @dataclass(frozen=True)

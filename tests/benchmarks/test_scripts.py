@@ -54,3 +54,23 @@ def test_kv_transfer_benchmark_reports_every_case(tmp_path: Path) -> None:
         assert case["tokens"] == 64 and case["kv_gbps"] > 0 and case["raw_gbps"] > 0
         assert case["ratio"] == pytest.approx(case["raw_ms"] / case["kv_ms"], rel=0.02)
     assert result["summary"]["default/contiguous"]["max_overhead_ms_at_64"] is not None
+
+
+def test_kv_routing_benchmark_reports_hits_per_policy(tmp_path: Path) -> None:
+    out = tmp_path / "kv_routing.json"
+    result = run_script(
+        "-m", "benchmarks.kv_routing", "--conversations", "4", "--turns", "2",
+        "--system-prompts", "2", "--system-len", "48", "--reply-len", "4", "--concurrency", "2",
+        "--num-kv-blocks", "64", "--replicas", "2", "--model-dir", str(tmp_path / "model"),
+        "--model-size", "tiny",
+        "--no-pin", "--out", str(out),
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    assert set(result["hit_rate"]) == {"kv_aware", "least_tokens", "round_robin"}
+    for policy, figures in result["policies"].items():
+        assert figures["requests"] == 8 and sum(figures["requests_per_instance"].values()) == 8
+        assert 0 <= figures["hit_rate"] <= figures["hit_rate_at_most"] < 1, policy
+        assert 0 < figures["ttft_p50_s"] <= figures["ttft_p90_s"]
+    # Every second turn repeats its conversation's history: kv_aware finds some of it.
+    assert result["policies"]["kv_aware"]["hit_rate"] > 0
+    assert set(result["kv_aware_over_round_robin"]) == {"hit_rate", "ttft_mean", "wall"}

@@ -70,7 +70,7 @@ def test_unknown_keys_are_named_with_the_valid_ones(data: dict, message: str) ->
         ({"prefill": {"tensor_parallel_size": "2"}},
          "prefill.tensor_parallel_size must be an integer >= 1, got '2'"),
         ({"prefill": {"policy": "random"}},
-         "prefill.policy must be one of least_tokens, round_robin, prefix_affinity; got 'random'"),
+         "prefill.policy must be one of least_tokens, round_robin, kv_aware; got 'random'"),
         ({"decode": {"policy": "least_tokens"}},
          "decode.policy must be one of most_free_blocks; got 'least_tokens'"),
         ({"dtype": "fp8"}, "config.dtype must be one of float32, float16, bfloat16, float64"),
@@ -157,7 +157,7 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
     token_file.write_text("s3cret\n")
     config = parse_config({
         "model": model_dir, "dtype": "bfloat16",
-        "prefill": {"instances": 1, "tensor_parallel_size": 2, "policy": "prefix_affinity"},
+        "prefill": {"instances": 1, "tensor_parallel_size": 2, "policy": "kv_aware"},
         "decode": {"instances": 3},
         "kv_cache": {"block_size": 8, "memory_mb": 3},
         "scheduler": {"chunk_size": 64, "max_num_seqs": 7, "max_num_batched_tokens": 128},
@@ -172,7 +172,7 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
     assert prefill.block_size == spec.router.block_size == 8
     assert prefill.kv_cache_memory_bytes == 3 * 1024 * 1024 and prefill.num_kv_blocks is None
     assert (decode.chunk_size, decode.max_num_seqs, decode.max_num_batched_tokens) == (64, 7, 128)
-    assert spec.router.auth_token == "s3cret" and spec.router.prefill_policy == "prefix_affinity"
+    assert spec.router.auth_token == "s3cret" and spec.router.prefill_policy == "kv_aware"
     ray_cluster = open_cluster(config, model_dir)
     assert isinstance(ray_cluster, RayCluster)  # not started: what it would start
     workers = ray_cluster.worker_configs()
@@ -181,7 +181,7 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
         **dict.fromkeys(spec.instance_ids()[1:], spec.decode),
     }
     assert ray_cluster.spec.router.auth_token == "s3cret"
-    assert ray_cluster.spec.router.prefill_policy == "prefix_affinity"
+    assert ray_cluster.spec.router.prefill_policy == "kv_aware"
 
 
 def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:

@@ -36,6 +36,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.free_list = list(range(num_blocks))  # the model's LRU order, head first
         self.cache: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, tokens)
         self.reused: set[int] = set()  # cached blocks a lookup has hit: only LRU evicts them
+        self.reader: set[int] | None = None  # what a reader of the cache's changes knows
 
     def _cached_hash_of(self, block_id: int) -> int | None:
         return next((h for h, (b, _) in self.cache.items() if b == block_id), None)
@@ -140,6 +141,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool.reset_prefix_cache()
         self.cache.clear()
         self.reused.clear()
+        self.reader = None  # its next report must be a snapshot
 
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
@@ -184,6 +186,20 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.free_list.remove(expected)
         self.ref_cnt[expected] += 1
         self.holders.append([expected])
+
+    @rule(snapshot=st.booleans())
+    def report_cache_changes(self, snapshot: bool) -> None:
+        """A reader that applies every report (a snapshot replacing what it knew), as the
+        router's prefix index does, knows exactly which hashes are cached; the first report,
+        and the first after a reset, is a snapshot."""
+        changes = self.pool.take_cache_changes(snapshot)
+        assert changes.snapshot or (self.reader is not None and not snapshot)
+        if changes.snapshot:
+            self.reader = set()
+        assert self.reader is not None and not set(changes.stored) & set(changes.removed)
+        self.reader |= set(changes.stored)
+        self.reader -= set(changes.removed)
+        assert self.reader == set(self.cache)
 
     @precondition(lambda self: self.holders)
     @rule(data=st.data())
@@ -278,3 +294,18 @@ def test_allocate_run_covers_a_new_table_with_the_fewest_runs_in_id_order() -> N
     assert pool.allocate_run(2) == [3, 4]
     pool.free([b for b in held if b not in (0, 1, 3, 4, 6, 7, 8)])
     pool.check_integrity()
+
+
+def test_cache_changes_overflow_into_a_snapshot_when_nobody_reads_them() -> None:
+    pool = BlockPool(2)
+    assert pool.take_cache_changes().snapshot  # the first report
+    for round_index in range(3):  # 6 changes of 2 blocks: past twice the pool's size
+        block_ids = pool.allocate(2)
+        for offset, block_id in enumerate(block_ids):
+            pool.cache_block(block_id, BlockHash(10 * round_index + offset), (round_index,))
+        pool.free_sequence_blocks(block_ids)
+    changes = pool.take_cache_changes()
+    assert changes.snapshot and sorted(changes.stored) == [20, 21] and not changes.removed
+    pool.allocate(1)  # evicts one cached block
+    later = pool.take_cache_changes()
+    assert not later.snapshot and later.stored == [] and len(later.removed) == 1

@@ -272,7 +272,7 @@ class _DeadWorker(SyntheticWorker):
 
     dead = True
 
-    async def load(self) -> InstanceLoad:
+    async def load(self, prefix: object = None) -> InstanceLoad:
         if self.dead:
             raise WorkerUnavailable(f"{self.instance_id} exited")
         return await super().load()

@@ -1,21 +1,30 @@
-"""Dispatch policies and admission control, on exact small scenarios."""
+"""Dispatch policies and admission control, on exact small scenarios, and the queue counts
+the policies read, through a real router."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
+import grpc
 import pytest
+from pdserve_proto.v1 import generation_pb2 as pb
+from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from engine.block_pool import hash_prompt_blocks
+from engine.block_pool import PrefixCacheChanges, hash_prompt_blocks
 from router.admission import AdmissionController, AdmissionFull
+from router.config import RouterConfig
 from router.policies import (
     InstanceState,
+    KVAware,
     LeastOutstandingTokens,
     MostFreeBlocks,
-    PrefixAffinity,
     RoundRobin,
 )
+from router.prefix_index import PrefixIndex
+from router.synthetic import SyntheticWorker
 from router.worker_api import InstanceLoad, Role
+from tests.router.harness import RouterThread
 
 
 def _state(instance_id: str, tokens: int = 0, active: int = 0, free: int = 100, reserved: int = 0):
@@ -36,27 +45,61 @@ def test_round_robin_cycles_in_id_order() -> None:
     assert [policy.select([1], states).instance_id for _ in range(4)] == ["a", "b", "c", "a"]
 
 
-def test_prefix_affinity_follows_the_longest_remembered_prefix() -> None:
-    policy = PrefixAffinity(block_size=4)
-    shared = list(range(10, 22))  # three full blocks
-    states = [_state("a"), _state("b")]
-    assert policy.select(shared + [1], states).instance_id == "a"  # nothing known: least loaded
-    # b now looks less loaded, but a holds the prefix.
-    states = [_state("a", tokens=50), _state("b", tokens=0)]
-    assert policy.select(shared + [2, 3], states).instance_id == "a"
-    assert policy.num_matching_blocks("a", hash_prompt_blocks(shared, 4)) == 3
-    assert policy.num_matching_blocks("b", hash_prompt_blocks(shared, 4)) == 0
-    # A different first block shares nothing, even with equal later blocks (chained hashes).
-    other = [99, 98, 97, 96] + shared[4:]
-    assert policy.select(other, states).instance_id == "b"
+def test_prefix_index_follows_the_workers_reports_and_the_routers_own_placements() -> None:
+    index = PrefixIndex()
+    blocks = hash_prompt_blocks(list(range(10, 22)), 4)  # three chained blocks
+    index.apply("a", PrefixCacheChanges(blocks, [], snapshot=True))
+    index.apply("b", PrefixCacheChanges(blocks[:1], [], snapshot=True))
+    assert index.matching_blocks(blocks, ["a", "b", "c"]) == {"a": 3, "b": 1, "c": 0}
+    index.apply("a", PrefixCacheChanges([], [blocks[1]]))  # evicted: only the leading run counts
+    assert index.matching_blocks(blocks, ["a", "b"]) == {"a": 1, "b": 1}
+    index.expect("b", blocks)  # placed there: it will cache them
+    assert index.matching_blocks(blocks, ["a", "b"]) == {"a": 1, "b": 3}
+    index.apply("b", PrefixCacheChanges([], [], snapshot=True))  # a snapshot replaces all
+    index.forget("a")  # lost
+    assert index.matching_blocks(blocks, ["a", "b"]) == {"a": 0, "b": 0}
+    assert index.num_blocks("a") == index.num_blocks("b") == 0 and not index._holders
 
 
-def test_prefix_affinity_gives_way_when_its_instance_is_far_more_loaded() -> None:
-    policy = PrefixAffinity(block_size=4, max_imbalance_tokens=100)
-    prompt = list(range(8))
-    policy.select(prompt, [_state("a")])
-    assert policy.select(prompt, [_state("a", tokens=100), _state("b")]).instance_id == "a"
-    assert policy.select(prompt, [_state("a", tokens=101), _state("b")]).instance_id == "b"
+def test_kv_aware_weighs_the_cached_prefix_against_queued_and_running_work() -> None:
+    shared = list(range(10, 26))  # four full blocks
+    prompt = shared + [1, 2]  # 18 tokens; b's cache lacks 2 of them, a lacks all 18
+
+    def choose(*states: InstanceState, prompt: list[int] = prompt, max_tokens: int = 1) -> str:
+        index = PrefixIndex()
+        index.apply("b", PrefixCacheChanges(hash_prompt_blocks(shared, 4), [], snapshot=True))
+        return KVAware(block_size=4, index=index).select(prompt, states, max_tokens).instance_id
+
+    assert choose(_state("a"), _state("b")) == "b"
+    # b's queue (17 tokens) outweighs what its cache saves (16); 15 does not.
+    assert choose(_state("a"), _state("b", tokens=17)) == "a"
+    assert choose(_state("a"), _state("b", tokens=15)) == "b"
+    # Each active request adds a token to each of this request's decode steps: 17 on b
+    # outweigh its 16 cached tokens for one step, 2 do for 8 steps (a tie: fewer active wins).
+    assert choose(_state("a"), _state("b", active=17)) == "a"
+    assert choose(_state("a"), _state("b", active=15)) == "b"
+    assert choose(_state("a"), _state("b", active=2), max_tokens=8) == "a"
+    assert choose(_state("a"), _state("b", active=2), max_tokens=7) == "b"
+    # A full hit still computes the last token: 15 queued + 1 ties a's 16, and the id decides.
+    assert choose(_state("a"), _state("b", tokens=15), prompt=shared) == "a"
+    assert choose(_state("a"), _state("b", tokens=14), prompt=shared) == "b"
+    # Without a cached prefix: the fewest tokens and requests, then the id.
+    assert choose(_state("b", active=1), _state("a", active=1), prompt=[7] * 9) == "a"
+    assert choose(_state("b"), _state("a", active=1), prompt=[7] * 9) == "b"
+
+
+def test_kv_aware_counts_what_a_placed_prompt_lacks_and_expects_it_cached_there() -> None:
+    index = PrefixIndex()
+    policy = KVAware(block_size=4, index=index)
+    prompt = list(range(10, 23))  # 13 tokens, three full blocks
+    assert policy.select(prompt, [_state("b"), _state("a")]).instance_id == "a"
+    assert policy.placed(prompt, "a") == 13  # nothing cached: a computes it all
+    # Before any report, the next prompt with that prefix follows it, even onto a busier a.
+    choice = policy.select(prompt + [5], [_state("b"), _state("a", tokens=10)])
+    assert choice.instance_id == "a"
+    assert policy.placed(prompt + [5], "a") == 2  # 12 of its 14 tokens are expected cached
+    assert index.matching_blocks(hash_prompt_blocks(prompt, 4), ["a", "b"]) == {"a": 3, "b": 0}
+    assert LeastOutstandingTokens().placed(prompt, "a") == 13
 
 
 def test_most_free_blocks_counts_reservations_since_the_last_report() -> None:
@@ -103,3 +146,28 @@ def test_admission_runs_fifo_and_refuses_past_both_bounds() -> None:
         assert admission.try_admit().running
 
     asyncio.run(scenario())
+
+
+def test_a_prompt_counts_as_queued_until_its_first_token_only(tiny_model_dir: str) -> None:
+    """The prefill policies read an instance's outstanding prompt tokens as its queue: a request
+    that is decoding no longer counts there (until the seventh session it did, for good)."""
+    workers = [
+        SyntheticWorker(f"colocated-{i}", Role.COLOCATED, step_interval_s=0.05) for i in range(2)
+    ]
+    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
+    with RouterThread(config, lambda: (workers, [])) as server:
+        assert server.router is not None
+        pool = server.router.pool
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            call = stub.Generate(pb.GenerateRequest(token_ids=[5] * 40, max_tokens=200), timeout=30)
+            next(call)  # the first token: the prompt is prefilled, the request decodes on
+            states = {s.instance_id: s for s in pool.prefill_candidates()}
+            assert states["colocated-0"].num_active_requests == 1
+            assert states["colocated-0"].num_outstanding_prompt_tokens == 0
+            call.cancel()
+        deadline = time.monotonic() + 10
+        while any(s.num_active_requests for s in pool.prefill_candidates()):
+            assert time.monotonic() < deadline, "the cancelled request is still counted"
+            time.sleep(0.02)
+        assert all(s.num_outstanding_prompt_tokens == 0 for s in pool.prefill_candidates())

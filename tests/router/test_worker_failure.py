@@ -23,7 +23,7 @@ class DyingWorker(SyntheticWorker):
 
     dead = False
 
-    async def load(self) -> InstanceLoad:
+    async def load(self, prefix: object = None) -> InstanceLoad:
         if self.dead:
             raise WorkerUnavailable(f"{self.instance_id} is dead")
         return await super().load()

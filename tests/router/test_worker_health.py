@@ -27,7 +27,7 @@ class FlakyWorker(SyntheticWorker):
     dead = False
     hung = False
 
-    async def load(self) -> InstanceLoad:
+    async def load(self, prefix: object = None) -> InstanceLoad:
         if self.dead:
             raise WorkerUnavailable(f"{self.instance_id} exited")
         while self.hung:

@@ -21,6 +21,7 @@ from worker.protocol import (
     InstanceLoad,
     Load,
     PollEvents,
+    PrefixReport,
     Reserve,
     Role,
     Submit,
@@ -59,8 +60,8 @@ class HandleBase:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._invoke, command, timeout)
 
-    async def load(self) -> InstanceLoad:
-        return await self._call(Load())  # healthy=False from a worker whose loop failed
+    async def load(self, prefix: PrefixReport = PrefixReport.NONE) -> InstanceLoad:
+        return await self._call(Load(prefix))  # healthy=False from a worker whose loop failed
 
     async def abort(self, request_id: str) -> None:
         await self._call(Abort(request_id))
