@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 PREFILL_POLICIES = ("least_tokens", "round_robin", "kv_aware")
-DECODE_POLICIES = ("most_free_blocks",)
+DECODE_POLICIES = ("least_batch", "most_free_blocks")
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class RouterConfig:
     max_model_len: int | None = None
     block_size: int = 16
     prefill_policy: str = "least_tokens"
-    decode_policy: str = "most_free_blocks"
+    decode_policy: str = "least_batch"
     max_running_requests: int = 256
     max_queued_requests: int = 256
     default_max_tokens: int = 16

@@ -136,7 +136,8 @@ class Dispatcher:
         candidates = self._pool.decode_candidates(exclude=refused)
         if not candidates:
             return None
-        return self._decode_policy.select(request.prompt_token_ids, candidates).instance_id
+        prompt, max_tokens = request.prompt_token_ids, request.params.max_tokens
+        return self._decode_policy.select(prompt, candidates, max_tokens).instance_id
 
     def _pick_prefill(self, request: ValidatedRequest, refused: set[str]) -> str | None:
         candidates = self._pool.prefill_candidates(exclude=refused)

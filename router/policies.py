@@ -55,8 +55,12 @@ class DecodePolicy(ABC):
 
     @abstractmethod
     def select(
-        self, prompt_token_ids: Sequence[int], candidates: Sequence[InstanceState]
-    ) -> InstanceState: ...
+        self,
+        prompt_token_ids: Sequence[int],
+        candidates: Sequence[InstanceState],
+        max_tokens: int = 1,
+    ) -> InstanceState:
+        """`max_tokens`: the request's (its KV grows to the prompt plus that many tokens)."""
 
 
 def _least_tokens_key(state: InstanceState) -> tuple[int, int, str]:
@@ -150,22 +154,49 @@ class KVAware(PrefillPolicy):
         return min(num_matched_blocks * self._block_size, num_prompt - 1)
 
 
+class LeastBatch(DecodePolicy):
+    """The decode instance this request slows least and that can hold it: among those whose
+    free blocks (less the router's reservations since their last report) hold the request's
+    longest form, prompt plus max_tokens, the one with the fewest active requests (the batch
+    whose steps set its TPOT), then the most free blocks; when none can hold it, the one with
+    the most free blocks (it may have to preempt there). Free blocks decide only where memory
+    runs short, so a decode instance with a large, idle pool does not draw every request while
+    another with a smaller batch has room."""
+
+    name = "least_batch"
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+
+    def select(
+        self,
+        prompt_token_ids: Sequence[int],
+        candidates: Sequence[InstanceState],
+        max_tokens: int = 1,
+    ) -> InstanceState:
+        need = -(-(len(prompt_token_ids) + max_tokens) // self._block_size)
+        fits = [s for s in candidates if s.num_free_blocks_estimate >= need]
+        if not fits:
+            return min(candidates, key=_most_free_key)
+        return min(fits, key=lambda s: (s.num_active_requests, *_most_free_key(s)))
+
+
 class MostFreeBlocks(DecodePolicy):
     """The decode instance with the most free KV blocks, then the fewest running sequences."""
 
     name = "most_free_blocks"
 
     def select(
-        self, prompt_token_ids: Sequence[int], candidates: Sequence[InstanceState]
+        self,
+        prompt_token_ids: Sequence[int],
+        candidates: Sequence[InstanceState],
+        max_tokens: int = 1,
     ) -> InstanceState:
-        return min(
-            candidates,
-            key=lambda s: (
-                -s.num_free_blocks_estimate,
-                s.num_active_requests,
-                s.instance_id,
-            ),
-        )
+        return min(candidates, key=_most_free_key)
+
+
+def _most_free_key(state: InstanceState) -> tuple[int, int, str]:
+    return (-state.num_free_blocks_estimate, state.num_active_requests, state.instance_id)
 
 
 def make_prefill_policy(
@@ -182,7 +213,9 @@ def make_prefill_policy(
     raise ValueError(f"unknown prefill policy {name!r}")
 
 
-def make_decode_policy(name: str) -> DecodePolicy:
+def make_decode_policy(name: str, block_size: int) -> DecodePolicy:
+    if name == "least_batch":
+        return LeastBatch(block_size)
     if name == "most_free_blocks":
         return MostFreeBlocks()
     raise ValueError(f"unknown decode policy {name!r}")

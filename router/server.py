@@ -103,7 +103,7 @@ class Router:
         dispatcher = Dispatcher(
             self.pool,
             make_prefill_policy(config.prefill_policy, config.block_size, prefix_index),
-            make_decode_policy(config.decode_policy),
+            make_decode_policy(config.decode_policy, config.block_size),
             config.worker_timeout_s,
         )
         runner = GenerationRunner(

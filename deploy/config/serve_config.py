@@ -44,7 +44,7 @@ class RoleSection:
 class DecodeSection(RoleSection):
     """Decode instances (data parallel), picked by the decode policy."""
 
-    policy: str = knob("most_free_blocks", checks.choice(DECODE_POLICIES))
+    policy: str = knob("least_batch", checks.choice(DECODE_POLICIES))
 
 
 @dataclass(frozen=True)

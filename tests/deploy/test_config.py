@@ -72,7 +72,7 @@ def test_unknown_keys_are_named_with_the_valid_ones(data: dict, message: str) ->
         ({"prefill": {"policy": "random"}},
          "prefill.policy must be one of least_tokens, round_robin, kv_aware; got 'random'"),
         ({"decode": {"policy": "least_tokens"}},
-         "decode.policy must be one of most_free_blocks; got 'least_tokens'"),
+         "decode.policy must be one of least_batch, most_free_blocks; got 'least_tokens'"),
         ({"dtype": "fp8"}, "config.dtype must be one of float32, float16, bfloat16, float64"),
         ({"device": "tpu"}, "config.device must be 'cpu' or 'cuda', got 'tpu'"),
         ({"router": {"port": 70000}}, "router.port must be a port in [0, 65535], got 70000"),

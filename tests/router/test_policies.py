@@ -17,6 +17,7 @@ from router.config import RouterConfig
 from router.policies import (
     InstanceState,
     KVAware,
+    LeastBatch,
     LeastOutstandingTokens,
     MostFreeBlocks,
     RoundRobin,
@@ -112,6 +113,20 @@ def test_most_free_blocks_counts_reservations_since_the_last_report() -> None:
     assert policy.select([1], states).instance_id == "b"  # 30 < 40; b and c tie, b by id
     states = [_state("b", free=40, active=3), _state("c", free=40, active=1)]
     assert policy.select([1], states).instance_id == "c"  # fewest running breaks the tie
+
+
+def test_least_batch_takes_the_smallest_batch_among_the_instances_that_hold_the_request() -> None:
+    policy = LeastBatch(block_size=4)
+    prompt = [1] * 10  # with 6 tokens to generate: 16 tokens, 4 blocks
+    roomy_but_busy = _state("a", active=5, free=90)
+    quiet = _state("b", active=1, free=5, reserved=1)  # 4 free after the router's reservations
+    assert policy.select(prompt, [roomy_but_busy, quiet], max_tokens=6).instance_id == "b"
+    # 7 tokens to generate need 5 blocks: only a holds the request.
+    assert policy.select(prompt, [roomy_but_busy, quiet], max_tokens=7).instance_id == "a"
+    # Equal batches: the most free blocks; nobody holds it: the most free blocks too.
+    assert policy.select(prompt, [_state("a", free=8), _state("b", free=9)]).instance_id == "b"
+    crowded = [_state("a", active=0, free=2), _state("b", active=9, free=3)]
+    assert policy.select(prompt, crowded, max_tokens=6).instance_id == "b"
 
 
 def test_admission_runs_fifo_and_refuses_past_both_bounds() -> None:
