@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / "benchmarks" / "data" / "distserve"  # DistServe's profiles, vendored
 RESULTS = ROOT / "benchmarks" / "results" / "placement"
 LENGTHS = RESULTS / "sharegpt-lengths.json"
-MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full"
+MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session7"
 BENCH_MODEL = Path.home() / ".cache" / "pdserve" / "goodput-llama"
 DISTSERVE_13B = 1.5625
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                              "made now (about 18 minutes on 2 cores)")  # fmt: skip
     parser.add_argument("--bench-out", default=str(RESULTS / "bench"),
                         help="where the run made without --measured goes")  # fmt: skip
-    parser.add_argument("--profile", default=str(RESULTS / "profile-2core.json"),
+    parser.add_argument("--profile", default=str(RESULTS / "profile-2core.session7.json"),
                         help="this machine's `pdserve profile` of the benchmark's model")  # fmt: skip
     parser.add_argument("--reprofile", action="store_true",
                         help="measure --profile again first (pdserve profile --quick)")  # fmt: skip

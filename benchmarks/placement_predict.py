@@ -1,7 +1,7 @@
 """Predict this machine: `pdserve profile`'s coefficients through the simulator, against the
 goodputs that `pdserve bench --compare` measured, per regime and layout.
 
-A measured run (benchmarks/results/goodput-2core/full/ by default) gives, per regime, its
+A measured run (benchmarks/results/goodput-2core/full-session7/ by default) gives, per regime, its
 exact requests (prompt and output lengths, unit-rate gaps), its SLOs, its engine settings and
 its measured goodput for both layouts. The simulator replays the same requests at a grid of rates
 through both layouts as the benchmark runs them on this machine:
@@ -19,6 +19,8 @@ instance behind the real router (benchmarks/profiling/path.py), none fitted to a
                                 are not pinned, so under load they take that share of the
                                 workers' cores (planner/serving_path.py)
 A profile without them falls back on the run's own unloaded calibration (raw/*.json).
+And one mechanism of pdserve's dispatch (planner/simulator.py, `reserve_before_prefill`): a
+disaggregated request waits for the decode loop's step under way before its prompt is queued.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from planner.simulator import LinkSpec, SimOptions
 from planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full"
+MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session7"
 LAYOUTS = {
     "disaggregated": Placement("disaggregated", Parallel(1, 1, 1), Parallel(1, 1, 1)),
     "colocated": Placement("colocated", colocated=Parallel(1, 1, 2)),
@@ -115,7 +117,7 @@ def sim_options(profile: ModelProfile, regime: Regime) -> tuple[SimOptions, Link
     options = SimOptions(
         colocated_policy="chunked", chunk_size=config.get("chunk_size", 512),
         max_num_batched_tokens=budget, max_num_seqs=64, prefill_max_tokens=budget,
-        ttft_path_ms=ttft_path_ms(profile),
+        ttft_path_ms=ttft_path_ms(profile), reserve_before_prefill=True,
     )  # fmt: skip
     link = None
     if tp1.transfer_GBps and tp1.kv_bytes_per_token:

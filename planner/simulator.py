@@ -6,6 +6,8 @@ Disaggregated (DistServe's model, plus transfer and memory):
      stages takes (a + b*Σl + c*Σl²)/pp + pp, the first one also the step overhead;
      the first token leaves when the last stage ends (TTFT)
   -> the decode instance with the fewest requests; the KV crosses a FIFO link per pair
+     (with `reserve_before_prefill`, pdserve's dispatch: the decode instance is picked, and
+     reserves, on arrival, between its steps, before the prompt joins the prefill queue)
   -> decode steps in groups (planner/decode_group.py) under the instance's KV memory.
 Either phase may be simulated alone (no decode instances: requests end at their first token;
 no prefill instances: their KV is on a decode instance when they arrive), as DistServe's
@@ -81,6 +83,11 @@ class SimOptions:
     # Every step takes this many times its modelled time: the share of the instances' cores
     # that other processes (router, client) take at this load (1: the cores are theirs alone).
     step_scale: float = 1.0
+    # pdserve's dispatch (router/dispatch.py): a disaggregated request reaches the prefill
+    # queue only once its decode instance has reserved its KV, which that instance's loop does
+    # between steps; so it waits out the decode step under way, and its KV goes to that
+    # instance. Off: DistServe's model (the decode instance is picked when the KV is ready).
+    reserve_before_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.colocated_policy not in COLOCATED_POLICIES:
@@ -161,6 +168,7 @@ class Simulator:
         self.decode = [_Pipeline(s) for s in decode or []]
         self.sides = {id(p): self._side(p.spec) for p in self.colocated + self.decode}
         self.link_free: dict[tuple[int, int], float] = {}
+        self.reserved: dict[int, _Pipeline] = {}  # rid -> its decode (reserve_before_prefill)
         # (time, push order, action): the push order breaks ties, so actions are never compared.
         self.events: list[tuple[float, int, _Action]] = []
         self._seq = 0
@@ -193,10 +201,22 @@ class Simulator:
     def _arrive(self, rid: int, now: float) -> None:
         if not (self.colocated or self.prefill):  # decode alone: the prompt's KV is there
             self.table.first_ms[rid] = now
-            target = min(self.decode, key=lambda p: self.sides[id(p)].load())
+            target = self._least_loaded_decode()
             self.sides[id(target)].waiting.append(rid)
             self._push(now, partial(self._try_start, target))
             return
+        if self.decode and self.opts.reserve_before_prefill:
+            target = self._least_loaded_decode()
+            self.reserved[rid] = target
+            if target.free[0] > now:  # its loop takes the reservation after the step under way
+                self._push(target.free[0], partial(self._enqueue, rid))
+                return
+        self._enqueue(rid, now)
+
+    def _least_loaded_decode(self) -> _Pipeline:
+        return min(self.decode, key=lambda p: self.sides[id(p)].load())
+
+    def _enqueue(self, rid: int, now: float) -> None:
         pool = self.colocated or self.prefill
         if self.colocated:
             pipe = min(pool, key=lambda p: len(p.queue) + self.sides[id(p)].load())
@@ -254,7 +274,7 @@ class Simulator:
         self._try_start(pipe, now)
 
     def _send_kv(self, source: _Pipeline, rid: int, now: float) -> None:
-        target = min(self.decode, key=lambda p: self.sides[id(p)].load())
+        target = self.reserved.pop(rid, None) or self._least_loaded_decode()
         if not self.link.enabled:
             self.sides[id(target)].waiting.append(rid)
             # After the rest of this batch has landed, so it joins the same decode step.

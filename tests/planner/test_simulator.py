@@ -32,6 +32,21 @@ def test_disaggregated_timeline_two_requests() -> None:
     assert result.tpot_ms.tolist() == [5.0, 5.0]
 
 
+def test_a_reservation_waits_for_the_decode_step_under_way() -> None:
+    # r0 at 0 (prompt 10, 4 tokens): prefill 0 -> 21, decode steps 21-26, 26-31, 31-36. r1 at
+    # 23 (prompt 10, 2 tokens): DistServe's model prefills it at once (23 -> 44, TTFT 21);
+    # pdserve's dispatch first reserves on the decode instance, whose loop is in its 21-26
+    # step, so r1 joins the prefill queue at 26 (26 -> 47, TTFT 24).
+    def run(reserve: bool) -> list[float]:
+        options = SimOptions(reserve_before_prefill=reserve)
+        simulator = Simulator([10, 10], [4, 2], [0.0, 23.0], prefill=[_spec()], decode=[_spec()],
+                              options=options)  # fmt: skip
+        return simulator.run().ttft_ms.tolist()
+
+    assert run(False) == [21.0, 21.0]
+    assert run(True) == [21.0, 24.0]
+
+
 def test_kv_transfer_is_priced_on_a_fifo_link() -> None:
     # 1 MB per token over 1 GB/s = 1 ms per token, plus 1 ms per message; both prompts of 10
     # tokens end their prefill together at 10 + 20 + 1 = 31 (one batch), so the second
