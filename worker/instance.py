@@ -40,6 +40,7 @@ from engine.llm import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import StepOutput
 from engine.ranks import RankCommand, RankLauncher
+from engine.request import Request
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
 from prefill_worker.rank import PrefillRank
 from worker.config import WorkerConfig
@@ -90,6 +91,9 @@ class _Tracked:
     timings: RequestTimings | None = None  # set with its first token
     error: str | None = None  # why it ended before its first token, when not a plain abort
     num_cached_tokens: int = 0
+    # The engine's request, submitted here: a prompt handed off in its first step has left the
+    # scheduler by the time the step's end is seen, and its cache hits are read from it.
+    request: Request | None = None
 
     def timings_for(self, output: StepOutput, now: float) -> RequestTimings | None:
         """What the output's event carries: the stages so far on its first token, and on its
@@ -285,7 +289,7 @@ class Worker(WorkerLoop):
             if request_id in self._tracked or request_id in self.engine.scheduler.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._check_queue(len(request.prompt_token_ids))
-            self.engine.add_request(
+            engine_request = self.engine.add_request(
                 request_id, request.prompt_token_ids, request.params, request.arrival_time,
                 decodes_here=ticket is None,
             )  # fmt: skip
@@ -295,7 +299,8 @@ class Worker(WorkerLoop):
             raise
         if sending is not None and ticket is not None:
             sending.track(ticket)
-        self._tracked[request_id] = self._not_started[request_id] = _Tracked(submitted_at)
+        tracked = _Tracked(submitted_at, request=engine_request)
+        self._tracked[request_id] = self._not_started[request_id] = tracked
 
     def _check_queue(self, num_tokens: int) -> None:
         stats = self.engine.stats
@@ -336,7 +341,7 @@ class Worker(WorkerLoop):
         for request_id in started:
             tracked = self._not_started.pop(request_id)
             tracked.started_at = step_started_at
-            request = requests.get(request_id)
+            request = requests.get(request_id) or tracked.request
             tracked.num_cached_tokens = request.num_cached_tokens if request else 0
 
     def _to_event(self, output: StepOutput, step_started_at: float, now: float) -> TokenEvent:

@@ -98,6 +98,7 @@ class Result:
     decode_sources: list[str] = field(default_factory=list)  # instance id of each decode token
     finish_reason: str | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # what the prefill's first event says its prefix cache held
 
     @property
     def token_ids(self) -> list[int]:
@@ -167,6 +168,8 @@ class Relay:
             return  # ended already (a late report from the other side)
         if event.source == self.prefill_id:
             result.first_token_ids.extend(event.token_ids)
+            if event.timings is not None and event.token_ids:
+                result.num_cached_tokens = event.timings.num_cached_tokens
         else:
             result.decode_token_ids.extend(event.token_ids)
             result.decode_sources.extend([event.source] * len(event.token_ids))

@@ -179,6 +179,9 @@ def test_prefix_cache_hit_equals_miss_and_counts_skipped_tokens(cluster) -> None
     assert miss.token_ids == hit.token_ids == expected
     assert after_miss == before
     assert after_hit - after_miss == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 40 skipped
+    # ... and the first token's timings say so (the request left the prefill's scheduler in
+    # the step that computed it; they read 0 before the seventh session)
+    assert (miss.num_cached_tokens, hit.num_cached_tokens) == (0, 40)
     assert relay.worker("prefill").call(Load()).prefix_cache_hit_rate > 0
     assert_pools_back(cluster, ["prefill", "decode-0"])
 
