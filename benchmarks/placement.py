@@ -39,7 +39,7 @@ from typing import Any
 from planner.fifo_decode import DISTSERVE_DECODE_BATCH_TOKENS
 from planner.profile import ModelProfile, load_profile, with_max_num_tokens
 from planner.search import SLO, Cluster, SearchSettings, plan
-from planner.simulator import LinkSpec, SimOptions
+from planner.sim_spec import LinkSpec, SimOptions
 from planner.workload import (
     distserve_sharegpt_pairs,
     distserve_workload,

@@ -38,7 +38,7 @@ from planner.placement import Parallel, Placement, simulate
 from planner.profile import ModelProfile
 from planner.search import SLO, Cluster, SearchSettings, plan
 from planner.serving_path import apply_serving_path, relay_ms, relay_scale, ttft_path_ms
-from planner.simulator import LinkSpec, SimOptions
+from planner.sim_spec import LinkSpec, SimOptions
 from planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]

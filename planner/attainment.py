@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner import metrics
-from planner.simulator import SimResult
+from planner.sim_spec import SimResult
 
 
 def to_records(result: SimResult) -> list[metrics.RequestRecord]:

@@ -79,7 +79,7 @@ def _load(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
 def cmd_plan(args: argparse.Namespace) -> int:
     from planner.search import SLO, Cluster, SearchSettings, plan
     from planner.serving_path import apply_serving_path, relay_ms, ttft_path_ms
-    from planner.simulator import LinkSpec, SimOptions
+    from planner.sim_spec import LinkSpec, SimOptions
 
     profile = _load(args, args.profile)
     coloc = _load(args, args.colocated_profile) if args.colocated_profile else None

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from planner.latency import StepModel
 from planner.profile import ModelProfile
-from planner.simulator import InstanceSpec, LinkSpec, SimOptions, SimResult, Simulator
+from planner.sim_spec import InstanceSpec, LinkSpec, SimOptions, SimResult
+from planner.simulator import Simulator
 from planner.workload import Workload
 
 

@@ -24,7 +24,7 @@ from planner.attainment import joint_attainment, separate_ok
 from planner.placement import Parallel, Placement, simulate
 from planner.profile import ModelProfile
 from planner.serving_path import relay_scale
-from planner.simulator import LinkSpec, SimOptions, SimResult
+from planner.sim_spec import LinkSpec, SimOptions, SimResult
 from planner.workload import Workload
 
 

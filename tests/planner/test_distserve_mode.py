@@ -9,7 +9,8 @@ import numpy as np
 from planner.latency import StepModel
 from planner.profile import TPProfile
 from planner.search import SearchSettings, max_per_gpu_rate
-from planner.simulator import InstanceSpec, SimOptions, Simulator
+from planner.sim_spec import InstanceSpec, SimOptions
+from planner.simulator import Simulator
 from planner.workload import distserve_workload
 
 NO_OVERHEAD = (0.0, 0.0)

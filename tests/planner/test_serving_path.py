@@ -8,7 +8,8 @@ import pytest
 from planner.latency import StepModel
 from planner.profile import ModelProfile, TPProfile, load_profile, save_profiles
 from planner.serving_path import apply_serving_path, relay_ms, relay_scale, ttft_path_ms
-from planner.simulator import InstanceSpec, SimOptions, Simulator
+from planner.sim_spec import InstanceSpec, SimOptions
+from planner.simulator import Simulator
 
 PATH = {"worker_step_ms": 1.0, "worker_step_wall_ms": 2.0, "worker_seq_ms": 0.5,
         "relay_request_ms": 1.0, "relay_token_ms": 0.5, "path_ttft_ms": 7.0}  # fmt: skip
@@ -52,7 +53,7 @@ def test_handoff_delays_the_request_but_not_the_link() -> None:
     # Two 1-token prompts prefill together (10 + 1 = 11). The wire takes 1 ms each over a FIFO
     # link (11-12, 12-13); each lands 5 ms later (17, 18), so r0 steps 17-22 and r1 joins the
     # next step 22-27: TPOT (one decode step each, counted from the first token at 11) 11, 16.
-    from planner.simulator import LinkSpec
+    from planner.sim_spec import LinkSpec
 
     entry = TPProfile((10.0, 0.0, 0.0), (5.0, 0.0, 0.0), (5.0, 0.0, 0.0), overhead=(0.0, 0.0))
     spec = InstanceSpec(StepModel(entry), 1, None)

@@ -12,7 +12,8 @@ from planner import metrics
 from planner.attainment import joint_attainment, to_records
 from planner.latency import StepModel
 from planner.profile import TPProfile
-from planner.simulator import InstanceSpec, LinkSpec, SimOptions, Simulator
+from planner.sim_spec import InstanceSpec, LinkSpec, SimOptions
+from planner.simulator import Simulator
 
 NO_OVERHEAD = (0.0, 0.0)
 
