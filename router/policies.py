@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import hash_prompt_blocks
+from engine.block_pool import BlockHash, hash_prompt_blocks
 from router.prefix_index import PrefixIndex
 from router.worker_api import InstanceLoad
 
@@ -122,6 +122,9 @@ class KVAware(PrefillPolicy):
     def __init__(self, block_size: int, index: PrefixIndex) -> None:
         self._block_size = block_size
         self.index = index
+        # The last select's prompt, its block hashes and matches: `placed` follows it with the
+        # same prompt, and need not hash it and walk the index again.
+        self._last: tuple[Sequence[int], list[BlockHash], dict[str, int]] | None = None
 
     def select(
         self,
@@ -131,6 +134,7 @@ class KVAware(PrefillPolicy):
     ) -> InstanceState:
         block_hashes = hash_prompt_blocks(prompt_token_ids, self._block_size)
         matched = self.index.matching_blocks(block_hashes, (s.instance_id for s in candidates))
+        self._last = (prompt_token_ids, block_hashes, matched)
         num_prompt = len(prompt_token_ids)
 
         def cost(state: InstanceState) -> tuple[int, int, str]:
@@ -144,8 +148,12 @@ class KVAware(PrefillPolicy):
     def placed(self, prompt_token_ids: Sequence[int], instance_id: str) -> int:
         """What the instance will compute, and from now on: the prompt's blocks are expected
         there (it caches them once it has prefilled the prompt)."""
-        block_hashes = hash_prompt_blocks(prompt_token_ids, self._block_size)
-        matched = self.index.matching_blocks(block_hashes, (instance_id,))[instance_id]
+        last, self._last = self._last, None
+        if last is not None and last[0] is prompt_token_ids and instance_id in last[2]:
+            block_hashes, matched = last[1], last[2][instance_id]
+        else:
+            block_hashes = hash_prompt_blocks(prompt_token_ids, self._block_size)
+            matched = self.index.matching_blocks(block_hashes, (instance_id,))[instance_id]
         self.index.expect(instance_id, block_hashes)
         return len(prompt_token_ids) - self._cached(matched, len(prompt_token_ids))
 
