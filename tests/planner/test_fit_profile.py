@@ -49,6 +49,21 @@ def test_fit_recovers_prefill_decode_and_transfer_coefficients() -> None:
     assert per_message == pytest.approx(0.3, rel=1e-6)
 
 
+def test_fit_leaves_out_a_disturbed_window() -> None:
+    # A profile's decode points, two of them measured while something else held the core
+    # (35% and 60% slow): plain least squares moves the intercept by ~2 ms; the fit must not.
+    triple = (10.5, 0.0024, 0.55)
+    decode = []
+    for ctx in (32, 128, 384, 768):
+        for batch in (1, 4, 8, 16, 32, 64):
+            exact = triple[0] + triple[1] * batch * (ctx + 1) + triple[2] * batch
+            decode.append((batch, batch * ctx, exact))
+    decode[0] = (decode[0][0], decode[0][1], decode[0][2] * 1.6)
+    decode[1] = (decode[1][0], decode[1][1], decode[1][2] * 1.35)
+    small, _ = fit_decode(decode)
+    assert small == pytest.approx(triple, rel=1e-6)
+
+
 def test_fit_refuses_too_few_samples() -> None:
     with pytest.raises(ValueError, match=">= 3 samples"):
         fit_prefill([([10], 1.0), ([20], 2.0)])
