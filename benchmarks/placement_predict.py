@@ -1,7 +1,7 @@
 """Predict this machine: `pdserve profile`'s coefficients through the simulator, against the
 goodputs that `pdserve bench --compare` measured, per regime and layout.
 
-A measured run (benchmarks/results/goodput-2core/full-session7/ by default) gives, per regime, its
+A measured run (benchmarks/results/goodput-2core/full-session8/ by default) gives, per regime, its
 exact requests (prompt and output lengths, unit-rate gaps), its SLOs, its engine settings and
 its measured goodput for both layouts. The simulator replays the same requests at a grid of rates
 through both layouts as the benchmark runs them on this machine:
@@ -15,12 +15,17 @@ instance behind the real router (benchmarks/profiling/path.py), none fitted to a
   path_ttft_ms                  the hops to a first token (client -> router -> worker -> back)
   worker_step_ms, worker_seq_ms the worker's CPU per step and per sequence beyond the engine:
                                 its loop, and the gRPC stream that carries each token out
-  relay_token_ms, relay_request_ms  the router's and the client's CPU per token and request; they
-                                are not pinned, so under load they take that share of the
-                                workers' cores (planner/serving_path.py)
+  relay_*_ms                     the router's and the client's CPU per token, request, emitting
+                                step and idle second; they are not pinned, so under load they
+                                take that share of the workers' cores (planner/serving_path.py)
+  kv_send_ms, kv_receive_ms     what a request's KV costs the prefill's and the decode's cores
 A profile without them falls back on the run's own unloaded calibration (raw/*.json).
-And one mechanism of pdserve's dispatch (planner/simulator.py, `reserve_before_prefill`): a
-disaggregated request waits for the decode loop's step under way before its prompt is queued.
+And two mechanisms of pdserve's dispatch (planner/simulator.py): a disaggregated request waits
+for the decode loop's step under way before its prompt is queued (`reserve_before_prefill`); a
+colocated prompt goes to the replica with the fewest prompt tokens short of a first token
+(least_tokens).
+One profile is a few minutes of a machine whose speed drifts: `compare_profiles` takes several
+and reports the median prediction with its range.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +42,18 @@ from planner.latency import StepModel
 from planner.placement import Parallel, Placement, simulate
 from planner.profile import ModelProfile
 from planner.search import SLO, Cluster, SearchSettings, plan
-from planner.serving_path import apply_serving_path, relay_ms, relay_scale, ttft_path_ms
-from planner.sim_spec import LinkSpec, SimOptions
+from planner.serving_path import (
+    apply_serving_path,
+    measured_link,
+    relay_ms,
+    simulate_relayed,
+    ttft_path_ms,
+)
+from planner.sim_spec import LinkSpec, SimOptions, SimResult
 from planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session7"
+MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session8"
 LAYOUTS = {
     "disaggregated": Placement("disaggregated", Parallel(1, 1, 1), Parallel(1, 1, 1)),
     "colocated": Placement("colocated", colocated=Parallel(1, 1, 2)),
@@ -119,12 +130,7 @@ def sim_options(profile: ModelProfile, regime: Regime) -> tuple[SimOptions, Link
         max_num_batched_tokens=budget, max_num_seqs=64, prefill_max_tokens=budget,
         ttft_path_ms=ttft_path_ms(profile), reserve_before_prefill=True,
     )  # fmt: skip
-    link = None
-    if tp1.transfer_GBps and tp1.kv_bytes_per_token:
-        link = LinkSpec(tp1.kv_bytes_per_token, tp1.transfer_GBps, tp1.transfer_GBps,
-                        tp1.transfer_per_message_ms,
-                        handoff_ms=tp1.serving_path.get("handoff_ms", 0.0))  # fmt: skip
-    return options, link
+    return options, measured_link(tp1)
 
 
 def predict(profile: ModelProfile, regime: Regime, *, rates: list[float]) -> dict[str, float]:
@@ -138,9 +144,14 @@ def predict(profile: ModelProfile, regime: Regime, *, rates: list[float]) -> dic
         points = []
         for rate in rates:
             total = rate * NUM_DEVICES
-            scale = relay_scale(relay, total, mean_output, NUM_DEVICES)
-            result = simulate(placement, profile, regime.workload, total, link=link,
-                              options=replace(options, step_scale=scale))  # fmt: skip
+
+            def run(
+                opts: SimOptions, placement: Placement = placement, total: float = total
+            ) -> SimResult:
+                return simulate(placement, profile, regime.workload, total, link=link,
+                                options=opts)  # fmt: skip
+
+            result = simulate_relayed(run, options, relay, total, mean_output, NUM_DEVICES)
             met = (result.ttft_ms <= regime.ttft_slo_ms) & (result.tpot_ms <= regime.tpot_slo_ms)
             points.append((rate, float(met.mean())))
         out[layout] = metrics.goodput(points).rate
@@ -151,7 +162,7 @@ def plan_regime(profile: ModelProfile, regime: Regime) -> dict[str, Any]:
     """What `pdserve plan` picks on this machine (1 node x 2 cores) for the regime."""
     options, link = sim_options(profile, regime)
     settings = SearchSettings(max_per_gpu_rate=20.0, link=link, options=options, pp_choices=(1,),
-                              relay_ms=relay_ms(profile), colocated_fill=True)  # fmt: skip
+                              relay=relay_ms(profile), colocated_fill=True)  # fmt: skip
     slo = SLO(regime.ttft_slo_ms, regime.tpot_slo_ms, 0.9)
     result = plan(apply_serving_path(profile), regime.workload, slo, Cluster(1, NUM_DEVICES),
                   settings, algorithms=("low",))  # fmt: skip
@@ -194,6 +205,37 @@ def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str
             "cpu_prediction_error": round(max(errors), 3) if errors else None}  # fmt: skip
 
 
+def compare_profiles(
+    profiles: list[ModelProfile], directory: str | Path = MEASURED
+) -> dict[str, Any]:
+    """`compare` for each of several profiles of this machine (`pdserve profile` run again: one
+    run is a few minutes of a machine whose speed drifts by ~10%): each row's median prediction
+    and its range over the profiles, the error of the median, and how many plans agree."""
+    runs = [compare(profile, directory) for profile in profiles]
+    rows = []
+    for index, row in enumerate(runs[0]["rows"]):
+        predicted = [run["rows"][index]["predicted"] for run in runs]
+        median = statistics.median(predicted)
+        engine_only = statistics.median(run["rows"][index]["predicted_engine_only"] for run in runs)
+        measured = row["measured"]
+        rows.append({
+            **row, "predicted": round(median, 3),
+            "predicted_range": [min(predicted), max(predicted)],
+            "predicted_engine_only": round(engine_only, 3),
+            "error": round(median / measured - 1, 3) if measured else None,
+        })  # fmt: skip
+    plans = {}
+    for name, entry in runs[0]["plans"].items():
+        agreeing = sum(run["plans"][name]["agrees"] for run in runs)
+        plans[name] = {**entry, "layouts": [run["plans"][name]["layout"] for run in runs],
+                       "agrees": 2 * agreeing > len(runs), "agree_count": agreeing}  # fmt: skip
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    return {"num_profiles": len(runs), "serving_path": [run["serving_path"] for run in runs],
+            "rows": rows, "plans": plans,
+            "cpu_prediction_error": round(max(errors), 3) if errors else None,
+            "cpu_prediction_error_per_profile": [r["cpu_prediction_error"] for r in runs]}  # fmt: skip
+
+
 def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
     """prediction.md (predicted vs measured, per regime and layout) and prediction.png."""
     import matplotlib
@@ -202,17 +244,21 @@ def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[P
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
-    lines = ["| regime | layout | measured (req/s/core) | predicted | error | engine only |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    count = result.get("num_profiles", 1)
+    lines = [f"| regime | layout | measured (req/s/core) | predicted (median of {count}) | range "
+             "| error | engine only |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for row in result["rows"]:
+        low, high = row.get("predicted_range", [row["predicted"]] * 2)
         lines.append(f"| {row['regime']} | {row['layout']} | {row['measured']:.2f} | "
-                     f"{row['predicted']:.2f} | {100 * row['error']:+.0f}% | "
-                     f"{row['predicted_engine_only']:.2f} |")  # fmt: skip
+                     f"{row['predicted']:.2f} | {low:.2f}-{high:.2f} | "
+                     f"{100 * row['error']:+.0f}% | {row['predicted_engine_only']:.2f} |")  # fmt: skip
     lines += ["", "| regime | `pdserve plan` picks | measured best | agrees |",
               "| --- | --- | --- | --- |"]  # fmt: skip
     for name, entry in result["plans"].items():
+        agree = entry.get("agree_count", int(entry["agrees"]))
         lines.append(f"| {name} | {entry['best']} | {entry['measured_best']} | "
-                     f"{'yes' if entry['agrees'] else 'no'} |")  # fmt: skip
+                     f"{agree} of {count} profiles |")  # fmt: skip
     table = out_dir / "prediction.md"
     table.write_text("\n".join(lines) + "\n", encoding="utf-8")
     figure, axis = plt.subplots(figsize=(7, 4))
@@ -221,8 +267,12 @@ def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[P
     xs = range(len(labels))
     axis.bar([x - 0.2 for x in xs], [r["measured"] for r in result["rows"]], 0.4,
              label="measured (pdserve bench --compare)")  # fmt: skip
-    axis.bar([x + 0.2 for x in xs], [r["predicted"] for r in result["rows"]], 0.4,
-             label="predicted (pdserve profile + simulator)")  # fmt: skip
+    predicted = [r["predicted"] for r in result["rows"]]
+    ranges = [r.get("predicted_range", [r["predicted"]] * 2) for r in result["rows"]]
+    spread = [[p - lo for p, (lo, _) in zip(predicted, ranges, strict=True)],
+              [hi - p for p, (_, hi) in zip(predicted, ranges, strict=True)]]  # fmt: skip
+    axis.bar([x + 0.2 for x in xs], predicted, 0.4, yerr=spread, capsize=3,
+             label=f"predicted (pdserve profile x{count} + simulator: median, range)")  # fmt: skip
     axis.set_xticks(list(xs), labels, fontsize=8)
     axis.set_ylabel("goodput, requests/s per core")
     axis.set_title(f"This machine: worst error {100 * result['cpu_prediction_error']:.0f}%")

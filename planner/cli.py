@@ -78,7 +78,7 @@ def _load(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from planner.search import SLO, Cluster, SearchSettings, plan
-    from planner.serving_path import apply_serving_path, relay_ms, ttft_path_ms
+    from planner.serving_path import apply_serving_path, measured_link, relay_ms, ttft_path_ms
     from planner.sim_spec import LinkSpec, SimOptions
 
     profile = _load(args, args.profile)
@@ -89,15 +89,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kv = first.kv_bytes_per_token
     if args.cross_node_gbps and kv:
         link = LinkSpec(kv, args.intra_node_GBps, args.cross_node_gbps / 8.0)
-    elif first.transfer_GBps and kv:  # `pdserve profile` measured this deployment's channel
-        bandwidth = first.transfer_GBps
-        handoff = first.serving_path.get("handoff_ms", 0.0)
-        link = LinkSpec(kv, bandwidth, bandwidth, first.transfer_per_message_ms, handoff_ms=handoff)
+    else:  # the channel `pdserve profile` measured in this deployment, if it did
+        link = measured_link(first)
     # A profile measured with `pdserve profile --path` carries the serving path's costs.
     options = SimOptions(colocated_policy=args.colocated_policy, ttft_path_ms=ttft_path_ms(profile))
     settings = SearchSettings(
         link=link, pp_choices=tuple(int(p) for p in pp_text.split(",")), options=options,
-        relay_ms=relay_ms(profile), colocated_fill=args.colocated_fill,
+        relay=relay_ms(profile), colocated_fill=args.colocated_fill,
     )  # fmt: skip
     profile = apply_serving_path(profile)
     coloc = apply_serving_path(coloc) if coloc else None

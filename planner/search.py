@@ -23,7 +23,7 @@ from itertools import product
 from planner.attainment import joint_attainment, separate_ok
 from planner.placement import Parallel, Placement, simulate
 from planner.profile import ModelProfile
-from planner.serving_path import relay_scale
+from planner.serving_path import Relay, simulate_relayed
 from planner.sim_spec import LinkSpec, SimOptions, SimResult
 from planner.workload import Workload
 
@@ -78,9 +78,9 @@ class SearchSettings:
     # Drop a candidate that fails at the best rate so far. DistServe bisects each candidate
     # from [0, max] whole; pruning starts at another point and so ends on another grid.
     prune: bool = True
-    # Router + client CPU (ms per request, per token) sharing the instances' cores
-    # (planner/serving_path.py); (0, 0): they have cores of their own.
-    relay_ms: tuple[float, float] = (0.0, 0.0)
+    # Router + client CPU sharing the instances' cores (planner/serving_path.py); all zero:
+    # they have cores of their own.
+    relay: Relay = field(default_factory=Relay)
     # The colocated layout as replicas filling the cluster (False: one instance, as DistServe).
     colocated_fill: bool = False
 
@@ -146,14 +146,14 @@ def _score(
     mean_output = sum(workload.output_lens) / len(workload)
 
     def passes(per_gpu: float) -> bool:
-        options = settings.options
-        if any(settings.relay_ms):
-            scale = relay_scale(settings.relay_ms, per_gpu * gpus, mean_output, gpus)
-            options = replace(options, step_scale=scale)
-        result = simulate(
-            placement, profile, workload, per_gpu * gpus, link=settings.link,
-            options=options, memory=settings.memory, phase=phase,
-        )  # fmt: skip
+        def run(options: SimOptions) -> SimResult:
+            return simulate(
+                placement, profile, workload, per_gpu * gpus, link=settings.link,
+                options=options, memory=settings.memory, phase=phase,
+            )  # fmt: skip
+
+        result = simulate_relayed(run, settings.options, settings.relay, per_gpu * gpus,
+                                  mean_output, gpus)  # fmt: skip
         return slo.met(result, phase)
 
     return max_per_gpu_rate(

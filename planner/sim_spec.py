@@ -35,6 +35,17 @@ class LinkSpec:
     # Latency of the hand-off beyond the wire (reservation, dial, the decode loop noticing the
     # landed KV); it delays the request but does not hold the link.
     handoff_ms: float = 0.0
+    # What moving one request's KV costs the cores at either end, (ms per request, ms per
+    # token): the sender's gather and socket writes lengthen its prefill step; the receiver's
+    # reads and landing lengthen the decode step that follows (pdserve profile --path).
+    send_cpu_ms: tuple[float, float] = (0.0, 0.0)
+    receive_cpu_ms: tuple[float, float] = (0.0, 0.0)
+
+    def send_ms(self, num_tokens: int) -> float:
+        return self.send_cpu_ms[0] + self.send_cpu_ms[1] * num_tokens
+
+    def receive_ms(self, num_tokens: int) -> float:
+        return self.receive_cpu_ms[0] + self.receive_cpu_ms[1] * num_tokens
 
 
 @dataclass(frozen=True)
@@ -77,3 +88,4 @@ class SimResult:
     num_preemptions: int = 0
     end_ms: float = 0.0
     transfer_ms_total: float = 0.0
+    num_steps: int = 0  # steps every instance ran (each emits tokens: the relay's wake-ups)

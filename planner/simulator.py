@@ -5,7 +5,9 @@ Disaggregated (DistServe's model, plus transfer and memory):
   -> a prefill batch: queued prompts while their sum fits `prefill_max_tokens`; each of the pp
      stages takes (a + b*Σl + c*Σl²)/pp + pp, the first one also the step overhead;
      the first token leaves when the last stage ends (TTFT)
-  -> the decode instance with the fewest requests; the KV crosses a FIFO link per pair
+  -> the decode instance with the fewest requests; the KV crosses a FIFO link per pair (what
+     it costs each end's core, LinkSpec.send_cpu_ms / receive_cpu_ms, lengthens the prefill
+     step that sends it and the decode step after it lands)
      (with `reserve_before_prefill`, pdserve's dispatch: the decode instance is picked, and
      reserves, on arrival, between its steps, before the prompt joins the prefill queue)
   -> decode steps in groups (planner/decode_group.py) under the instance's KV memory.
@@ -50,6 +52,8 @@ class _Pipeline:
     queue: deque[int] = field(default_factory=deque)  # prompts waiting (prefill / colocated)
     in_first_stage: int = 0  # requests of the batch in the first stage (DistServe's load)
     prefilling: list[list[int]] = field(default_factory=list)  # chunked: [rid, computed]
+    owed_ms: float = 0.0  # core time that KV landings took, charged to the next decode step
+    outstanding: int = 0  # colocated: prompt tokens placed here whose first token is not out
 
     def __post_init__(self) -> None:
         self.free = [0.0] * self.spec.model.pp
@@ -105,6 +109,7 @@ class Simulator:
         self.events: list[tuple[float, int, _Action]] = []
         self._seq = 0
         self.transfer_total = 0.0
+        self.num_steps = 0
 
     def _side(self, spec: InstanceSpec) -> DecodeSide | FifoDecodeSide:
         if self.opts.decode_batch_tokens is not None:
@@ -150,13 +155,19 @@ class Simulator:
 
     def _enqueue(self, rid: int, now: float) -> None:
         pool = self.colocated or self.prefill
-        if self.colocated:
-            pipe = min(pool, key=lambda p: len(p.queue) + self.sides[id(p)].load())
+        if self.colocated:  # pdserve's least_tokens (router/policies.py)
+            pipe = min(pool, key=self._least_tokens_key)
+            pipe.outstanding += self.table.prompt[rid]
         else:
             pipe = min(pool, key=lambda p: len(p.queue) + p.in_first_stage)
         pipe.queue.append(rid)
         # Start after every arrival of this instant has queued, so they share one batch.
         self._push(now, partial(self._try_start, pipe))
+
+    def _least_tokens_key(self, pipe: _Pipeline) -> tuple[int, int]:
+        """Prompt tokens placed there still to reach their first token, then its requests."""
+        active = len(pipe.queue) + len(pipe.prefilling) + self.sides[id(pipe)].load()
+        return (pipe.outstanding, active)
 
     def _try_start(self, pipe: _Pipeline, now: float) -> None:
         if pipe.free[0] > now:
@@ -188,7 +199,10 @@ class Simulator:
         stage = model.prefill_stage_ms(sum_len, sum_sq)
         scale = self.opts.step_scale
         first = (stage + model.overhead_ms(sum_len, len(batch))) * scale
+        if self.decode and self.link.enabled:  # its KV leaves this core
+            first += sum(self.link.send_ms(prompt[rid]) for rid in batch) * scale
         done = pipe.run(now, first, stage * scale)
+        self.num_steps += 1
         pipe.in_first_stage = len(batch)
         self._push(done, partial(self._prefill_done, pipe, batch))
         self._after_first_stage(pipe, now)
@@ -197,6 +211,8 @@ class Simulator:
         table = self.table
         for rid in batch:
             table.first_ms[rid] = now
+            if self.colocated:
+                pipe.outstanding -= table.prompt[rid]
             if table.steps[rid] == 0 or not (self.colocated or self.decode):
                 table.last_ms[rid] = now  # done, or prefill simulated alone
             elif self.colocated:
@@ -224,6 +240,7 @@ class Simulator:
         self._push(start + cost + link.handoff_ms, partial(self._kv_arrived, rid, target))
 
     def _kv_arrived(self, rid: int, target: _Pipeline, now: float) -> None:
+        target.owed_ms += self.link.receive_ms(self.table.prompt[rid])
         self.sides[id(target)].waiting.append(rid)
         self._push(now, partial(self._try_start, target))  # after every KV landing this instant
 
@@ -239,8 +256,10 @@ class Simulator:
         if recomputed:
             stage += model.prefill_stage_ms(recomputed, recomputed_sq) - model.pp
         scale = self.opts.step_scale
-        first = (stage + model.overhead_ms(sum_ctx, group.n)) * scale
+        first = (stage + model.overhead_ms(sum_ctx, group.n) + pipe.owed_ms) * scale
+        pipe.owed_ms = 0.0
         done = pipe.run(now, first, stage * scale)
+        self.num_steps += 1
         self._push(done, partial(self._decode_done, pipe, group))
         self._after_first_stage(pipe, now)
 
@@ -277,6 +296,7 @@ class Simulator:
         seqs = group.n + len(chunks)
         first = (step + model.overhead_ms(sum_ctx + sum_chunk, seqs)) * self.opts.step_scale
         done = pipe.run(now, first, step * self.opts.step_scale)
+        self.num_steps += 1
         self._push(done, partial(self._chunk_done, pipe, group, chunks))
 
     def _pick_chunks(
@@ -320,6 +340,7 @@ class Simulator:
             if entry[1] < table.prompt[rid]:
                 continue
             pipe.prefilling.remove(entry)
+            pipe.outstanding -= table.prompt[rid]
             table.first_ms[rid] = now
             if table.steps[rid] == 0:
                 table.last_ms[rid] = now
@@ -340,4 +361,4 @@ class Simulator:
         tpot = np.divide(span, steps, out=np.zeros_like(span), where=steps > 0)
         preemptions = sum(side.num_preemptions for side in self.sides.values())
         ttft = first - arrivals + self.opts.ttft_path_ms
-        return SimResult(ttft, tpot, preemptions, end, self.transfer_total)
+        return SimResult(ttft, tpot, preemptions, end, self.transfer_total, self.num_steps)

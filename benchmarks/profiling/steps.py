@@ -218,7 +218,9 @@ def run_profile(args: argparse.Namespace) -> int:
                 channel = entry.transfer_per_message_ms + 64 * entry.kv_bytes_per_token / (
                     entry.transfer_GBps * 1e6
                 )
-            terms["handoff_ms"] = max(measure_handoff(config.model_dir, log) - channel, 0.0)
+            handoff = measure_handoff(config.model_dir, StepModel(entry), terms, log)
+            handoff["handoff_ms"] = max(handoff["handoff_ms"] - channel, 0.0)
+            terms.update(handoff)
             entry = replace(entry, serving_path=terms)
             log("serving path: " + ", ".join(f"{k} {v:.3f}" for k, v in terms.items()))
         profiles[tp] = entry

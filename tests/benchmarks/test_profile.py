@@ -8,8 +8,9 @@ import json
 import pytest
 
 from benchmarks.goodput import layouts
-from benchmarks.profiling.path import fit_path
+from benchmarks.profiling.path import PathRow, _cpu_s, count_steps, fit_handoff, fit_path
 from deploy.cli.main import main as pdserve
+from planner.metrics import RequestRecord
 from planner.placement import Parallel, Placement, simulate
 from planner.profile import load_profile
 from planner.workload import synthetic_workload
@@ -47,15 +48,27 @@ def test_quick_profile_loads_and_drives_the_simulator(tiny_model: str, tmp_path)
 
 
 def test_fit_path_recovers_planted_costs() -> None:
-    # B requests of O outputs: worker extra = O*2 + B*O*0.5; relay = B*3 + B*O*0.25.
-    shapes = [(1, 20), (4, 20), (9, 10)]
-    rows = [(b, o, o * 2.0 + b * o * 0.5, b * 3.0 + b * o * 0.25) for b, o in shapes]
+    # B requests of O outputs in S emitting steps: worker extra = O*2 + B*O*0.5 (sent at
+    # once); relay = B*3 + S*1.5 + B*O*0.25 (spaced sends: S = B*O, one token a step).
+    shapes = [(1, 20, 0.0), (4, 20, 0.0), (9, 10, 0.0), (4, 10, 1.0), (8, 4, 1.0)]
+    rows = [
+        PathRow(b, o, b * o if gap else o + 1, None if gap else o * 2.0 + b * o * 0.5,
+                b * 3.0 + (b * o if gap else o + 1) * 1.5 + b * o * 0.25)
+        for b, o, gap in shapes
+    ]  # fmt: skip
     terms = fit_path(rows, [50.0, 52.0, 51.0], prefill_ms=40.0)
     assert terms["worker_step_ms"] == pytest.approx(2.0)
     assert terms["worker_seq_ms"] == pytest.approx(0.5)
     assert terms["relay_request_ms"] == pytest.approx(3.0)
+    assert terms["relay_step_ms"] == pytest.approx(1.5)
     assert terms["relay_token_ms"] == pytest.approx(0.25)
     assert terms["path_ttft_ms"] == pytest.approx(11.0)
+
+
+def test_count_steps_groups_one_step_tokens() -> None:
+    one = RequestRecord("a", 4, 3, 0.0, [1.0, 1.020, 1.040])
+    two = RequestRecord("b", 4, 3, 0.0, [1.0005, 1.0205, 1.100])
+    assert count_steps([one, two]) == 4  # 1.0, 1.02, 1.04, 1.1
 
 
 def test_profile_path_measures_the_serving_path_behind_a_real_router(
@@ -67,5 +80,34 @@ def test_profile_path_measures_the_serving_path_behind_a_real_router(
                     "--out", str(out)])  # fmt: skip
     assert code == 0
     path = load_profile(out).tp(1).serving_path
-    assert path["path_ttft_ms"] > 0 and path["relay_token_ms"] > 0
+    assert path["path_ttft_ms"] > 0 and path["relay_token_ms"] + path["relay_step_ms"] > 0
+    assert path["relay_idle_ms_per_s"] >= 0
     assert path["worker_step_ms"] >= 0 and path["worker_seq_ms"] >= 0
+    # the KV hand-off, on a real 1 prefill + 1 decode cluster
+    assert path["handoff_ms"] >= 0
+    assert all(path[k] >= 0 for k in ("kv_send_ms", "kv_send_ms_per_token", "kv_receive_ms",
+                                      "kv_receive_ms_per_token"))  # fmt: skip
+
+
+def test_fit_handoff_recovers_known_costs() -> None:
+    rows = [(n, 4.0 + 0.02 * n, 1.5 + 0.01 * n) for n in (64, 256, 512)]
+    fitted = fit_handoff(rows)
+    assert fitted["kv_send_ms"] == pytest.approx(4.0)
+    assert fitted["kv_send_ms_per_token"] == pytest.approx(0.02)
+    assert fitted["kv_receive_ms"] == pytest.approx(1.5)
+    assert fitted["kv_receive_ms_per_token"] == pytest.approx(0.01)
+    # a cost below the engine model's (a faster engine than profiled) is no cost
+    assert fit_handoff([(64, -3.0, 0.0), (512, -5.0, 0.0)])["kv_send_ms"] == 0.0
+
+
+def test_process_cpu_is_read_finer_than_the_tick() -> None:
+    # A request's cost on a worker is a few ms; the kernel's tick counters move by 10 ms.
+    import os
+    import time
+
+    before, began = _cpu_s([os.getpid()]), time.thread_time()
+    while time.thread_time() - began < 0.013:
+        pass
+    spent = _cpu_s([os.getpid()]) - before
+    assert 0.012 <= spent < 0.05
+    assert abs(spent * 1e3 - 10 * round(spent * 100)) > 1e-6  # not a whole number of ticks

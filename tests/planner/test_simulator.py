@@ -93,6 +93,17 @@ def test_chunked_colocated_step_mixes_a_chunk_with_decodes() -> None:
     assert result.tpot_ms.tolist() == [5.0]
 
 
+def test_colocated_placement_counts_a_prompt_until_its_first_token() -> None:
+    # Two replicas, chunk 8. r0 (prompt 24) arrives at 0 on replica A: chunks 0-18, 18-36,
+    # 36-54 (first token at 54). r1 (prompt 8) at 1: A has r0's 24 prompt tokens still to
+    # prefill (pdserve's least_tokens), B none, so B prefills it at once: 1 -> 19, TTFT 18.
+    # Counting only A's queue (empty once r0's first chunk started) would tie and put r1 on A.
+    options = SimOptions(colocated_policy="chunked", chunk_size=8, max_num_batched_tokens=8)
+    result = Simulator([24, 8], [1, 1], [0.0, 1.0], colocated=[_spec(), _spec()],
+                       options=options).run()  # fmt: skip
+    assert result.ttft_ms.tolist() == [54.0, 18.0]
+
+
 def test_vllm_policy_runs_a_queued_prompt_before_decoding() -> None:
     # r0: prefill 0 -> 21, decode step 21 -> 26; r1 arrives at 22 and is prefilled at 26 -> 57
     # before r0's second decode step (57 -> 62, both decode together: a = 5).
