@@ -73,6 +73,19 @@ def fit_decode(
     return (small_fit or large_fit, large_fit or small_fit)  # type: ignore[return-value]
 
 
+def fit_mixed(samples: Sequence[tuple[int, int, int, int, float]], decode: Triple) -> Triple:
+    """(a', b', c') of a mixed step's prompt part from (B, Σctx, Σm, Σ(m² + 2mp), ms) samples:
+    what each step took beyond its decodes' b*Σ(ctx+1) + c*B (the fitted decode triple)."""
+    if len(samples) < 3:
+        raise ValueError(f"fitting mixed steps needs >= 3 samples, got {len(samples)}")
+    _, bd, cd = decode
+    chunk = np.array([float(m) for _, _, m, _, _ in samples])
+    attn = np.array([float(q) for _, _, _, q, _ in samples])
+    rest = np.array([t - bd * (s + b) - cd * b for b, s, _, _, t in samples], dtype=float)
+    a, b, c = _lstsq([np.ones_like(chunk), chunk, attn], rest)
+    return (float(a), float(b), float(c))
+
+
 def fit_transfer(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """(bandwidth GB/s, per-message ms) from (bytes moved, ms) samples."""
     if len(samples) < 2:

@@ -4,7 +4,10 @@ prefill stage  (a + b*Σl + c*Σl²) / pp + pp          DistServe's simulator, p
 decode stage   (a + b*Σ(ctx+1) + c*B) / pp            small- or large-batch triple by B
 overhead       base + per_token*Σctx + per_seq*B        added once per step (first stage)
 mixed step     a' + b_p*Σm + c_p*Σ(m² + 2*m*p) + b_d*Σ(ctx+1) + c_d*B
-               one colocated step: chunks m after p cached tokens, plus a decode batch.
+               one colocated step: chunks m after p cached tokens, plus a decode batch;
+               with a measured chunked_prefill triple (a', b', c') its prompt part is that
+               triple's (pdserve profile times mixed steps: a chunk beside decodes costs more
+               than alone, ~10% at 512 tokens on CPU).
                Chunking a prompt of l into pieces keeps Σ(m² + 2mp) = l², so the chunks
                of one prompt cost what its whole prefill costs, less the repeated intercept.
 KV transfer    per_message + bytes_per_token * tokens / bandwidth
@@ -51,14 +54,17 @@ class StepModel:
         ap, bp, cp = self.profile.prefill
         if sum_chunk == 0:
             return self.decode_stage_ms(batch_size, sum_ctx) if batch_size else 0.0
-        prefill_part = bp * sum_chunk + cp * sum_chunk_attn
         if batch_size == 0:
-            return ap + prefill_part
+            return ap + bp * sum_chunk + cp * sum_chunk_attn
         ad, bd, cd = self.profile.decode_triple(batch_size)
+        decode_part = bd * (sum_ctx + batch_size) + cd * batch_size
+        if self.profile.chunked_prefill is not None:  # measured mixed steps
+            am, bm, cm = self.profile.chunked_prefill
+            return am + bm * sum_chunk + cm * sum_chunk_attn + decode_part
         intercept = self.profile.chunked_intercept
         if intercept is None:
             intercept = max(ap, ad)
-        return intercept + prefill_part + bd * (sum_ctx + batch_size) + cd * batch_size
+        return intercept + bp * sum_chunk + cp * sum_chunk_attn + decode_part
 
 
 def transfer_ms(

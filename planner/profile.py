@@ -49,6 +49,9 @@ class TPProfile:
     decode_large: Triple
     threshold: int = DEFAULT_THRESHOLD
     chunked_intercept: float | None = None  # a mixed step's own intercept, when fitted
+    # A mixed step's prompt part, measured (a', b', c'): a' + b'*Σm + c'*Σ(m² + 2mp) on top of
+    # its decodes' b*Σ(ctx+1) + c*B; None: the prefill triple's b and c with chunked_intercept.
+    chunked_prefill: Triple | None = None
     kv_bytes_per_token: float | None = None
     max_num_tokens: dict[int, int] = field(default_factory=dict)  # pp -> KV tokens per instance
     overhead: tuple[float, float] = DISTSERVE_OVERHEAD
@@ -77,6 +80,8 @@ class TPProfile:
         }
         if self.chunked_intercept is not None:
             out["chunked"] = self.chunked_intercept
+        if self.chunked_prefill is not None:
+            out["chunked_prefill"] = list(self.chunked_prefill)
         if self.kv_bytes_per_token is not None:
             out["kv_bytes_per_token"] = self.kv_bytes_per_token
         if self.max_num_tokens:
@@ -101,6 +106,11 @@ class TPProfile:
             decode_large=_triple(f"{where}.decoding_largebs", data.get("decoding_largebs")),
             threshold=int(data.get("decoding_large_small_bs_threshold", DEFAULT_THRESHOLD)),
             chunked_intercept=data.get("chunked"),
+            chunked_prefill=(
+                _triple(f"{where}.chunked_prefill", data["chunked_prefill"])
+                if data.get("chunked_prefill") is not None
+                else None
+            ),  # fmt: skip
             kv_bytes_per_token=data.get("kv_bytes_per_token"),
             max_num_tokens={int(k): int(v) for k, v in (data.get("max_num_tokens") or {}).items()},
             overhead=tuple(data.get("overhead", DISTSERVE_OVERHEAD)),  # type: ignore[arg-type]

@@ -9,6 +9,8 @@ step takes there, even while other work shares this machine (`--clock wall` for 
             engine's chunked steps): a + b*Σl + c*Σl²
   decode    one step of B running sequences with context C (the largest batch is prefilled once
             and shrunk by aborts, as benchmarks/decode_step.py does): a + b*Σ(ctx+1) + c*B
+  mixed     each chunked step of a prompt beside B running decodes (a colocated step): its
+            time beyond the decodes' part, a' + b'*Σm + c'*Σ(m² + 2mp) (chunked_prefill)
   transfer  one request's KV from a prefill rank process to a decode rank process over the real
             kv_transfer channel (benchmarks/profiling/transfer.py): per-message ms + bytes / bandwidth
   path      (--path) the serving path around a TP=1 engine: benchmarks/profiling/path.py
@@ -27,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from planner.fit import fit_decode, fit_prefill
+from planner.fit import fit_decode, fit_mixed, fit_prefill
 from planner.profile import ModelProfile, TPProfile, save_profiles
 
 
@@ -42,6 +44,10 @@ class Grid:
     transfer_tokens: tuple[int, ...]
     repeats: int
     decode_steps: int
+    # mixed steps: a prompt of each length beside a running batch at a context (colocated)
+    mixed_batches: tuple[int, ...] = (4, 16)
+    mixed_contexts: tuple[int, ...] = (128, 512)
+    mixed_lens: tuple[int, ...] = (64, 256, 512, 768)
 
     def __post_init__(self) -> None:
         if min(self.repeats, self.decode_steps) < 1:
@@ -99,14 +105,8 @@ class EngineProbe:
         self, context: int, batches: Sequence[int], steps: int
     ) -> list[tuple[int, int, float]]:
         """(B, Σctx, ms per step) for each batch size, from one prefill of the largest."""
-        largest = max(batches)
-        max_tokens = min(self.max_len - context, 4 * steps * len(batches) + 8)
-        rids = [self._add(context, max_tokens) for _ in range(largest)]
+        rids = self._start_decodes(context, max(batches), 4 * steps * len(batches) + 8)
         scheduler = self.engine.scheduler
-        while scheduler.waiting or any(
-            r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running
-        ):
-            self.engine.step()
         samples = []
         for batch in sorted(batches, reverse=True):
             for request in list(scheduler.running[batch:]):
@@ -124,6 +124,47 @@ class EngineProbe:
             self.engine.abort(rid)
         self.engine.step()
         return samples
+
+    def mixed_ms(
+        self, context: int, batch: int, lens: Sequence[int], repeats: int
+    ) -> list[tuple[int, int, int, int, float]]:
+        """(B, Σctx, m, m² + 2mp, ms) of each step that computes a chunk of m prompt tokens
+        (after p computed ones) beside `batch` running decodes: a prompt of each length is
+        queued, its chunked steps timed, then it is aborted. The least of `repeats` per step."""
+        steps_needed = len(lens) * repeats * 4 + 8
+        rids = set(self._start_decodes(context, batch, steps_needed))
+        scheduler, best = self.engine.scheduler, {}
+        for length in lens:
+            for _ in range(repeats):
+                rid, computed, index = self._add(length, 2), 0, 0
+                while computed < length:
+                    sum_ctx = sum(r.num_tokens - 1 for r in scheduler.running
+                                  if r.request_id in rids)  # fmt: skip
+                    began = self.clock()
+                    self.engine.step()
+                    elapsed = (self.clock() - began) * 1e3
+                    now = scheduler.requests[rid].num_computed_tokens
+                    chunk, key = now - computed, (length, index)
+                    sample = (batch, sum_ctx, chunk, chunk * chunk + 2 * chunk * computed, elapsed)
+                    if key not in best or elapsed < best[key][-1]:
+                        best[key] = sample
+                    computed, index = now, index + 1
+                self.engine.abort(rid)
+                self.engine.step()
+        for rid in rids:
+            self.engine.abort(rid)
+        self.engine.step()
+        return list(best.values())
+
+    def _start_decodes(self, context: int, batch: int, max_tokens: int) -> list[str]:
+        """`batch` requests of `context` prompt tokens, prefilled and decoding."""
+        rids = [self._add(context, min(max_tokens, self.max_len - context)) for _ in range(batch)]
+        scheduler = self.engine.scheduler
+        while scheduler.waiting or any(
+            r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running
+        ):
+            self.engine.step()
+        return rids
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -148,6 +189,17 @@ def measure_decode(probe: EngineProbe, grid: Grid) -> list[tuple[int, int, float
         if context + 16 >= probe.max_len:
             continue
         samples += probe.decode_ms(context, grid.decode_batches, grid.decode_steps)
+    return samples
+
+
+def measure_mixed(probe: EngineProbe, grid: Grid) -> list[tuple[int, int, int, int, float]]:
+    samples: list[tuple[int, int, int, int, float]] = []
+    for context in grid.mixed_contexts:
+        lens = [n for n in grid.mixed_lens if context + n + 16 < probe.max_len]
+        if not lens or context + 64 >= probe.max_len:
+            continue
+        for batch in grid.mixed_batches:
+            samples += probe.mixed_ms(context, batch, lens, grid.repeats)
     return samples
 
 
@@ -176,18 +228,24 @@ def profile_tp(
         decode = measure_decode(probe, grid)
         log(f"tp={config.tensor_parallel_size}: {len(decode)} decode points "
             f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
+        mixed = measure_mixed(probe, grid)
+        log(f"tp={config.tensor_parallel_size}: {len(mixed)} mixed-step points "
+            f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
         model = probe.engine.executor.model_config
         blocks = probe.engine.executor.num_kv_blocks * probe.engine.executor.block_size
     finally:
         probe.shutdown()
     small, large = fit_decode(decode)
+    chunked = fit_mixed(mixed, small) if len(mixed) >= 3 else None
     dtype_bytes = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
     kv_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
     entry = TPProfile(
         prefill=fit_prefill(prefill), decode_small=small, decode_large=large,
         kv_bytes_per_token=float(kv_bytes), max_num_tokens={1: blocks}, overhead=(0.0, 0.0),
+        chunked_prefill=chunked,
     )  # fmt: skip
-    raw = {"prefill": [[lens, ms] for lens, ms in prefill], "decode": [list(s) for s in decode]}
+    raw = {"prefill": [[lens, ms] for lens, ms in prefill], "decode": [list(s) for s in decode],
+           "mixed": [list(s) for s in mixed]}  # fmt: skip
     return entry, raw
 
 

@@ -36,6 +36,10 @@ def test_quick_profile_loads_and_drives_the_simulator(tiny_model: str, tmp_path)
     assert tp1.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     assert tp1.transfer_GBps and tp1.transfer_GBps > 0
     samples = json.loads(raw.read_text())["1"]
+    # Mixed steps: a chunk beside each running batch, the chunk and its attention term exact.
+    assert tp1.chunked_prefill is not None
+    assert {b for b, *_ in samples["mixed"]} == {4, 16}
+    assert all(0 < m <= 512 and attn >= m * m for _, _, m, attn, _ in samples["mixed"])
     # Every prefill point fits the step budget and the model; decode has every batch size.
     assert all(sum(lens) <= 2048 and max(lens) < 512 for lens, _ in samples["prefill"])
     assert sorted({b for b, _, _ in samples["decode"]}) == [1, 8, 32]

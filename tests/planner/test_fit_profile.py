@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.fit import fit_decode, fit_prefill, fit_transfer
+from planner.fit import fit_decode, fit_mixed, fit_prefill, fit_transfer
 from planner.profile import (
     TPProfile,
     load_profile,
@@ -64,6 +64,22 @@ def test_fit_leaves_out_a_disturbed_window() -> None:
     assert small == pytest.approx(triple, rel=1e-6)
 
 
+def test_fit_mixed_recovers_a_chunk_beside_decodes() -> None:
+    # A mixed step = a' + b'*m + c'*(m² + 2mp) + the decodes' b*Σ(ctx+1) + c*B (no intercept).
+    decode = (10.0, 0.002, 0.5)
+    mixed, samples = (20.0, 0.6, 2e-4), []
+    for batch, sum_ctx in ((4, 600), (16, 3000)):
+        for m, p in ((64, 0), (256, 0), (512, 0), (256, 512)):
+            attn = m * m + 2 * m * p
+            rest = mixed[0] + mixed[1] * m + mixed[2] * attn
+            samples.append(
+                (batch, sum_ctx, m, attn, rest + 0.002 * (sum_ctx + batch) + 0.5 * batch)
+            )
+    assert fit_mixed(samples, decode) == pytest.approx(mixed, rel=1e-6)
+    with pytest.raises(ValueError, match=">= 3 samples"):
+        fit_mixed(samples[:2], decode)
+
+
 def test_fit_refuses_too_few_samples() -> None:
     with pytest.raises(ValueError, match=">= 3 samples"):
         fit_prefill([([10], 1.0), ([20], 2.0)])
@@ -80,7 +96,7 @@ def test_distserve_profile_loads_and_our_extras_round_trip(tmp_path: Path) -> No
 
     out = tmp_path / "ours.json"
     extra = profile.with_updates(transfer_GBps=3.1, transfer_per_message_ms=0.2,
-                                 chunked_intercept=12.0)  # fmt: skip
+                                 chunked_intercept=12.0, chunked_prefill=(9.0, 0.5, 1e-4))  # fmt: skip
     save_profiles(out, {extra.model: extra})
     raw = json.loads(out.read_text())
     assert raw["facebook/opt-13b"]["2"]["prefill"] == list(profile.tp(2).prefill)

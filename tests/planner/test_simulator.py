@@ -93,6 +93,18 @@ def test_chunked_colocated_step_mixes_a_chunk_with_decodes() -> None:
     assert result.tpot_ms.tolist() == [5.0]
 
 
+def test_a_measured_mixed_step_prices_the_chunk_with_its_own_triple() -> None:
+    # Decodes: b*Σ(ctx+1) + c*B = 0.01*(100 + 2) + 1*2 = 3.02. The chunk of 8 after 4 cached:
+    # without a measured triple, max(prefill a 10, decode a 5) + 1*8 + 0 = 18 -> 21.02; with
+    # chunked_prefill (30, 2, 0.5): 30 + 2*8 + 0.5*(64 + 64) = 110 -> 113.02.
+    plain = TPProfile((10.0, 1.0, 0.0), (5.0, 0.01, 1.0), (5.0, 0.01, 1.0))
+    assert StepModel(plain).mixed_ms(2, 100, 8, 128) == pytest.approx(21.02)
+    measured = TPProfile((10.0, 1.0, 0.0), (5.0, 0.01, 1.0), (5.0, 0.01, 1.0),
+                         chunked_prefill=(30.0, 2.0, 0.5))  # fmt: skip
+    assert StepModel(measured).mixed_ms(2, 100, 8, 128) == pytest.approx(113.02)
+    assert StepModel(measured).mixed_ms(0, 0, 8, 128) == pytest.approx(18.0)  # chunks alone
+
+
 def test_colocated_placement_counts_a_prompt_until_its_first_token() -> None:
     # Two replicas, chunk 8. r0 (prompt 24) arrives at 0 on replica A: chunks 0-18, 18-36,
     # 36-54 (first token at 54). r1 (prompt 8) at 1: A has r0's 24 prompt tokens still to
