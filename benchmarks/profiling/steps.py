@@ -133,7 +133,8 @@ class EngineProbe:
         queued, its chunked steps timed, then it is aborted. The least of `repeats` per step."""
         steps_needed = len(lens) * repeats * 4 + 8
         rids = set(self._start_decodes(context, batch, steps_needed))
-        scheduler, best = self.engine.scheduler, {}
+        scheduler = self.engine.scheduler
+        best: dict[tuple[int, int], tuple[int, int, int, int, float]] = {}
         for length in lens:
             for _ in range(repeats):
                 rid, computed, index = self._add(length, 2), 0, 0
