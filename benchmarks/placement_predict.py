@@ -45,7 +45,7 @@ from planner.search import SLO, Cluster, SearchSettings, plan
 from planner.serving_path import (
     apply_serving_path,
     measured_link,
-    relay_ms,
+    relay_of,
     simulate_relayed,
     ttft_path_ms,
 )
@@ -136,7 +136,7 @@ def sim_options(profile: ModelProfile, regime: Regime) -> tuple[SimOptions, Link
 def predict(profile: ModelProfile, regime: Regime, *, rates: list[float]) -> dict[str, float]:
     """Predicted goodput per device of each layout, from (rate, attainment) over `rates`."""
     options, link = sim_options(profile, regime)
-    relay = relay_ms(profile)
+    relay = relay_of(profile)
     mean_output = statistics.mean(regime.workload.output_lens)
     profile = apply_serving_path(profile)
     out = {}
@@ -162,7 +162,7 @@ def plan_regime(profile: ModelProfile, regime: Regime) -> dict[str, Any]:
     """What `pdserve plan` picks on this machine (1 node x 2 cores) for the regime."""
     options, link = sim_options(profile, regime)
     settings = SearchSettings(max_per_gpu_rate=20.0, link=link, options=options, pp_choices=(1,),
-                              relay=relay_ms(profile), colocated_fill=True)  # fmt: skip
+                              relay=relay_of(profile), colocated_fill=True)  # fmt: skip
     slo = SLO(regime.ttft_slo_ms, regime.tpot_slo_ms, 0.9)
     result = plan(apply_serving_path(profile), regime.workload, slo, Cluster(1, NUM_DEVICES),
                   settings, algorithms=("low",))  # fmt: skip

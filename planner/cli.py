@@ -78,7 +78,7 @@ def _load(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from planner.search import SLO, Cluster, SearchSettings, plan
-    from planner.serving_path import apply_serving_path, measured_link, relay_ms, ttft_path_ms
+    from planner.serving_path import apply_serving_path, measured_link, relay_of, ttft_path_ms
     from planner.sim_spec import LinkSpec, SimOptions
 
     profile = _load(args, args.profile)
@@ -95,7 +95,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = SimOptions(colocated_policy=args.colocated_policy, ttft_path_ms=ttft_path_ms(profile))
     settings = SearchSettings(
         link=link, pp_choices=tuple(int(p) for p in pp_text.split(",")), options=options,
-        relay=relay_ms(profile), colocated_fill=args.colocated_fill,
+        relay=relay_of(profile), colocated_fill=args.colocated_fill,
     )  # fmt: skip
     profile = apply_serving_path(profile)
     coloc = apply_serving_path(coloc) if coloc else None

@@ -59,7 +59,7 @@ class Relay:
         return (per_s + steps_per_s * self.step_ms + self.idle_ms_per_s) / 1e3
 
 
-def relay_ms(profile: ModelProfile) -> Relay:
+def relay_of(profile: ModelProfile) -> Relay:
     """The relay's costs from the TP=1 entry (or the first)."""
     entry = profile.by_tp.get(1) or next(iter(profile.by_tp.values()))
     path = entry.serving_path

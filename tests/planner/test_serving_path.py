@@ -10,7 +10,7 @@ from planner.profile import ModelProfile, TPProfile, load_profile, save_profiles
 from planner.serving_path import (
     Relay,
     apply_serving_path,
-    relay_ms,
+    relay_of,
     relay_scale,
     simulate_relayed,
     ttft_path_ms,
@@ -79,7 +79,7 @@ def test_serving_path_round_trips_through_the_file(tmp_path) -> None:
     loaded = load_profile(path)
     assert loaded.tp(1).serving_path == PATH
     assert loaded.tp(1).overhead_per_seq == 0.5
-    assert relay_ms(loaded) == Relay(1.0, 0.5)
+    assert relay_of(loaded) == Relay(1.0, 0.5)
 
 
 def test_handoff_delays_the_request_but_not_the_link() -> None:
