@@ -73,6 +73,21 @@ def fit_decode(
     return (small_fit or large_fit, large_fit or small_fit)  # type: ignore[return-value]
 
 
+def fit_decode_by_batch(
+    samples: Sequence[tuple[int, int, float]], triple: Triple, max_batch: int
+) -> dict[int, float]:
+    """{B: the step's constant part at batch B} for every B <= `max_batch` measured, from
+    (B, Σctx, ms) samples less the triple's context term b*Σ(ctx+1)."""
+    batches = sorted({b for b, _, _ in samples if b <= max_batch})
+    if not batches:
+        return {}
+    chosen = [s for s in samples if s[0] <= max_batch]
+    _, per_token, _ = triple
+    rest = np.array([t - per_token * (s + b) for b, s, t in chosen], dtype=float)
+    columns = [np.array([float(b == batch) for b, _, _ in chosen]) for batch in batches]
+    return {b: float(ms) for b, ms in zip(batches, _lstsq(columns, rest), strict=True)}
+
+
 def fit_mixed(samples: Sequence[tuple[int, int, int, int, float]], decode: Triple) -> Triple:
     """(a', b', c') of a mixed step's prompt part from (B, Σctx, Σm, Σ(m² + 2mp), ms) samples:
     what each step took beyond its decodes' b*Σ(ctx+1) + c*B (the fitted decode triple)."""

@@ -1,7 +1,9 @@
 """Step times in ms from a TPProfile: DistServe's functional form plus our extra terms.
 
 prefill stage  (a + b*Σl + c*Σl²) / pp + pp          DistServe's simulator, per pipeline stage
-decode stage   (a + b*Σ(ctx+1) + c*B) / pp            small- or large-batch triple by B
+decode stage   (a + b*Σ(ctx+1) + c*B) / pp            small- or large-batch triple by B; a
+                                                      measured decoding_by_batch[B] replaces
+                                                      a + c*B (the step is not linear in B)
 overhead       base + per_token*Σctx + per_seq*B        added once per step (first stage)
 mixed step     a' + b_p*Σm + c_p*Σ(m² + 2*m*p) + b_d*Σ(ctx+1) + c_d*B
                one colocated step: chunks m after p cached tokens, plus a decode batch;
@@ -37,8 +39,7 @@ class StepModel:
 
     def decode_stage_ms(self, batch_size: int, sum_ctx: float) -> float:
         """One decode step of `batch_size` requests whose contexts add up to `sum_ctx`."""
-        a, b, c = self.profile.decode_triple(batch_size)
-        return (a + b * (sum_ctx + batch_size) + c * batch_size) / self.pp
+        return self.profile.decode_step_ms(batch_size, sum_ctx) / self.pp
 
     def overhead_ms(self, num_tokens: float, num_seqs: int = 0) -> float:
         base, per_token = self.profile.overhead

@@ -8,7 +8,8 @@ DistServe's file (benchmarks/data/distserve/README.md) maps model -> TP size -> 
                                 "decoding_large_small_bs_threshold": 95}}}
 
 Ours has the same shape and adds, per TP entry, optional keys DistServe's reader ignores:
-"chunked" (a fitted mixed-step intercept, ms), "kv_bytes_per_token" (the whole model's KV per
+"chunked" (a fitted mixed-step intercept, ms), "decoding_by_batch" ({B: ms}, see TPProfile),
+"kv_bytes_per_token" (the whole model's KV per
 token), "max_num_tokens" ({pp: KV tokens that fit on the instance}), "overhead" ([base ms, ms per
 token] added to every step), "overhead_per_seq" (ms per sequence of a step), "transfer"
 ({"bandwidth_GBps", "per_message_ms"}) and "serving_path" (benchmarks/profiling/path.py's terms).
@@ -60,12 +61,23 @@ class TPProfile:
     overhead_per_seq: float = 0.0  # ms per sequence in a step (its token leaving the worker)
     # The serving path measured by `pdserve profile --path` (benchmarks/profiling/path.py), in ms.
     serving_path: dict[str, float] = field(default_factory=dict)
+    # A decode step's constant part (a + c*B of the triple) measured at each small batch size B:
+    # the step is not linear there. On CPU, MKL's GEMM takes rows in blocks of four, so a batch
+    # of 3 costs more than one of 4 (19.0 against 15.1 ms here) and a triple fitted at batches
+    # 1, 4, 8, 16 runs along the cheap ones; on GPU, CUDA graphs pad a batch to its captured size.
+    decode_by_batch: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.threshold < 1:
             raise ValueError(
                 f"decoding_large_small_bs_threshold must be >= 1, got {self.threshold}"
             )
+
+    def decode_step_ms(self, batch_size: int, sum_ctx: float) -> float:
+        """One decode step of `batch_size` requests whose contexts add up to `sum_ctx`."""
+        a, b, c = self.decode_triple(batch_size)
+        constant = self.decode_by_batch.get(batch_size, a + c * batch_size)
+        return constant + b * (sum_ctx + batch_size)
 
     def decode_triple(self, batch_size: int) -> Triple:
         return self.decode_small if batch_size < self.threshold else self.decode_large
@@ -90,6 +102,10 @@ class TPProfile:
             out["overhead_per_seq"] = self.overhead_per_seq
         if self.serving_path:
             out["serving_path"] = dict(self.serving_path)
+        if self.decode_by_batch:
+            out["decoding_by_batch"] = {
+                str(b): ms for b, ms in sorted(self.decode_by_batch.items())
+            }
         if self.transfer_GBps is not None:
             out["transfer"] = {
                 "bandwidth_GBps": self.transfer_GBps,
@@ -118,6 +134,9 @@ class TPProfile:
             transfer_per_message_ms=float(transfer.get("per_message_ms", 0.0)),
             overhead_per_seq=float(data.get("overhead_per_seq", 0.0)),
             serving_path={k: float(v) for k, v in (data.get("serving_path") or {}).items()},
+            decode_by_batch={
+                int(b): float(ms) for b, ms in (data.get("decoding_by_batch") or {}).items()
+            },
         )
 
 

@@ -89,3 +89,5 @@ class SimResult:
     end_ms: float = 0.0
     transfer_ms_total: float = 0.0
     num_steps: int = 0  # steps every instance ran (each emits tokens: the relay's wake-ups)
+    busy_ms: tuple[float, ...] = ()  # each instance's first-stage step time: colocated,
+    # then prefill, then decode instances

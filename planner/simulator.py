@@ -54,6 +54,7 @@ class _Pipeline:
     prefilling: list[list[int]] = field(default_factory=list)  # chunked: [rid, computed]
     owed_ms: float = 0.0  # core time that KV landings took, charged to the next decode step
     outstanding: int = 0  # colocated: prompt tokens placed here whose first token is not out
+    busy_ms: float = 0.0  # the first stage's time in steps: the instance's own core, busy
 
     def __post_init__(self) -> None:
         self.free = [0.0] * self.spec.model.pp
@@ -61,6 +62,7 @@ class _Pipeline:
     def run(self, now: float, first_ms: float, rest_ms: float) -> float:
         """Push a step through the stages; returns when its last stage ends."""
         t = now
+        self.busy_ms += first_ms
         for k in range(len(self.free)):
             t = max(t, self.free[k]) + (first_ms if k == 0 else rest_ms)
             self.free[k] = t
@@ -361,4 +363,5 @@ class Simulator:
         tpot = np.divide(span, steps, out=np.zeros_like(span), where=steps > 0)
         preemptions = sum(side.num_preemptions for side in self.sides.values())
         ttft = first - arrivals + self.opts.ttft_path_ms
-        return SimResult(ttft, tpot, preemptions, end, self.transfer_total, self.num_steps)
+        busy = tuple(p.busy_ms for p in self.colocated + self.prefill + self.decode)
+        return SimResult(ttft, tpot, preemptions, end, self.transfer_total, self.num_steps, busy)

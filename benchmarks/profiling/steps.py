@@ -2,13 +2,16 @@
 
 For each TP size asked for, one LLMEngine with the serve config's engine settings (prefix cache
 off, so a repeated prompt is computed again) runs on one torch thread per rank, as a pinned worker
-does. Each figure is the least of a few repeats (the least disturbed), after a warm-up. On CPU at
+does. Each figure is the median of a few repeats, after a warm-up: the step a server sees is the
+typical one (the least of eight decode steps ran 3-5% under their median here), and the fit
+leaves out a disturbed point (planner/fit.py). On CPU at
 TP=1 the clock is the process's CPU time: a pinned worker owns its core, so CPU time is what its
 step takes there, even while other work shares this machine (`--clock wall` for wall time):
   prefill   a batch of B prompts of length L, from queueing to every first token (all the
             engine's chunked steps): a + b*Σl + c*Σl²
   decode    one step of B running sequences with context C (the largest batch is prefilled once
-            and shrunk by aborts, as benchmarks/decode_step.py does): a + b*Σ(ctx+1) + c*B
+            and shrunk by aborts, as benchmarks/decode_step.py does): a + b*Σ(ctx+1) + c*B,
+            and the constant part at each B to BY_BATCH_MAX (decode_by_batch)
   mixed     each chunked step of a prompt beside B running decodes (a colocated step): its
             time beyond the decodes' part, a' + b'*Σm + c'*Σ(m² + 2mp) (chunked_prefill)
   transfer  one request's KV from a prefill rank process to a decode rank process over the real
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from planner.fit import fit_decode, fit_mixed, fit_prefill
+from planner.fit import fit_decode, fit_decode_by_batch, fit_mixed, fit_prefill
 from planner.profile import ModelProfile, TPProfile, save_profiles
 
 
@@ -54,9 +58,14 @@ class Grid:
             raise ValueError("repeats and decode_steps must be >= 1")
 
 
-QUICK = Grid((32, 128, 384, 768), (1, 2, 4), (64, 384), (1, 8, 32), (64, 512, 2048), 2, 4)
+# Decode at every batch size to BY_BATCH_MAX: the step is not linear there (TPProfile's
+# decode_by_batch), and a grid of 1, 4, 8, 16 alone hits only the cheap ones; past it, sizes
+# off the multiples of four too, so that the triple runs through the middle of the sawtooth.
+BY_BATCH_MAX = 16
+QUICK = Grid((32, 128, 384, 768), (1, 2, 4), (64, 384), (1, 2, 3, 8, 32), (64, 512, 2048), 2, 4)
 FULL = Grid(
-    (16, 64, 128, 256, 512, 768, 1024), (1, 2, 4, 8), (32, 128, 384, 768), (1, 4, 8, 16, 32, 64),
+    (16, 64, 128, 256, 512, 768, 1024), (1, 2, 4, 8), (32, 128, 384, 768),
+    (*range(1, BY_BATCH_MAX + 1), 20, 23, 26, 29, 32, 48, 64),
     (64, 256, 1024, 4096), 3, 8,
 )  # fmt: skip
 
@@ -105,7 +114,7 @@ class EngineProbe:
         self, context: int, batches: Sequence[int], steps: int
     ) -> list[tuple[int, int, float]]:
         """(B, Σctx, ms per step) for each batch size, from one prefill of the largest."""
-        rids = self._start_decodes(context, max(batches), 4 * steps * len(batches) + 8)
+        rids = self._start_decodes(context, max(batches), (steps + 2) * len(batches) + 8)
         scheduler = self.engine.scheduler
         samples = []
         for batch in sorted(batches, reverse=True):
@@ -118,8 +127,10 @@ class EngineProbe:
                 began = self.clock()
                 self.engine.step()
                 times.append(((self.clock() - began) * 1e3, sum_ctx))
-            ms, sum_ctx = min(times)  # the least disturbed step on a shared machine
-            samples.append((len(scheduler.running), sum_ctx, ms))
+            middle = round(statistics.median(ctx for _, ctx in times))
+            samples.append(
+                (len(scheduler.running), middle, statistics.median(ms for ms, _ in times))
+            )
         for rid in rids:
             self.engine.abort(rid)
         self.engine.step()
@@ -130,11 +141,11 @@ class EngineProbe:
     ) -> list[tuple[int, int, int, int, float]]:
         """(B, Σctx, m, m² + 2mp, ms) of each step that computes a chunk of m prompt tokens
         (after p computed ones) beside `batch` running decodes: a prompt of each length is
-        queued, its chunked steps timed, then it is aborted. The least of `repeats` per step."""
+        queued, its chunked steps timed, then it is aborted. The median of `repeats` per step."""
         steps_needed = len(lens) * repeats * 4 + 8
         rids = set(self._start_decodes(context, batch, steps_needed))
         scheduler = self.engine.scheduler
-        best: dict[tuple[int, int], tuple[int, int, int, int, float]] = {}
+        runs: dict[tuple[int, int], list[tuple[int, int, int, int, float]]] = {}
         for length in lens:
             for _ in range(repeats):
                 rid, computed, index = self._add(length, 2), 0, 0
@@ -147,15 +158,14 @@ class EngineProbe:
                     now = scheduler.requests[rid].num_computed_tokens
                     chunk, key = now - computed, (length, index)
                     sample = (batch, sum_ctx, chunk, chunk * chunk + 2 * chunk * computed, elapsed)
-                    if key not in best or elapsed < best[key][-1]:
-                        best[key] = sample
+                    runs.setdefault(key, []).append(sample)
                     computed, index = now, index + 1
                 self.engine.abort(rid)
                 self.engine.step()
         for rid in rids:
             self.engine.abort(rid)
         self.engine.step()
-        return list(best.values())
+        return [sorted(found, key=lambda s: s[-1])[len(found) // 2] for found in runs.values()]
 
     def _start_decodes(self, context: int, batch: int, max_tokens: int) -> list[str]:
         """`batch` requests of `context` prompt tokens, prefilled and decoding."""
@@ -180,7 +190,7 @@ def measure_prefill(probe: EngineProbe, grid: Grid, budget: int) -> list[tuple[l
                 continue
             lens = [length] * batch
             times = [probe.prefill_ms(lens) for _ in range(grid.repeats)]
-            samples.append((lens, min(times)))
+            samples.append((lens, statistics.median(times)))
     return samples
 
 
@@ -237,13 +247,14 @@ def profile_tp(
     finally:
         probe.shutdown()
     small, large = fit_decode(decode)
+    by_batch = fit_decode_by_batch(decode, small, BY_BATCH_MAX)
     chunked = fit_mixed(mixed, small) if len(mixed) >= 3 else None
     dtype_bytes = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
     kv_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
     entry = TPProfile(
         prefill=fit_prefill(prefill), decode_small=small, decode_large=large,
         kv_bytes_per_token=float(kv_bytes), max_num_tokens={1: blocks}, overhead=(0.0, 0.0),
-        chunked_prefill=chunked,
+        chunked_prefill=chunked, decode_by_batch=by_batch,
     )  # fmt: skip
     raw = {"prefill": [[lens, ms] for lens, ms in prefill], "decode": [list(s) for s in decode],
            "mixed": [list(s) for s in mixed]}  # fmt: skip

@@ -42,7 +42,10 @@ def test_quick_profile_loads_and_drives_the_simulator(tiny_model: str, tmp_path)
     assert all(0 < m <= 512 and attn >= m * m for _, _, m, attn, _ in samples["mixed"])
     # Every prefill point fits the step budget and the model; decode has every batch size.
     assert all(sum(lens) <= 2048 and max(lens) < 512 for lens, _ in samples["prefill"])
-    assert sorted({b for b, _, _ in samples["decode"]}) == [1, 8, 32]
+    assert sorted({b for b, _, _ in samples["decode"]}) == [1, 2, 3, 8, 32]
+    # each batch size to BY_BATCH_MAX has its own step constant; 32 is the triple's
+    assert sorted(tp1.decode_by_batch) == [1, 2, 3, 8]
+    assert all(ms > 0 for ms in tp1.decode_by_batch.values())
     a, b, _ = tp1.prefill
     assert a + b * 128 > 0  # a 128-token prompt takes time
     placement = Placement("disaggregated", Parallel(1, 1, 1), Parallel(1, 1, 1))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.fit import fit_decode, fit_mixed, fit_prefill, fit_transfer
+from planner.fit import fit_decode, fit_decode_by_batch, fit_mixed, fit_prefill, fit_transfer
+from planner.latency import StepModel
 from planner.profile import (
     TPProfile,
     load_profile,
@@ -64,6 +65,32 @@ def test_fit_leaves_out_a_disturbed_window() -> None:
     assert small == pytest.approx(triple, rel=1e-6)
 
 
+def test_fit_by_batch_recovers_a_sawtooth_the_triple_cannot() -> None:
+    # CPU GEMM takes rows in blocks of four: a step at B costs 11 + 4*(B % 4) + B/2 ms plus
+    # the context. The triple misses batch 3 by more than 2 ms; the per-batch fit is exact.
+    per_token = 0.002
+    constant = {b: 11.0 + 4.0 * (b % 4) + 0.5 * b for b in range(1, 17)}
+    decode = []
+    for ctx in (32, 128, 384, 768):
+        for batch in (*range(1, 17), 24, 32, 64):
+            steady = constant.get(batch, 11.0 + 0.5 * batch + 6.0)
+            decode.append((batch, batch * ctx, steady + per_token * batch * (ctx + 1)))
+    small, _ = fit_decode(decode)
+    table = fit_decode_by_batch(decode, small, 16)
+    assert sorted(table) == list(range(1, 17))
+    context_term = small[1] * 3 * (300 + 1)
+    for batch, exact in constant.items():
+        assert table[batch] + context_term == pytest.approx(exact + per_token * 3 * 301, abs=0.3)
+    profile = TPProfile(prefill=(1.0, 0.1, 0.0), decode_small=small, decode_large=small,
+                        decode_by_batch=table)  # fmt: skip
+    model = StepModel(profile)
+    assert model.decode_stage_ms(3, 900) > model.decode_stage_ms(4, 1200)  # the sawtooth
+    assert model.decode_stage_ms(3, 900) == pytest.approx(table[3] + small[1] * 903)
+    bare = StepModel(TPProfile(prefill=(1.0, 0.1, 0.0), decode_small=small, decode_large=small))
+    assert abs(bare.decode_stage_ms(3, 900) - (constant[3] + per_token * 903)) > 2.0
+    assert model.decode_stage_ms(24, 2400) == bare.decode_stage_ms(24, 2400)  # past the table
+
+
 def test_fit_mixed_recovers_a_chunk_beside_decodes() -> None:
     # A mixed step = a' + b'*m + c'*(m² + 2mp) + the decodes' b*Σ(ctx+1) + c*B (no intercept).
     decode = (10.0, 0.002, 0.5)
@@ -96,11 +123,13 @@ def test_distserve_profile_loads_and_our_extras_round_trip(tmp_path: Path) -> No
 
     out = tmp_path / "ours.json"
     extra = profile.with_updates(transfer_GBps=3.1, transfer_per_message_ms=0.2,
-                                 chunked_intercept=12.0, chunked_prefill=(9.0, 0.5, 1e-4))  # fmt: skip
+                                 chunked_intercept=12.0, chunked_prefill=(9.0, 0.5, 1e-4),
+                                 decode_by_batch={1: 11.0, 3: 19.5})  # fmt: skip
     save_profiles(out, {extra.model: extra})
     raw = json.loads(out.read_text())
     assert raw["facebook/opt-13b"]["2"]["prefill"] == list(profile.tp(2).prefill)
     assert raw["facebook/opt-13b"]["2"]["transfer"]["bandwidth_GBps"] == 3.1
+    assert raw["facebook/opt-13b"]["2"]["decoding_by_batch"] == {"1": 11.0, "3": 19.5}
     again = load_profiles(out)["facebook/opt-13b"]
     assert again == extra
 
