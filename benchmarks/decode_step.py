@@ -18,6 +18,11 @@ The largest batch is prefilled once (prompts of a few hundred tokens); smaller b
 by aborting sequences, so every measured step is a pure decode step over long contexts.
 
     python -m benchmarks.decode_step [--steps 30] [--threads 1] [--out result.json]
+    python -m benchmarks.decode_step --min-prompt-len 16 --max-prompt-len 900 --compare-groups
+
+`--compare-groups` measures each batch twice more, its decode attention in one padded group (the
+baseline) and in groups of similar length (engine/attention/torch_backend.py), alternating, and
+reports both medians and their ratio (`grouped_speedup`): what grouping gains at spread contexts.
 
 Prints one JSON object as the last line: per batch size `batch`, `step_ms`, `overhead_share`
 and the per-phase split (ms per step), plus the config.
@@ -114,6 +119,24 @@ def measure(engine: LLMEngine, num_warmup: int, num_steps: int) -> dict[str, Any
     }
 
 
+def compare_groups(engine: LLMEngine, num_warmup: int, num_steps: int) -> dict[str, Any]:
+    """Median step with the decode attention in one padded group and in length groups,
+    alternating rounds so that the contexts' growth falls on both."""
+    from engine.attention import torch_backend
+
+    grouped_cost, medians = torch_backend.GROUP_COST_TOKENS, {"one_group": [], "grouped": []}
+    try:
+        for _ in range(2):
+            for name, cost in (("one_group", 1 << 40), ("grouped", grouped_cost)):
+                torch_backend.GROUP_COST_TOKENS = cost
+                medians[name].append(measure(engine, num_warmup, num_steps // 2)["step_ms_p50"])
+    finally:
+        torch_backend.GROUP_COST_TOKENS = grouped_cost
+    one, grouped = statistics.median(medians["one_group"]), statistics.median(medians["grouped"])
+    return {"one_group_step_ms": round(one, 3), "grouped_step_ms": round(grouped, 3),
+            "grouped_speedup": round(one / grouped, 3)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", default="1,8,32,64")
@@ -122,6 +145,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--min-prompt-len", type=int, default=192)
     parser.add_argument("--max-prompt-len", type=int, default=320)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--compare-groups",
+        action="store_true",
+        help="also time each batch with its decode attention in one padded group",
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
@@ -139,8 +167,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_tokens = max_len - args.max_prompt_len
     num_kv_blocks = batch_sizes[0] * -(-max_len // block_size)
     config = EngineConfig(
-        model_dir=str(ensure_model(args.model_dir)), dtype=args.dtype, block_size=block_size,
-        num_kv_blocks=num_kv_blocks, max_num_seqs=batch_sizes[0], num_threads=args.threads,
+        model_dir=str(ensure_model(args.model_dir)),
+        dtype=args.dtype,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=batch_sizes[0],
+        num_threads=args.threads,
     )
     engine = LLMEngine(config)
     try:
@@ -149,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for batch_size in batch_sizes:
             shrink_to(engine, batch_size)
             result = measure(engine, args.warmup_steps, args.steps)
+            if args.compare_groups:
+                result.update(compare_groups(engine, args.warmup_steps, args.steps))
             print(f"[batch {batch_size}] {json.dumps(result)}", flush=True)
             results.append(result)
     finally:

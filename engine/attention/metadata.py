@@ -12,6 +12,7 @@ token; it may start after already-cached positions (chunked prefill, prefix cach
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,9 +38,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] cumulative query lengths
     prefill_context_start_loc: torch.Tensor  # [num_prefills + 1] cumulative context lengths
     prefill_block_tables: torch.Tensor  # [num_prefills, max_prefill_blocks] padded with 0
-    # Masks cached per sliding window (None = full attention), filled by the backend on first use
-    # so every layer of the step shares them.
-    mask_cache: dict[object, torch.Tensor] = field(default_factory=dict)
+    # Masks (and the torch backend's decode groups) cached per sliding window (None = full
+    # attention), filled by the backend on first use so every layer of the step shares them.
+    mask_cache: dict[object, Any] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
@@ -86,12 +87,16 @@ def build_attention_metadata(
     token_index = torch.arange(int(lens.sum()))
     positions = starts[chunk_of_token] + token_index - token_starts[chunk_of_token]
     tables = pad_block_tables(block_tables, torch.device("cpu"))
-    slot_mapping = tables[chunk_of_token, positions // block_size] * block_size + positions % block_size
+    slot_mapping = (
+        tables[chunk_of_token, positions // block_size] * block_size + positions % block_size
+    )
 
     prefills = [
         PrefillChunkInfo(
-            token_start=int(token_starts[i]), num_tokens=num_new_tokens[i],
-            start_pos=start_positions[i], context_len=start_positions[i] + num_new_tokens[i],
+            token_start=int(token_starts[i]),
+            num_tokens=num_new_tokens[i],
+            start_pos=start_positions[i],
+            context_len=start_positions[i] + num_new_tokens[i],
             block_table=torch.tensor(block_tables[i], dtype=torch.long, device=device),
         )
         for i in range(num_decodes, num_chunks)

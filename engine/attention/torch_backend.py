@@ -1,6 +1,10 @@
 """Attention with plain torch ops (CPU and CUDA): the reference back end and the CPU fast path.
 
-Decode: one gather of all decode sequences' blocks, then one batched SDPA with a length mask.
+Decode: the decode sequences in groups of similar length; per group one gather of its blocks and
+one batched SDPA with a length mask. One batch pads every sequence to the longest: at contexts of
+50-900 tokens (8 sequences, 2,700 in all) a step took 28.2 ms against 21.8 at 337 each. The
+groups are the split of the sequences sorted by length that costs least, each group counted as
+its padded tokens plus GROUP_COST_TOKENS for its own gather and SDPA call.
 GQA without copying KV per query head: the g = num_heads // num_kv_heads query heads that share a
 KV head are laid out as SDPA's query-length dim, so K/V are read once per KV head.
 Prefill: one SDPA per chunk (causal; with a mask when the chunk follows cached positions).
@@ -39,25 +43,102 @@ class TorchAttentionBackend(AttentionBackend):
         for chunk in metadata.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = _prefill_chunk(
-                q[rows], k[rows], v[rows], key_cache, value_cache, chunk, metadata, scale,
+                q[rows],
+                k[rows],
+                v[rows],
+                key_cache,
+                value_cache,
+                chunk,
+                metadata,
+                scale,
                 sliding_window,
             )
         return out
 
 
 def _decode(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    metadata: AttentionMetadata, scale: float, sliding_window: int | None,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
+    groups = _decode_groups(metadata, sliding_window)
+    if len(groups) == 1:
+        _, tables, mask = groups[0]
+        return _attend(q, key_cache, value_cache, tables, mask, scale)
+    out = torch.empty_like(q)
+    for rows, tables, mask in groups:
+        out[rows] = _attend(q[rows], key_cache, value_cache, tables, mask, scale)
+    return out
+
+
+def _attend(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
+    mask: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[0]
-    group = num_heads // num_kv_heads
-    keys = _gather_blocks(key_cache, metadata.decode_block_tables).transpose(0, 1)
-    values = _gather_blocks(value_cache, metadata.decode_block_tables).transpose(0, 1)
-    mask = _decode_mask(metadata, sliding_window)  # [num_decodes, 1, 1, L]
-    queries = q.view(num_decodes, num_kv_heads, group, head_dim)
+    keys = _gather_blocks(key_cache, tables).transpose(0, 1)
+    values = _gather_blocks(value_cache, tables).transpose(0, 1)
+    queries = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, num_heads, head_dim)
+
+
+# A group's own gather and SDPA call, in padded tokens of attention. On CPU (Llama, 8 heads of 64,
+# 2 KV heads; batches of 4-16 at contexts of 25-950) 32-512 were tried: 128-256 did best (the
+# 8-sequence batch above: 21.0 ms, against 30.6 in one group and 21.5 at 8 x 337 tokens).
+GROUP_COST_TOKENS = 128
+
+
+def split_by_length(lengths: list[int], group_cost: int) -> list[int]:
+    """Where to cut `lengths` (ascending) into groups, as the end index of each group: the
+    split with the least Σ (group size * its longest + group_cost), by dynamic programming."""
+    count = len(lengths)
+    best = [0] + [0] * count  # best[j]: the least cost of lengths[:j]
+    cut = [0] * (count + 1)
+    for end in range(1, count + 1):
+        choices = (
+            (best[start] + (end - start) * lengths[end - 1] + group_cost, start)
+            for start in range(end)
+        )  # fmt: skip
+        best[end], cut[end] = min(choices)
+    ends, end = [], count
+    while end:
+        ends.append(end)
+        end = cut[end]
+    return ends[::-1]
+
+
+def _decode_groups(
+    metadata: AttentionMetadata, sliding_window: int | None
+) -> list[tuple[torch.Tensor | slice, torch.Tensor, torch.Tensor]]:
+    """(rows, block tables, mask) per group of similar length, built once per step."""
+    key = ("decode_groups", sliding_window)
+    groups = metadata.mask_cache.get(key)
+    if groups is not None:
+        return groups
+    block_size = metadata.block_size
+    lens = metadata.decode_context_lens
+    blocks = [-(-n // block_size) for n in lens.tolist()]
+    order = sorted(range(len(blocks)), key=blocks.__getitem__)
+    ends = split_by_length([blocks[i] for i in order], -(-GROUP_COST_TOKENS // block_size))
+    if len(ends) == 1:
+        whole = (slice(None), metadata.decode_block_tables, _decode_mask(metadata, sliding_window))
+        groups = [whole]
+    else:
+        groups, start = [], 0
+        for end in ends:
+            rows = torch.tensor(order[start:end], dtype=torch.long, device=lens.device)
+            width = blocks[order[end - 1]]
+            tables = metadata.decode_block_tables[rows, :width]
+            groups.append((rows, tables, _length_mask(lens[rows], width * block_size,
+                                                      sliding_window)))  # fmt: skip
+            start = end
+    metadata.mask_cache[key] = groups
+    return groups
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -77,19 +158,32 @@ def _decode_mask(metadata: AttentionMetadata, sliding_window: int | None) -> tor
     key = ("decode", sliding_window)
     mask = metadata.mask_cache.get(key)
     if mask is None:
-        context_lens = metadata.decode_context_lens[:, None]  # [num_decodes, 1]
-        key_pos = torch.arange(metadata.max_decode_context_len, device=context_lens.device)
-        mask = key_pos[None, :] < context_lens
-        if sliding_window is not None:
-            mask &= key_pos[None, :] > context_lens - 1 - sliding_window
-        mask = mask[:, None, None, :]
+        mask = _length_mask(
+            metadata.decode_context_lens, metadata.max_decode_context_len, sliding_window
+        )
         metadata.mask_cache[key] = mask
     return mask
 
 
+def _length_mask(lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
+    """[rows, 1, 1, width] bool: row i sees key positions below lens[i] (in its window)."""
+    context_lens = lens[:, None]
+    key_pos = torch.arange(width, device=lens.device)
+    mask = key_pos[None, :] < context_lens
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > context_lens - 1 - sliding_window
+    return mask[:, None, None, :]
+
+
 def _prefill_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-    value_cache: torch.Tensor, chunk: PrefillChunkInfo, metadata: AttentionMetadata, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunk: PrefillChunkInfo,
+    metadata: AttentionMetadata,
+    scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     # SDPA wants 4-D [1, heads, len, head_dim]: with 3-D inputs CPU falls back to the slow math path

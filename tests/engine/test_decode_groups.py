@@ -1,0 +1,55 @@
+"""Decode attention in groups of similar length (engine/attention/torch_backend.py): the split
+is the cheapest one, and grouped attention is what one padded batch computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import TorchAttentionBackend, build_attention_metadata, torch_backend
+from engine.attention.torch_backend import split_by_length
+
+
+def test_split_by_length_takes_the_cheapest_cut() -> None:
+    # [2, 2, 2, 20] at 3 a group: one group costs 4*20 + 3 = 83; cut after the 2s,
+    # 3*2 + 3 + 1*20 + 3 = 32; cutting further only adds group costs.
+    assert split_by_length([2, 2, 2, 20], 3) == [3, 4]
+    assert split_by_length([5, 5, 5, 5], 3) == [4]  # equal lengths: one group
+    assert split_by_length([1, 2, 3], 100) == [3]  # a dear call: one group
+    assert split_by_length([1, 10, 100], 0) == [1, 2, 3]  # a free call: each its own
+    assert split_by_length([7], 3) == [1]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_grouped_decode_matches_one_padded_batch(
+    sliding_window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 8, 2, 32
+    contexts = [900, 20, 310, 33, 64, 500, 17, 120]  # decodes, out of length order
+    tables, next_block = [], 0
+    for n in contexts:
+        count = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    tables = [t[::-1] for t in tables]  # blocks need not be in order
+    starts, lens = [n - 1 for n in contexts], [1] * len(contexts)
+    q = torch.randn(len(contexts), num_heads, head_dim, dtype=torch.float64)
+    k, v = (torch.randn(len(contexts), num_kv_heads, head_dim, dtype=torch.float64) for _ in "kv")
+    cache = torch.randn(2, num_kv_heads, next_block, block_size, head_dim, dtype=torch.float64)
+
+    def run(cost: int) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(torch_backend, "GROUP_COST_TOKENS", cost)
+        meta, _ = build_attention_metadata(
+            starts, lens, tables, len(contexts), block_size, torch.device("cpu")
+        )
+        key_cache, value_cache = cache[0].clone(), cache[1].clone()
+        out = TorchAttentionBackend().forward(
+            q, k, v, key_cache, value_cache, meta, head_dim**-0.5, sliding_window
+        )
+        return out, len(meta.mask_cache[("decode_groups", sliding_window)])
+
+    one, one_groups = run(10**9)
+    grouped, num_groups = run(16)
+    assert one_groups == 1 and num_groups >= 3
+    assert torch.allclose(one, grouped, rtol=0, atol=1e-12)
