@@ -91,3 +91,15 @@ class SimResult:
     num_steps: int = 0  # steps every instance ran (each emits tokens: the relay's wake-ups)
     busy_ms: tuple[float, ...] = ()  # each instance's first-stage step time: colocated,
     # then prefill, then decode instances
+    devices: tuple[int, ...] = ()  # each instance's devices (tp * pp), in the same order
+
+    def all_busy(self, num_devices: int) -> float:
+        """The chance that no device is idle at a moment of the run: an instance's devices
+        step together, each instance busy for its share of the run independently of the
+        others (0 with a device that no instance holds)."""
+        if self.end_ms <= 0 or sum(self.devices) < num_devices:
+            return 0.0
+        chance = 1.0
+        for busy in self.busy_ms:
+            chance *= min(busy / self.end_ms, 1.0)
+        return chance

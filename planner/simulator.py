@@ -363,5 +363,8 @@ class Simulator:
         tpot = np.divide(span, steps, out=np.zeros_like(span), where=steps > 0)
         preemptions = sum(side.num_preemptions for side in self.sides.values())
         ttft = first - arrivals + self.opts.ttft_path_ms
-        busy = tuple(p.busy_ms for p in self.colocated + self.prefill + self.decode)
-        return SimResult(ttft, tpot, preemptions, end, self.transfer_total, self.num_steps, busy)
+        pipes = self.colocated + self.prefill + self.decode
+        busy = tuple(p.busy_ms for p in pipes)
+        devices = tuple(p.spec.tp * p.spec.model.pp for p in pipes)
+        return SimResult(ttft, tpot, preemptions, end, self.transfer_total, self.num_steps, busy,
+                         devices)  # fmt: skip

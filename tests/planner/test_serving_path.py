@@ -3,6 +3,7 @@ cores, and their round trip through a profile file (times in ms)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from planner.latency import StepModel
@@ -39,9 +40,10 @@ def test_relay_share_of_the_cores() -> None:
 
 
 def test_relay_step_cost_takes_the_step_rate_of_a_first_pass() -> None:
-    # One instance: prefill 10 + 1 = 11, then 9 decode steps of 5 (45): 10 steps in 56 ms,
-    # 178.6 a second. A 1 ms relay step over 1 core takes 0.1786 of it: every step takes
-    # 1 / (1 - 0.1786) as long in the second pass.
+    # Prefill 10 + 1 = 11, then 9 decode steps of 5 (45): 10 steps in 56 ms, 178.6 a second.
+    # A 1 ms relay step needs 0.1786 of a core; it finds both instances busy (nowhere idle to
+    # run) 11/56 x 45/56 of the time, and takes that part off the one core: every step takes
+    # 1 / (1 - 0.1786 x 0.158) as long in the second pass.
     entry = TPProfile((10.0, 0.0, 0.0), (5.0, 0.0, 0.0), (5.0, 0.0, 0.0), overhead=(0.0, 0.0))
     spec = InstanceSpec(StepModel(entry), 1, None)
     runs: list[float] = []
@@ -51,13 +53,29 @@ def test_relay_step_cost_takes_the_step_rate_of_a_first_pass() -> None:
         return Simulator([10], [10], [0.0], prefill=[spec], decode=[spec], options=options).run()
 
     first = run(SimOptions())
-    assert (first.num_steps, first.end_ms) == (10, 56.0)
+    assert (first.num_steps, first.end_ms, first.busy_ms) == (10, 56.0, (11.0, 45.0))
+    assert first.all_busy(1) == pytest.approx(11 / 56 * 45 / 56)
     runs.clear()
     result = simulate_relayed(run, SimOptions(), Relay(step_ms=1.0), 1.0, 10.0, 1)
-    scale = 1 / (1 - 10 / 0.056 / 1e3)
+    scale = 1 / (1 - 10 / 0.056 / 1e3 * (11 / 56 * 45 / 56))
     assert runs == [1.0, pytest.approx(scale)]
     assert result.ttft_ms.tolist() == [pytest.approx(11 * scale)]
     assert simulate_relayed(run, SimOptions(), Relay(), 1.0, 10.0, 1).end_ms == 56.0
+
+
+def test_the_relay_takes_only_what_finds_every_core_busy() -> None:
+    # Two colocated replicas busy 90% and 50% of the run on two cores: a relay wake-up finds
+    # no idle core 45% of the time. A device no instance holds is always idle.
+    done = SimResult(np.zeros(1), np.zeros(1), end_ms=100.0, busy_ms=(90.0, 50.0),
+                     devices=(1, 1))  # fmt: skip
+    assert done.all_busy(2) == pytest.approx(0.45)
+    assert done.all_busy(3) == 0.0
+    wide = SimResult(np.zeros(1), np.zeros(1), end_ms=100.0, busy_ms=(50.0,), devices=(2,))
+    assert wide.all_busy(2) == pytest.approx(0.5)  # one TP=2 instance: its cores step together
+    # 0.26 cores of relay over 2 cores, found all busy 45% of the time: 0.0585 of each
+    assert relay_scale(Relay(1.0, 0.5), 10.0, 50.0, 2, all_busy=0.45) == pytest.approx(
+        1 / (1 - 0.0585)
+    )
 
 
 def test_terms_reach_the_timeline() -> None:
