@@ -43,26 +43,15 @@ class TorchAttentionBackend(AttentionBackend):
         for chunk in metadata.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = _prefill_chunk(
-                q[rows],
-                k[rows],
-                v[rows],
-                key_cache,
-                value_cache,
-                chunk,
-                metadata,
-                scale,
+                q[rows], k[rows], v[rows], key_cache, value_cache, chunk, metadata, scale,
                 sliding_window,
             )
         return out
 
 
 def _decode(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    metadata: AttentionMetadata, scale: float, sliding_window: int | None,
 ) -> torch.Tensor:
     groups = _decode_groups(metadata, sliding_window)
     if len(groups) == 1:
