@@ -52,9 +52,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / "benchmarks" / "data" / "distserve"  # DistServe's profiles, vendored
 RESULTS = ROOT / "benchmarks" / "results" / "placement"
 LENGTHS = RESULTS / "sharegpt-lengths.json"
-MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session8"
-# Five `pdserve profile --path` runs of this machine around that run, 3 minutes each
-PROFILES = [RESULTS / f"profile-2core.session8.{index}.json" for index in range(1, 6)]
+MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session9"
+# Eight `pdserve profile --path` runs of this machine around that run (five before, three
+# after), 4 minutes each
+PROFILES = [RESULTS / f"profile-2core.session9.{index}.json" for index in range(1, 9)]
 BENCH_MODEL = Path.home() / ".cache" / "pdserve" / "goodput-llama"
 DISTSERVE_13B = 1.5625
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -1,7 +1,7 @@
 """Predict this machine: `pdserve profile`'s coefficients through the simulator, against the
 goodputs that `pdserve bench --compare` measured, per regime and layout.
 
-A measured run (benchmarks/results/goodput-2core/full-session8/ by default) gives, per regime, its
+A measured run (benchmarks/results/goodput-2core/full-session9/ by default) gives, per regime, its
 exact requests (prompt and output lengths, unit-rate gaps), its SLOs, its engine settings and
 its measured goodput for both layouts. The simulator replays the same requests at a grid of rates
 through both layouts as the benchmark runs them on this machine:
@@ -16,10 +16,13 @@ instance behind the real router (benchmarks/profiling/path.py), none fitted to a
   worker_step_ms, worker_seq_ms the worker's CPU per step and per sequence beyond the engine:
                                 its loop, and the gRPC stream that carries each token out
   relay_*_ms                     the router's and the client's CPU per token, request, emitting
-                                step and idle second; they are not pinned, so under load they
-                                take that share of the workers' cores (planner/serving_path.py)
+                                step and idle second; they are not pinned, so the part of it
+                                that finds no core idle comes off the workers' cores
+                                (planner/serving_path.py)
   kv_send_ms, kv_receive_ms     what a request's KV costs the prefill's and the decode's cores
-A profile without them falls back on the run's own unloaded calibration (raw/*.json).
+A profile without them falls back on the run's own unloaded calibration (raw/*.json). The
+engine's decode step is measured at every batch size to 16 (decoding_by_batch): CPU GEMM makes it
+a sawtooth there, which a line through batches 1, 4, 8, 16 misses by up to 4 ms.
 And two mechanisms of pdserve's dispatch (planner/simulator.py): a disaggregated request waits
 for the decode loop's step under way before its prompt is queued (`reserve_before_prefill`); a
 colocated prompt goes to the replica with the fewest prompt tokens short of a first token
@@ -53,7 +56,7 @@ from planner.sim_spec import LinkSpec, SimOptions, SimResult
 from planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session8"
+MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session9"
 LAYOUTS = {
     "disaggregated": Placement("disaggregated", Parallel(1, 1, 1), Parallel(1, 1, 1)),
     "colocated": Placement("colocated", colocated=Parallel(1, 1, 2)),
