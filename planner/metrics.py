@@ -16,6 +16,7 @@ the same process's monotonic clock, so latencies never mix two machines' clocks.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +143,28 @@ def goodput(points: Sequence[tuple[float, float]], target: float = ATTAINMENT_TA
             fraction = (att_low - target) / (att_low - att_high)
             return Goodput(rate_low + fraction * (rate_high - rate_low), "crossed")
     return Goodput(ordered[-1][0], "at_least")
+
+
+def goodput_interval(
+    points: Sequence[tuple[float, Sequence[bool]]], confidence: float = 0.9,
+    resamples: int = 1000, seed: int = 0, target: float = ATTAINMENT_TARGET,
+) -> tuple[float, float]:  # fmt: skip
+    """How far a sweep's goodput moves on the luck of its requests: a percentile bootstrap that
+    redraws each rate's requests (with replacement; `points` are (rate per device, each
+    request met its SLOs)) and recomputes `goodput`. It counts a point's requests as independent
+    draws, which they are not quite (they share queues), so the interval is the least noise the
+    figure carries. Near a flat stretch of the attainment curve it is wide: there a few
+    requests more or less over the SLO move the 90% crossing far."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    rng = random.Random(seed)
+    rates = []
+    for _ in range(resamples):
+        drawn = [(rate, sum(rng.choices(met, k=len(met))) / len(met) if met else 0.0)
+                 for rate, met in points]  # fmt: skip
+        rates.append(goodput(drawn, target).rate)
+    tail = (1 - confidence) / 2
+    return percentile(rates, 100 * tail), percentile(rates, 100 * (1 - tail))
 
 
 def breakdown(record: RequestRecord) -> dict[str, float]:

@@ -13,8 +13,10 @@ from benchmarks.goodput.sweep import RatePoint
 from planner.metrics import (
     attainment,
     goodput,
+    goodput_interval,
     latency_stats,
     mean_breakdown,
+    meets_slo,
     tpot,
     ttft,
 )
@@ -52,8 +54,9 @@ def regime_summary(
     slo: tuple[float, float],
     slo_scales: Sequence[float] = DEFAULT_SLO_SCALES,
 ) -> dict[str, Any]:
-    """Goodput of each layout (per device, SLO scale 1), their ratio, and per scale the same;
-    per point: attainment, latency percentiles and the mean per-request breakdown."""
+    """Goodput of each layout (per device, SLO scale 1) with its 90% bootstrap interval over the
+    requests (metrics.goodput_interval), their ratio, and per scale the same; per point: attainment,
+    latency percentiles and the mean per-request breakdown."""
     result: dict[str, Any] = {"points": {}, "goodput_by_scale": {}}
     for layout, points in points_by_layout.items():
         result["points"][layout] = [_point_summary(p, slo) for p in points]
@@ -66,9 +69,11 @@ def regime_summary(
             entry["ratio"] = _ratio(entry["disaggregated"]["rate"], entry["colocated"]["rate"])
         result["goodput_by_scale"][f"{scale:g}"] = entry
     main = result["goodput_by_scale"]["1"]
-    for layout in points_by_layout:
+    for layout, points in points_by_layout.items():
         result[f"goodput_{layout}"] = main[layout]["rate"]
         result[f"goodput_{layout}_bound"] = main[layout]["bound"]
+        met = [(p.rate_per_device, [meets_slo(r, *slo, 1.0) for r in p.records]) for p in points]
+        result[f"goodput_{layout}_interval90"] = list(goodput_interval(met))
     result["goodput_ratio"] = main.get("ratio")
     return result
 

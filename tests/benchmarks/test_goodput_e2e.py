@@ -89,6 +89,9 @@ def test_attainment_and_goodput_recomputed_from_raw_timings_equal_the_summary(ru
             found[layout] = goodput(curve)
             entry = regime["goodput_by_scale"][scale_key][layout]
             assert (entry["rate"], entry["bound"]) == (found[layout].rate, found[layout].bound)
+            if scale == 1.0:  # the bootstrap interval holds the measured figure
+                low, high = regime[f"goodput_{layout}_interval90"]
+                assert low <= found[layout].rate <= high
         colocated = found["colocated"].rate
         ratio = found["disaggregated"].rate / colocated if colocated > 0 else None
         assert regime["goodput_by_scale"][scale_key]["ratio"] == ratio

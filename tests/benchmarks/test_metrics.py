@@ -13,6 +13,7 @@ from planner.metrics import (
     breakdown,
     e2e,
     goodput,
+    goodput_interval,
     inter_token_latencies,
     latency_stats,
     mean_breakdown,
@@ -102,6 +103,20 @@ def test_goodput_bounds_when_the_sweep_does_not_cross() -> None:
     assert goodput([(1.0, 0.5), (2.0, 0.25)]) == Goodput(0.0, "below_lowest")
     with pytest.raises(ValueError):
         goodput([])
+
+
+def test_goodput_interval_holds_the_goodput_and_is_a_point_when_no_draw_can_differ() -> None:
+    certain = [(1.0, [True] * 20), (2.0, [False] * 20)]  # every redraw is the same curve
+    rate = goodput([(1.0, 1.0), (2.0, 0.0)]).rate  # 1.1, interpolated
+    assert goodput_interval(certain) == (rate, rate)
+    # 18 of 20 met at rate 2 (exactly 90%): redraws land on both sides of the target
+    points = [(1.0, [True] * 20), (2.0, [True] * 18 + [False] * 2), (3.0, [False] * 20)]
+    low, high = goodput_interval(points, resamples=400)
+    assert low < goodput([(1.0, 1.0), (2.0, 0.9), (3.0, 0.0)]).rate == 2.0 < high
+    assert 1.0 <= low and high <= 3.0
+    assert goodput_interval(points, resamples=400) == (low, high)  # seeded: reproducible
+    with pytest.raises(ValueError):
+        goodput_interval(points, confidence=1.0)
 
 
 def test_breakdown_splits_a_disaggregated_request() -> None:
