@@ -73,6 +73,19 @@ class Regime:
     calibration: dict[str, float]
     measured: dict[str, float]  # layout -> goodput per device
     config: dict[str, Any]
+    # layout -> its 90% bootstrap interval over the run's requests (metrics.goodput_interval)
+    interval: dict[str, tuple[float, float]]
+
+
+def measured_interval(raw: dict[str, Any], layout: str) -> tuple[float, float]:
+    """How far the layout's measured goodput moves on the luck of its requests alone."""
+    slo = raw["slo"]["ttft_s"], raw["slo"]["tpot_s"]
+    points = []
+    for point in raw["layouts"][layout]["points"]:
+        records = [metrics.RequestRecord.from_json(r) for r in point["records"]]
+        met = [metrics.meets_slo(r, *slo, 1.0) for r in records]
+        points.append((point["rate_per_device"], met))
+    return metrics.goodput_interval(points)
 
 
 def _open(path: Path) -> Any:
@@ -103,7 +116,7 @@ def load_measured(directory: str | Path = MEASURED) -> list[Regime]:
             raw["slo"]["calibration"],
             {"disaggregated": entry["goodput_disaggregated"],
              "colocated": entry["goodput_colocated"]},
-            raw["config"],
+            raw["config"], {layout: measured_interval(raw, layout) for layout in LAYOUTS},
         ))  # fmt: skip
     return regimes
 
@@ -187,13 +200,15 @@ def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str
     regimes = load_measured(directory)
     full = with_terms(profile, regimes)
     bare = profile.with_updates(serving_path={})
-    rows, plans, rates = [], {}, rate_grid()
+    rows: list[dict[str, Any]] = []
+    plans, rates = {}, rate_grid()
     for regime in regimes:
         predicted = predict(full, regime, rates=rates)
         engine_only = predict(bare, regime, rates=rates)
         for layout, measured in regime.measured.items():
             rows.append({
                 "regime": regime.name, "layout": layout, "measured": round(measured, 3),
+                "measured_interval90": [round(v, 3) for v in regime.interval[layout]],
                 "predicted": round(predicted[layout], 3),
                 "predicted_engine_only": round(engine_only[layout], 3),
                 "error": round(predicted[layout] / measured - 1, 3) if measured else None,
@@ -248,13 +263,14 @@ def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[P
 
     out_dir = Path(out_dir)
     count = result.get("num_profiles", 1)
-    lines = [f"| regime | layout | measured (req/s/core) | predicted (median of {count}) | range "
-             "| error | engine only |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [f"| regime | layout | measured (req/s/core) | its 90% interval | predicted (median of "
+             f"{count}) | range | error | engine only |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for row in result["rows"]:
         low, high = row.get("predicted_range", [row["predicted"]] * 2)
+        m_low, m_high = row["measured_interval90"]
         lines.append(f"| {row['regime']} | {row['layout']} | {row['measured']:.2f} | "
-                     f"{row['predicted']:.2f} | {low:.2f}-{high:.2f} | "
+                     f"{m_low:.2f}-{m_high:.2f} | {row['predicted']:.2f} | {low:.2f}-{high:.2f} | "
                      f"{100 * row['error']:+.0f}% | {row['predicted_engine_only']:.2f} |")  # fmt: skip
     lines += ["", "| regime | `pdserve plan` picks | measured best | agrees |",
               "| --- | --- | --- | --- |"]  # fmt: skip
@@ -268,8 +284,12 @@ def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[P
     short = {"disaggregated": "1P+1D", "colocated": "2 colocated"}
     labels = [f"{r['regime']}\n{short.get(r['layout'], r['layout'])}" for r in result["rows"]]
     xs = range(len(labels))
-    axis.bar([x - 0.2 for x in xs], [r["measured"] for r in result["rows"]], 0.4,
-             label="measured (pdserve bench --compare)")  # fmt: skip
+    measured = [r["measured"] for r in result["rows"]]
+    intervals = [r["measured_interval90"] for r in result["rows"]]
+    noise = [[m - lo for m, (lo, _) in zip(measured, intervals, strict=True)],
+             [hi - m for m, (_, hi) in zip(measured, intervals, strict=True)]]  # fmt: skip
+    axis.bar([x - 0.2 for x in xs], measured, 0.4, yerr=noise, capsize=3,
+             label="measured (pdserve bench --compare: 90% bootstrap interval)")  # fmt: skip
     predicted = [r["predicted"] for r in result["rows"]]
     ranges = [r.get("predicted_range", [r["predicted"]] * 2) for r in result["rows"]]
     spread = [[p - lo for p, (lo, _) in zip(predicted, ranges, strict=True)],
