@@ -86,7 +86,7 @@ def split_by_length(lengths: list[int], group_cost: int) -> list[int]:
     """Where to cut `lengths` (ascending) into groups, as the end index of each group: the
     split with the least Σ (group size * its longest + group_cost), by dynamic programming."""
     count = len(lengths)
-    best = [0] + [0] * count  # best[j]: the least cost of lengths[:j]
+    best = [0] * (count + 1)  # best[j]: the least cost of lengths[:j]
     cut = [0] * (count + 1)
     for end in range(1, count + 1):
         choices = (
@@ -165,14 +165,8 @@ def _length_mask(lens: torch.Tensor, width: int, sliding_window: int | None) -> 
 
 
 def _prefill_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    chunk: PrefillChunkInfo,
-    metadata: AttentionMetadata,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+    value_cache: torch.Tensor, chunk: PrefillChunkInfo, metadata: AttentionMetadata, scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     # SDPA wants 4-D [1, heads, len, head_dim]: with 3-D inputs CPU falls back to the slow math path
