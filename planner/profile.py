@@ -9,10 +9,10 @@ DistServe's file (benchmarks/data/distserve/README.md) maps model -> TP size -> 
 
 Ours has the same shape and adds, per TP entry, optional keys DistServe's reader ignores:
 "chunked" (a fitted mixed-step intercept, ms), "decoding_by_batch" ({B: ms}, see TPProfile),
-"kv_bytes_per_token" (the whole model's KV per
-token), "max_num_tokens" ({pp: KV tokens that fit on the instance}), "overhead" ([base ms, ms per
-token] added to every step), "overhead_per_seq" (ms per sequence of a step), "transfer"
-({"bandwidth_GBps", "per_message_ms"}) and "serving_path" (benchmarks/profiling/path.py's terms).
+"kv_bytes_per_token" (the whole model's KV per token), "max_num_tokens" ({pp: KV tokens that fit
+on the instance}), "overhead" ([base ms, ms per token] added to every step), "overhead_per_seq"
+(ms per sequence of a step), "transfer" ({"bandwidth_GBps", "per_message_ms"}) and
+"serving_path" (benchmarks/profiling/path.py's terms).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ For each TP size asked for, one LLMEngine with the serve config's engine setting
 off, so a repeated prompt is computed again) runs on one torch thread per rank, as a pinned worker
 does. Each figure is the median of a few repeats, after a warm-up: the step a server sees is the
 typical one (the least of eight decode steps ran 3-5% under their median here), and the fit
-leaves out a disturbed point (planner/fit.py). On CPU at
-TP=1 the clock is the process's CPU time: a pinned worker owns its core, so CPU time is what its
-step takes there, even while other work shares this machine (`--clock wall` for wall time):
+leaves out a disturbed point (planner/fit.py). On CPU at TP=1 the clock is the process's CPU
+time: a pinned worker owns its core, so CPU time is what its step takes there, even while other
+work shares this machine (`--clock wall` for wall time):
   prefill   a batch of B prompts of length L, from queueing to every first token (all the
             engine's chunked steps): a + b*Σl + c*Σl²
   decode    one step of B running sequences with context C (the largest batch is prefilled once
