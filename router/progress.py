@@ -57,10 +57,10 @@ def is_stale(item: TokenEvent | InstanceLost, channel: RequestChannel, progress:
     event of an abandoned placement or from an instance it was not placed on, or an error from
     an instance it no longer depends on (a prefill that failed after the decode instance took
     over: the KV has landed there)."""
-    if isinstance(item, InstanceLost):
-        return item.instance_id not in channel.holder_ids
     if item.request_id != channel.request_id:
         return True  # queued before the dispatcher gave up on that placement
+    if isinstance(item, InstanceLost):
+        return item.instance_id not in channel.holder_ids
     if not item.source:
         return False  # a worker that does not say who it is (tests' in-process handles)
     if item.source not in (progress.prefill_instance, progress.decode_instance):

@@ -51,7 +51,8 @@ class Recovery:
             raise failure
         if num_tokens_sent:
             self.migrations += 1
-            self.failed_at = time.monotonic()
+            if self.failed_at is None:  # a loss while recovering: the stream is down since the first
+                self.failed_at = time.monotonic()
         else:  # the time a retry costs shows as the later start of the placement that answered
             self.retries += 1
 

@@ -62,6 +62,7 @@ def client_request_id(worker_request_id: str) -> str:
 class InstanceLost:
     instance_id: str
     reason: str
+    request_id: str  # the placement it was lost for: a later one on the restarted instance lives
 
 
 class RequestChannel:
@@ -363,7 +364,7 @@ class WorkerPool:
         self._metrics.observe_down(instance_id, instance.handle.role)
         for channel in self._channels.values():
             if instance_id in channel.holder_ids:
-                channel.put(InstanceLost(instance_id, reason))
+                channel.put(InstanceLost(instance_id, reason, channel.request_id))
 
 
 def _check_roles(

@@ -5,8 +5,10 @@ of migrated streams, on real processes killed for real, is in tests/deploy/test_
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from typing import cast
 
 import grpc
 import pytest
@@ -14,7 +16,11 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from router.config import RouterConfig
+from router.generation_errors import FailureKind, GenerationFailed
+from router.progress import Progress, is_stale
+from router.recovery import Recovery
 from router.worker_api import KVTicket, Role, WorkerRequest
+from router.worker_pool import InstanceLost, RequestChannel
 from tests.router.harness import RouterThread
 from tests.router.test_worker_failure import DyingWorker
 
@@ -141,6 +147,34 @@ def test_a_request_waits_for_its_only_instance_to_come_back(tiny_model_dir: str)
     assert len(first.token_ids) + len(rest) == 200
     assert responses[-1].timings.migrations == 1
     assert responses[-1].timings.recovery_s >= 0.5
+
+
+def test_a_loss_left_in_the_channel_does_not_end_the_next_placement_on_the_same_instance() -> None:
+    """The poll and load loops both report a loss; the one not yet taken when the request
+    moved on must not end its next placement, on the same instance once it is back."""
+
+    async def run() -> tuple[bool, bool]:
+        channel = RequestChannel("r@0")
+        channel.request_id, channel.holder_ids = "r@0.0", {"colocated-0"}
+        left_over = InstanceLost("colocated-0", "its load report failed", channel.request_id)
+        channel.request_id = "r@0.1"  # the next placement, on the instance come back
+        now = InstanceLost("colocated-0", "polling its events failed", channel.request_id)
+        progress = cast(Progress, None)  # a loss is judged by the channel alone
+        return is_stale(left_over, channel, progress), is_stale(now, channel, progress)
+
+    assert asyncio.run(run()) == (True, False)
+
+
+def test_a_loss_while_recovering_counts_the_stream_down_from_the_first() -> None:
+    recovery = Recovery(max_retries=3, deadline_at=None)
+    lost = GenerationFailed(FailureKind.UNAVAILABLE, "lost", lost_instance="colocated-0")
+    recovery.take(lost, num_tokens_sent=5)
+    first_failed_at = recovery.failed_at
+    time.sleep(0.01)
+    recovery.take(lost, num_tokens_sent=5)
+    assert (recovery.migrations, recovery.failed_at) == (2, first_failed_at)
+    recovery.resumed()
+    assert recovery.recovery_s >= 0.01
 
 
 def test_recovery_gives_up_after_max_retries_with_unavailable_and_the_cause(
