@@ -51,7 +51,7 @@ class Recovery:
             raise failure
         if num_tokens_sent:
             self.migrations += 1
-            if self.failed_at is None:  # a loss while recovering: the stream is down since the first
+            if self.failed_at is None:  # lost again while recovering: down since the first
                 self.failed_at = time.monotonic()
         else:  # the time a retry costs shows as the later start of the placement that answered
             self.retries += 1
