@@ -3,12 +3,12 @@ goodputs that `pdserve bench --compare` measured, per regime and layout.
 
 A measured run (benchmarks/results/goodput-2core/full-session9/ by default) gives, per regime, its
 exact requests (prompt and output lengths, unit-rate gaps), its SLOs, its engine settings and
-its measured goodput for both layouts. The simulator replays the same requests at a grid of rates
-through both layouts as the benchmark runs them on this machine:
+its measured goodput for both layouts. The simulator replays the same requests through both
+layouts as the benchmark runs them on this machine, at the rates the benchmark's sweep picks:
   disaggregated  1 prefill + 1 decode instance, TP=1 each, the KV over the measured channel
   colocated      2 replicas, chunked prefill (chunk 512, 2048-token budget, 64 sequences)
-and goodput comes from planner/metrics.goodput on (rate, attainment) points, as the
-benchmark computes its own.
+and goodput comes from planner/metrics.goodput on those (rate, attainment) points, as the
+benchmark computes its own (benchmarks/goodput/sweep.py: sweep_rates).
 
 Terms the engine profile alone lacks, each measured by `pdserve profile --path` on a real
 instance behind the real router (benchmarks/profiling/path.py), none fitted to a goodput:
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.goodput.sweep import SweepPolicy, sweep_rates
 from planner import metrics
 from planner.latency import StepModel
 from planner.placement import Parallel, Placement, simulate
@@ -75,6 +76,7 @@ class Regime:
     config: dict[str, Any]
     # layout -> its 90% bootstrap interval over the run's requests (metrics.goodput_interval)
     interval: dict[str, tuple[float, float]]
+    sweep: SweepPolicy  # the run's rate sweep
 
 
 def measured_interval(raw: dict[str, Any], layout: str) -> tuple[float, float]:
@@ -117,6 +119,7 @@ def load_measured(directory: str | Path = MEASURED) -> list[Regime]:
             {"disaggregated": entry["goodput_disaggregated"],
              "colocated": entry["goodput_colocated"]},
             raw["config"], {layout: measured_interval(raw, layout) for layout in LAYOUTS},
+            SweepPolicy.of_run(raw["config"], raw["slo"]["start_rate"]),
         ))  # fmt: skip
     return regimes
 
@@ -149,29 +152,34 @@ def sim_options(profile: ModelProfile, regime: Regime) -> tuple[SimOptions, Link
     return options, measured_link(tp1)
 
 
-def predict(profile: ModelProfile, regime: Regime, *, rates: list[float]) -> dict[str, float]:
-    """Predicted goodput per device of each layout, from (rate, attainment) over `rates`."""
+def predict(profile: ModelProfile, regime: Regime) -> dict[str, float]:
+    """Predicted goodput per device of each layout, as `pdserve bench` measures it: the
+    simulator runs the points the benchmark's sweep runs (the same rule picks each next rate from
+    the attainments so far, each point sends the same first requests), and the goodput
+    interpolates between those points, as the benchmark's does."""
     options, link = sim_options(profile, regime)
     relay = relay_of(profile)
-    mean_output = statistics.mean(regime.workload.output_lens)
     profile = apply_serving_path(profile)
-    out = {}
-    for layout, placement in LAYOUTS.items():
-        points = []
-        for rate in rates:
-            total = rate * NUM_DEVICES
 
-            def run(
-                opts: SimOptions, placement: Placement = placement, total: float = total
-            ) -> SimResult:
-                return simulate(placement, profile, regime.workload, total, link=link,
-                                options=opts)  # fmt: skip
+    def swept(placement: Placement) -> float:
+        points: list[tuple[float, float]] = []
 
+        def attainment_at(total: float) -> float:
+            workload = regime.workload.head(regime.sweep.num_requests(total, len(regime.workload)))
+
+            def run(opts: SimOptions) -> SimResult:
+                return simulate(placement, profile, workload, total, link=link, options=opts)
+
+            mean_output = statistics.mean(workload.output_lens)
             result = simulate_relayed(run, options, relay, total, mean_output, NUM_DEVICES)
             met = (result.ttft_ms <= regime.ttft_slo_ms) & (result.tpot_ms <= regime.tpot_slo_ms)
-            points.append((rate, float(met.mean())))
-        out[layout] = metrics.goodput(points).rate
-    return out
+            points.append((total / NUM_DEVICES, float(met.mean())))
+            return points[-1][1]
+
+        sweep_rates(regime.sweep, attainment_at)
+        return metrics.goodput(points).rate
+
+    return {layout: swept(placement) for layout, placement in LAYOUTS.items()}
 
 
 def plan_regime(profile: ModelProfile, regime: Regime) -> dict[str, Any]:
@@ -186,14 +194,6 @@ def plan_regime(profile: ModelProfile, regime: Regime) -> dict[str, Any]:
             "ratio": round(result.winner_ratio, 3)}  # fmt: skip
 
 
-def rate_grid(low: float = 0.1, high: float = 20.0, step: float = 1.03) -> list[float]:
-    rates, rate = [], low
-    while rate <= high:
-        rates.append(rate)
-        rate *= step
-    return rates
-
-
 def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str, Any]:
     """Predicted vs measured for every regime and layout, the plan per regime, the worst
     relative error; `engine_only` is the same without the serving-path terms."""
@@ -201,10 +201,10 @@ def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str
     full = with_terms(profile, regimes)
     bare = profile.with_updates(serving_path={})
     rows: list[dict[str, Any]] = []
-    plans, rates = {}, rate_grid()
+    plans = {}
     for regime in regimes:
-        predicted = predict(full, regime, rates=rates)
-        engine_only = predict(bare, regime, rates=rates)
+        predicted = predict(full, regime)
+        engine_only = predict(bare, regime)
         for layout, measured in regime.measured.items():
             rows.append({
                 "regime": regime.name, "layout": layout, "measured": round(measured, 3),

@@ -37,6 +37,13 @@ class Workload:
     def __len__(self) -> int:
         return len(self.prompt_lens)
 
+    def head(self, num: int) -> Workload:
+        """The first `num` requests (a benchmark point at a low rate sends only those)."""
+        if num >= len(self):
+            return self
+        return Workload(self.name, self.prompt_lens[:num], self.output_lens[:num],
+                        self.unit_offsets_s[:num])  # fmt: skip
+
     def arrivals_ms(self, rate: float) -> list[float]:
         """Arrival times in ms at `rate` requests/s (the same sequence, compressed)."""
         if rate <= 0:

@@ -150,11 +150,7 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
             bar.update(1)
             bar.set_postfix(rate=f"{point.rate_per_device:.2f}/dev", attained=f"{attained:.0%}")
 
-        policy = SweepPolicy(
-            slo["start_rate"], args.growth or (1.6 if args.quick else 1.4), args.max_points,
-            rates=args.rates,
-            max_halvings=1 if args.quick else 2, max_point_s=15.0 if args.quick else 60.0,
-        )  # fmt: skip
+        policy = SweepPolicy.of_run(vars(args), slo["start_rate"])
         sweep = RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
                           (slo["ttft_s"], slo["tpot_s"]), policy, on_point)  # fmt: skip
         points = sweep.run()

@@ -15,7 +15,7 @@ low rates do not take minutes; every point still draws from the same request seq
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,20 @@ class SweepPolicy:
             raise ValueError("need start_rate > 0, growth > 1 and max_points >= 1")
         if any(rate <= 0 for rate in self.rates):
             raise ValueError(f"every rate must be > 0, got {self.rates}")
+
+    @classmethod
+    def of_run(cls, config: Mapping[str, Any], start_rate: float) -> SweepPolicy:
+        """The sweep of a `pdserve bench` run with options `config` (as raw/*.json keeps them)."""
+        quick = bool(config.get("quick"))
+        return cls(
+            start_rate, config.get("growth") or (1.6 if quick else 1.4),
+            config.get("max_points") or (4 if quick else 6), rates=tuple(config.get("rates") or ()),
+            max_halvings=1 if quick else 2, max_point_s=15.0 if quick else 60.0,
+        )  # fmt: skip
+
+    def num_requests(self, rate: float, available: int) -> int:
+        """How many of the workload's requests a point at `rate` (total) sends."""
+        return min(available, max(self.min_requests, int(rate * self.max_point_s)))
 
 
 @dataclass
@@ -80,8 +94,7 @@ class RateSweep:
 
     def run_rate(self, rate: float) -> RatePoint:
         index = len(self.points)
-        policy = self.policy
-        num = min(len(self.prompts), max(policy.min_requests, int(rate * policy.max_point_s)))
+        num = self.policy.num_requests(rate, len(self.prompts))
         offsets = arrival_offsets(self.unit_gaps[:num], rate)
         requests: list[BenchRequest] = build_requests(
             self.prompts[:num], offsets, f"{self.id_prefix}-r{index}"
@@ -101,43 +114,50 @@ class RateSweep:
         return attainment(point.records, self.ttft_slo_s, self.tpot_slo_s)
 
     def run(self) -> list[RatePoint]:
-        policy = self.policy
-        if policy.rates:
-            for rate in policy.rates:
-                self.run_rate(rate)
-            return self.points
-        rate = policy.start_rate
-        for _ in range(policy.max_halvings + 1):
-            if self.attainment(self.run_rate(rate)) >= ATTAINMENT_TARGET:
-                break
-            rate /= 2.0
-        else:
-            return self.points  # even the lowest rate missed 90%: goodput is below it
-        while self._keep_climbing():
-            rate *= policy.growth
-            if self.attainment(self.run_rate(rate)) < policy.stop_below:
-                break
-        if policy.refine:
-            self._refine()
+        sweep_rates(self.policy, lambda rate: self.attainment(self.run_rate(rate)))
         return self.points
 
-    def _keep_climbing(self) -> bool:
-        """Up to max_points; past them (to twice as many) only while no rate has missed 90%
-        yet, so a start rate set too low still ends with a crossing."""
-        num_points = len(self.points)
-        if num_points < self.policy.max_points:
-            return True
-        crossed = any(self.attainment(p) < ATTAINMENT_TARGET for p in self.points)
-        return not crossed and num_points < 2 * self.policy.max_points
 
-    def _refine(self) -> None:
-        """Run the geometric middle of the first crossing of 90% (going up in rate), so the
-        interpolated goodput rests on two close points."""
-        ordered = sorted(self.points, key=lambda p: p.rate)
-        for low, high in zip(ordered, ordered[1:], strict=False):
-            if self.attainment(low) >= ATTAINMENT_TARGET > self.attainment(high):
-                self.run_rate((low.rate * high.rate) ** 0.5)
-                return
+def sweep_rates(policy: SweepPolicy, attainment_at: Callable[[float], float]) -> list[float]:
+    """The rates a sweep runs, in order, each chosen from the attainments before it:
+    `attainment_at(rate)` runs the point (the benchmark's load, or a simulation of it)."""
+    done: list[tuple[float, float]] = []  # (total rate, attainment) in the order run
+
+    def run(rate: float) -> float:
+        done.append((rate, attainment_at(rate)))
+        return done[-1][1]
+
+    if policy.rates:
+        for rate in policy.rates:
+            run(rate)
+        return [rate for rate, _ in done]
+    rate = policy.start_rate
+    for _ in range(policy.max_halvings + 1):
+        if run(rate) >= ATTAINMENT_TARGET:
+            break
+        rate /= 2.0
+    else:
+        return [r for r, _ in done]  # even the lowest rate missed 90%: goodput is below it
+    while _keep_climbing(policy, done):
+        rate *= policy.growth
+        if run(rate) < policy.stop_below:
+            break
+    if policy.refine:  # the geometric middle of the first crossing of 90% (going up in rate),
+        ordered = sorted(done)  # so the interpolated goodput rests on two close points
+        for (low, att_low), (high, att_high) in zip(ordered, ordered[1:], strict=False):
+            if att_low >= ATTAINMENT_TARGET > att_high:
+                run((low * high) ** 0.5)
+                break
+    return [r for r, _ in done]
+
+
+def _keep_climbing(policy: SweepPolicy, done: list[tuple[float, float]]) -> bool:
+    """Up to max_points; past them (to twice as many) only while no rate has missed 90% yet,
+    so a start rate set too low still ends with a crossing."""
+    if len(done) < policy.max_points:
+        return True
+    crossed = any(att < ATTAINMENT_TARGET for _, att in done)
+    return not crossed and len(done) < 2 * policy.max_points
 
 
 def warm_up(driver: LoadDriver, address: str, prompts: list[tuple[list[int], int]]) -> float:

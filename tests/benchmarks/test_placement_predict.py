@@ -18,7 +18,8 @@ def _measured_run(folder: Path) -> Path:
     (folder / "summary.json").write_text(json.dumps(summary))
     requests = [{"prompt_len": 64 + 8 * i, "output_len": 8, "unit_gap_s": 1.0} for i in range(20)]
     slo = {"ttft_s": 0.5, "tpot_s": 0.05,
-           "calibration": {"prompt_len": 200, "prefill_s": 0.1, "decode_step_s": 0.01}}  # fmt: skip
+           "calibration": {"prompt_len": 200, "prefill_s": 0.1, "decode_step_s": 0.01},
+           "start_rate": 2.0}  # fmt: skip
 
     # Every request meets its SLOs at the lower rate and none at the higher: the goodput is
     # 10% of the way between them, 2 and 4 as the summary says, whatever the redraw.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.goodput.sweep import RateSweep, SweepPolicy
+from benchmarks.goodput.sweep import RateSweep, SweepPolicy, sweep_rates
 from benchmarks.goodput.workloads import BenchRequest
 from planner.metrics import RequestRecord
 
@@ -28,9 +28,14 @@ class CapacityDriver:
         self.runs.append((round(rate, 9), len(requests)))
         first_token = 0.5 if rate <= CAPACITY else 5.0
         return [
-            RequestRecord(r.request_id, 4, 2, r.send_offset_s,
-                          [r.send_offset_s + first_token, r.send_offset_s + first_token + 0.05],
-                          finish_reason="length")  # fmt: skip
+            RequestRecord(
+                r.request_id,
+                4,
+                2,
+                r.send_offset_s,
+                [r.send_offset_s + first_token, r.send_offset_s + first_token + 0.05],
+                finish_reason="length",
+            )  # fmt: skip
             for r in requests
         ]
 
@@ -73,3 +78,16 @@ def test_low_rates_send_fewer_requests_but_never_below_the_minimum() -> None:
     policy = SweepPolicy(start_rate=1.0, rates=(0.5, 1.0, 4.0), max_point_s=12.0, min_requests=8)
     driver, _ = sweep(policy, num_requests=30)
     assert driver.runs == [(0.5, 8), (1.0, 12), (4.0, 30)]
+
+
+def test_a_simulated_sweep_runs_the_rates_the_benchmark_runs() -> None:
+    """The predictor (benchmarks/placement_predict.py) runs the sweep's rule on simulated
+    attainments: the same rates as a run against the cluster, for the run's own options."""
+    policy = SweepPolicy.of_run({"quick": False, "max_points": 6, "rates": []}, start_rate=2.0)
+    driver, _ = sweep(policy)
+    simulated = sweep_rates(policy, lambda rate: 1.0 if rate <= CAPACITY else 0.0)
+    expected = pytest.approx([2.0, 2.8, 3.92, (2.8 * 3.92) ** 0.5])  # 3.92 misses: refine
+    assert simulated == expected and [rate for rate, _ in driver.runs] == expected
+    quick = SweepPolicy.of_run({"quick": True, "max_points": None}, start_rate=2.0)
+    assert (quick.growth, quick.max_points, quick.max_point_s) == (1.6, 4, 15.0)
+    assert [quick.num_requests(rate, 100) for rate in (0.5, 2.0, 10.0)] == [20, 30, 100]
