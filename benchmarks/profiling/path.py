@@ -43,6 +43,7 @@ BATCHES = (
     (1, 64, 0.0), (8, 64, 0.0), (24, 32, 0.0), (8, 2, 0.0), (24, 2, 0.0), (8, 32, 0.6),
     (16, 8, 0.15),
 )  # fmt: skip
+QUICK_BATCHES = ((1, 32, 0.0), (8, 32, 0.0), (8, 2, 0.0), (4, 16, 0.2))  # --quick: a smoke run
 STEP_GAP_S = 0.002  # tokens the client receives closer than this came from one worker step
 
 
@@ -58,7 +59,9 @@ def _engine_ms(model: StepModel, batch: int, prompt: int, output: int) -> float:
     return total
 
 
-def measure_path(model_dir: str, engine: Any, model: StepModel, log: Any) -> dict[str, float]:
+def measure_path(
+    model_dir: str, engine: Any, model: StepModel, log: Any, quick: bool = False
+) -> dict[str, float]:
     from benchmarks.goodput.driver import LoadDriver
     from benchmarks.goodput.layouts import cluster_spec, start_local_cluster
     from benchmarks.goodput.workloads import build_requests
@@ -88,9 +91,9 @@ def measure_path(model_dir: str, engine: Any, model: StepModel, log: Any) -> dic
             ttfts.append(1e3 * ttft(record))
             tpots.append(1e3 * tpot(record))
         began, relay0 = time.perf_counter(), _cpu_s(relay)
-        time.sleep(2.0)
+        time.sleep(0.5 if quick else 2.0)
         idle_ms_per_s = 1e3 * (_cpu_s(relay) - relay0) / (time.perf_counter() - began)
-        for batch, output, gap in BATCHES:
+        for batch, output, gap in QUICK_BATCHES if quick else BATCHES:
             began, worker0, relay0 = time.perf_counter(), _cpu_s(workers), _cpu_s(relay)
             records = send(batch, f"batch-{batch}-{gap}-{time.time():.0f}", output, gap)
             wall = time.perf_counter() - began
@@ -115,8 +118,9 @@ def measure_path(model_dir: str, engine: Any, model: StepModel, log: Any) -> dic
 
 
 def measure_handoff(
-    model_dir: str, model: StepModel, worker_terms: dict[str, float], log: Any
-) -> dict[str, float]:
+    model_dir: str, model: StepModel, worker_terms: dict[str, float], log: Any,
+    quick: bool = False,
+) -> dict[str, float]:  # fmt: skip
     """The KV hand-off on a real 1 prefill + 1 decode cluster, one request at a time:
       handoff_ms        from a request's first token to its first decode step, unloaded (the
                         breakdown's transfer and decode queue: the reservation, the dial, the
@@ -147,9 +151,9 @@ def measure_handoff(
             return record
 
         one(64, f"handoff-warm-{time.time():.0f}")  # dials the channel
-        idle = _idle_cpu_per_s([prefill_pid, decode_pid], seconds=3.0)
+        idle = _idle_cpu_per_s([prefill_pid, decode_pid], seconds=0.5 if quick else 3.0)
         for length in HANDOFF_LENS:
-            for index in range(HANDOFF_REPEATS):
+            for index in range(1 if quick else HANDOFF_REPEATS):
                 began, cpu0 = time.perf_counter(), _cpu_each([prefill_pid, decode_pid])
                 record = one(length, f"handoff-{length}-{index}-{time.time():.0f}")
                 wall = time.perf_counter() - began

@@ -282,13 +282,13 @@ def run_profile(args: argparse.Namespace) -> int:
             from benchmarks.profiling.path import measure_handoff, measure_path
             from planner.latency import StepModel
 
-            terms = measure_path(config.model_dir, config, StepModel(entry), log)
+            terms = measure_path(config.model_dir, config, StepModel(entry), log, args.quick)
             channel = 0.0
             if entry.transfer_GBps and entry.kv_bytes_per_token:  # 64 tokens over the channel
                 channel = entry.transfer_per_message_ms + 64 * entry.kv_bytes_per_token / (
                     entry.transfer_GBps * 1e6
                 )
-            handoff = measure_handoff(config.model_dir, StepModel(entry), terms, log)
+            handoff = measure_handoff(config.model_dir, StepModel(entry), terms, log, args.quick)
             handoff["handoff_ms"] = max(handoff["handoff_ms"] - channel, 0.0)
             terms.update(handoff)
             entry = replace(entry, serving_path=terms)
