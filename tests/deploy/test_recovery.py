@@ -45,7 +45,9 @@ def cluster(model_dir: str) -> Iterator[LocalCluster]:
     spec = serve_spec(
         model_dir, dtype="float64", prefill={"tensor_parallel_size": 2}, decode={"instances": 2},
         kv_cache={"block_size": 8, "num_blocks": NUM_BLOCKS},
-        kv_transfer={"transfer_timeout_s": 5.0},
+        # A reservation whose prefill instance died waits out start + transfer deadline (a
+        # posted gloo receive cannot be withdrawn): 60 + 5 s by default, 8 + 5 s here.
+        kv_transfer={"transfer_timeout_s": 5.0, "start_timeout_s": 8.0},
         router={"worker_timeout_s": 5.0, "shutdown_grace_s": 1.0},
         ray={"enabled": False},
     )  # fmt: skip
@@ -155,4 +157,5 @@ def test_requests_on_a_prefill_killed_before_their_first_token_wait_for_its_rest
     assert [r.token_ids for r in results] == expected
     assert all(r.last is not None and r.last.timings.retries >= 1 for r in results)
     assert cluster.workers["prefill-0"].call(ProcessIds())[0] != driver_pid
+    # The reservations made for the dead incarnation end at their deadline.
     _wait_until(lambda: _all_back(cluster), 60, "every block back")
