@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.goodput.report import slos_of
 from benchmarks.goodput.sweep import SweepPolicy, sweep_rates
 from planner import metrics
 from planner.latency import StepModel
@@ -81,11 +82,11 @@ class Regime:
 
 def measured_interval(raw: dict[str, Any], layout: str) -> tuple[float, float]:
     """How far the layout's measured goodput moves on the luck of its requests alone."""
-    slo = raw["slo"]["ttft_s"], raw["slo"]["tpot_s"]
+    slos = slos_of(raw["slo"])
     points = []
     for point in raw["layouts"][layout]["points"]:
         records = [metrics.RequestRecord.from_json(r) for r in point["records"]]
-        met = [metrics.meets_slo(r, *slo, 1.0) for r in records]
+        met = [metrics.meets_slo(r, slos) for r in records]
         points.append((point["rate_per_device"], met))
     return metrics.goodput_interval(points)
 
@@ -95,7 +96,9 @@ def _open(path: Path) -> Any:
 
 
 def load_measured(directory: str | Path = MEASURED) -> list[Regime]:
-    """Every regime of a `pdserve bench --compare` output folder (summary.json + raw/)."""
+    """Every regime of one shape in a `pdserve bench --compare` output folder (summary.json +
+    raw/). A mix of shapes (mixed, shift: SLOs per request class) is left out: the simulator's
+    workloads carry one pair of SLOs."""
     directory = Path(directory)
     summary = json.loads((directory / "summary.json").read_text())
     regimes = []
@@ -103,6 +106,8 @@ def load_measured(directory: str | Path = MEASURED) -> list[Regime]:
         raw_path = next((directory / "raw").glob(f"{name}.json*"))
         with _open(raw_path) as handle:
             raw = json.load(handle)
+        if "classes" in raw["slo"]:
+            continue
         requests = raw["requests"]
         offsets, now = [], 0.0
         for index, request in enumerate(requests):

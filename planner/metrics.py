@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ class RequestRecord:
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # the response's Timings
     shard: int = 0
+    slo_class: str = ""  # whose SLOs it is held to (SLOs.of); "" in a regime of one shape
 
     @property
     def ok(self) -> bool:
@@ -102,17 +103,47 @@ def latency_stats(records: Iterable[RequestRecord]) -> dict[str, dict[str, float
     return stats
 
 
-def meets_slo(record: RequestRecord, ttft_slo_s: float, tpot_slo_s: float, scale: float) -> bool:
+@dataclass(frozen=True)
+class SLOs:
+    """Each request's (TTFT, TPOT) SLOs in seconds, by its class (RequestRecord.slo_class). A
+    regime of one shape has one class, which holds for every request; a mix of shapes
+    (planner/traffic.py: MIXES) holds each request to its own shape's."""
+
+    by_class: Mapping[str, tuple[float, float]]
+
+    def __post_init__(self) -> None:
+        if not self.by_class:
+            raise ValueError("SLOs need at least one class")
+        for name, (ttft_s, tpot_s) in self.by_class.items():
+            if not (ttft_s > 0 and tpot_s > 0):
+                raise ValueError(f"SLO class {name!r}: both SLOs must be > 0 s")
+
+    @classmethod
+    def single(cls, ttft_slo_s: float, tpot_slo_s: float) -> SLOs:
+        return cls({"": (ttft_slo_s, tpot_slo_s)})
+
+    def of(self, record: RequestRecord) -> tuple[float, float]:
+        if len(self.by_class) == 1:
+            return next(iter(self.by_class.values()))
+        try:
+            return self.by_class[record.slo_class]
+        except KeyError:
+            raise ValueError(
+                f"request {record.request_id} has SLO class {record.slo_class!r}; the SLOs "
+                f"know {sorted(self.by_class)}"
+            ) from None
+
+
+def meets_slo(record: RequestRecord, slos: SLOs, scale: float = 1.0) -> bool:
+    ttft_slo_s, tpot_slo_s = slos.of(record)
     return record.ok and ttft(record) <= scale * ttft_slo_s and tpot(record) <= scale * tpot_slo_s
 
 
-def attainment(
-    records: Sequence[RequestRecord], ttft_slo_s: float, tpot_slo_s: float, scale: float = 1.0
-) -> float:
-    """The share of `records` that meet both SLOs scaled by `scale`."""
+def attainment(records: Sequence[RequestRecord], slos: SLOs, scale: float = 1.0) -> float:
+    """The share of `records` that meet both of their SLOs scaled by `scale`."""
     if not records:
         raise ValueError("attainment of no requests is undefined")
-    met = sum(meets_slo(r, ttft_slo_s, tpot_slo_s, scale) for r in records)
+    met = sum(meets_slo(r, slos, scale) for r in records)
     return met / len(records)
 
 

@@ -125,3 +125,52 @@ def synthetic_lengths(
         prompt_len = max(1, min(prompt_len, max_model_len - output_len))
         pairs.append((prompt_len, output_len))
     return pairs
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A regime of several shapes, each request drawn from one of them and held to that shape's
+    SLOs (its class). `interleaved`: each request's shape drawn at random, in equal shares;
+    otherwise the shapes follow one another in phases of equal length (the first half of a
+    point's requests from the first shape, then the second half from the next)."""
+
+    name: str
+    shapes: tuple[str, ...]
+    interleaved: bool
+    source: str
+
+    def __post_init__(self) -> None:
+        unknown = [shape for shape in self.shapes if shape not in SHAPES]
+        if len(self.shapes) < 2 or unknown:
+            raise ValueError(f"{self.name}: needs two or more of {list(SHAPES)}, got {self.shapes}")
+
+    def classes(self, num_requests: int, seed: int) -> list[str]:
+        """The shape of each of `num_requests` requests, in sending order."""
+        if self.interleaved:
+            rng = random.Random(seed + 7)
+            return [rng.choice(self.shapes) for _ in range(num_requests)]
+        return [self.shapes[index * len(self.shapes) // num_requests]
+                for index in range(num_requests)]  # fmt: skip
+
+    def point_indices(self, available: int, num: int) -> list[int]:
+        """Which of a workload of `available` requests (laid out by `classes(available)`) a
+        point of `num` sends, in order: the first `num`, or in phases the first of each phase,
+        so that a short point shifts halfway through as a long one does."""
+        if self.interleaved or num >= available:
+            return list(range(min(num, available)))
+        layout, wanted = self.classes(available, 0), self.classes(num, 0)
+        return [index for shape in self.shapes
+                for index in [i for i, c in enumerate(layout) if c == shape][:wanted.count(shape)]]  # fmt: skip
+
+
+MIXES: dict[str, Mix] = {
+    mix.name: mix
+    for mix in (
+        Mix("mixed", ("chatbot", "code", "summarization"), interleaved=True,
+            source="chatbot, code and summarization requests interleaved at random, each held "
+                   "to its own shape's SLOs"),
+        Mix("shift", ("summarization", "chatbot"), interleaved=False,
+            source="summarization for the first half of each rate's requests, then chatbot: the "
+                   "traffic moves from long prompts to long outputs"),
+    )
+}  # fmt: skip

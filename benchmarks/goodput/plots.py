@@ -15,13 +15,12 @@ from typing import Any
 from benchmarks.goodput.report import common_rate, point_at
 from benchmarks.goodput.sweep import RatePoint
 from benchmarks.goodput.workloads import regime_label
-from planner.metrics import ATTAINMENT_TARGET, attainment, breakdown, tpot, ttft
+from planner.metrics import ATTAINMENT_TARGET, SLOs, attainment, breakdown, tpot, ttft
 
 COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange"}
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill")
 SCALES = [0.25 * k for k in range(1, 17)]
 Layouts = dict[str, list[RatePoint]]
-Slo = tuple[float, float]  # (TTFT SLO, TPOT SLO) in seconds
 
 
 def _pyplot() -> Any:
@@ -37,17 +36,17 @@ def plot_regime(
     out_dir: Path,
     regime: str,
     points_by_layout: dict[str, list[RatePoint]],
-    slo: tuple[float, float],
+    slos: SLOs,
     summary: dict[str, Any],
 ) -> list[str]:
     """Write the four charts; returns their file names."""
     plt = _pyplot()
     goodputs = [summary.get(f"goodput_{layout}", 0.0) or 0.0 for layout in points_by_layout]
     shared = common_rate(points_by_layout, max(goodputs))
-    names = [_attainment_vs_rate(plt, out_dir, regime, points_by_layout, slo, summary)]
+    names = [_attainment_vs_rate(plt, out_dir, regime, points_by_layout, slos, summary)]
     if shared is not None:
-        names.append(_attainment_vs_scale(plt, out_dir, regime, points_by_layout, slo, shared))
-        names.append(_latency_cdf(plt, out_dir, regime, points_by_layout, slo, shared))
+        names.append(_attainment_vs_scale(plt, out_dir, regime, points_by_layout, slos, shared))
+        names.append(_latency_cdf(plt, out_dir, regime, points_by_layout, slos, shared))
     names.append(_ttft_breakdown(plt, out_dir, regime, points_by_layout))
     return names
 
@@ -64,14 +63,14 @@ def _attainment_vs_rate(
     out_dir: Path,
     regime: str,
     points_by_layout: Layouts,
-    slo: Slo,
+    slos: SLOs,
     summary: dict[str, Any],
 ) -> str:
     figure, axis = plt.subplots(figsize=(6, 4))
     for layout, points in points_by_layout.items():
         ordered = sorted(points, key=lambda p: p.rate)
         axis.plot([p.rate_per_device for p in ordered],
-                  [100 * attainment(p.records, *slo) for p in ordered],
+                  [100 * attainment(p.records, slos) for p in ordered],
                   "o-", color=COLORS.get(layout), label=layout)  # fmt: skip
         rate = summary.get(f"goodput_{layout}")
         if rate:
@@ -88,12 +87,12 @@ def _attainment_vs_rate(
 
 
 def _attainment_vs_scale(
-    plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts, slo: Slo, rate: float
+    plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts, slos: SLOs, rate: float
 ) -> str:
     figure, axis = plt.subplots(figsize=(6, 4))
     for layout, points in points_by_layout.items():
         records = point_at(points, rate).records
-        axis.plot(SCALES, [100 * attainment(records, *slo, scale) for scale in SCALES],
+        axis.plot(SCALES, [100 * attainment(records, slos, scale) for scale in SCALES],
                   "o-", color=COLORS.get(layout), label=layout)  # fmt: skip
     axis.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--", linewidth=1)
     axis.set(xlabel="SLO scale s (TTFT <= s*TTFT_SLO, TPOT <= s*TPOT_SLO)",
@@ -111,15 +110,20 @@ def _cdf(axis: Any, values: list[float], color: str | None, label: str) -> None:
 
 
 def _latency_cdf(
-    plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts, slo: Slo, rate: float
+    plt: Any, out_dir: Path, regime: str, points_by_layout: Layouts, slos: SLOs, rate: float
 ) -> str:
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for layout, points in points_by_layout.items():
         done = [r for r in point_at(points, rate).records if r.ok]
         _cdf(axes[0], [ttft(r) for r in done], COLORS.get(layout), layout)
         _cdf(axes[1], [tpot(r) for r in done], COLORS.get(layout), layout)
-    for axis, limit, name in ((axes[0], slo[0], "TTFT"), (axes[1], slo[1], "TPOT")):
-        axis.axvline(limit, color="gray", linestyle="--", linewidth=1, label=f"{name} SLO")
+    styles = iter(("--", ":", "-.", (0, (1, 3))))
+    for slo_class, (ttft_slo, tpot_slo) in slos.by_class.items():
+        style, suffix = next(styles), f" ({slo_class})" if slo_class else ""
+        for axis, limit, name in ((axes[0], ttft_slo, "TTFT"), (axes[1], tpot_slo, "TPOT")):
+            axis.axvline(limit, color="gray", linestyle=style, linewidth=1,
+                         label=f"{name} SLO{suffix}")  # fmt: skip
+    for axis, name in ((axes[0], "TTFT"), (axes[1], "TPOT")):
         axis.set(xlabel=f"{name} (s)", ylabel="fraction of requests",
                  title=f"{regime_label(regime)}: {name} CDF at {rate:.2f} req/s/device")  # fmt: skip
         axis.legend()

@@ -11,6 +11,7 @@ from typing import Any
 
 from benchmarks.goodput.sweep import RatePoint
 from planner.metrics import (
+    SLOs,
     attainment,
     goodput,
     goodput_interval,
@@ -28,17 +29,30 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
 
-def goodput_at_scale(points: Sequence[RatePoint], slo: tuple[float, float], scale: float) -> Any:
-    curve = [(p.rate_per_device, attainment(p.records, *slo, scale)) for p in points]
+def slos_of(slo: dict[str, Any]) -> SLOs:
+    """The SLOs a raw or summary file's `slo` entry holds: one pair, or one per class (a mix)."""
+    if "classes" in slo:
+        return SLOs({name: (c["ttft_s"], c["tpot_s"]) for name, c in slo["classes"].items()})
+    return SLOs.single(slo["ttft_s"], slo["tpot_s"])
+
+
+def goodput_at_scale(points: Sequence[RatePoint], slos: SLOs, scale: float) -> Any:
+    curve = [(p.rate_per_device, attainment(p.records, slos, scale)) for p in points]
     return goodput(curve)
 
 
-def _point_summary(point: RatePoint, slo: tuple[float, float]) -> dict[str, Any]:
+def _point_summary(point: RatePoint, slos: SLOs) -> dict[str, Any]:
     done = [r for r in point.records if r.ok]
+    by_class: dict[str, list[Any]] = {}
+    for record in point.records:
+        by_class.setdefault(record.slo_class, []).append(record)
     return {
         "rate": point.rate,
         "rate_per_device": point.rate_per_device,
-        "attainment": attainment(point.records, *slo),
+        "attainment": attainment(point.records, slos),
+        # a mix's classes apart: which of them the point's misses come from
+        "attainment_by_class": {name: attainment(records, slos)
+                                for name, records in by_class.items() if name},  # fmt: skip
         "num_requests": len(point.records),
         "num_failed": len(point.records) - len(done),
         "wall_s": point.wall_s,
@@ -51,7 +65,7 @@ def _point_summary(point: RatePoint, slo: tuple[float, float]) -> dict[str, Any]
 
 def regime_summary(
     points_by_layout: dict[str, list[RatePoint]],
-    slo: tuple[float, float],
+    slos: SLOs,
     slo_scales: Sequence[float] = DEFAULT_SLO_SCALES,
 ) -> dict[str, Any]:
     """Goodput of each layout (per device, SLO scale 1) with its 90% bootstrap interval over the
@@ -59,11 +73,11 @@ def regime_summary(
     latency percentiles and the mean per-request breakdown."""
     result: dict[str, Any] = {"points": {}, "goodput_by_scale": {}}
     for layout, points in points_by_layout.items():
-        result["points"][layout] = [_point_summary(p, slo) for p in points]
+        result["points"][layout] = [_point_summary(p, slos) for p in points]
     for scale in sorted(set(slo_scales) | {1.0}):
         entry: dict[str, Any] = {}
         for layout, points in points_by_layout.items():
-            found = goodput_at_scale(points, slo, scale)
+            found = goodput_at_scale(points, slos, scale)
             entry[layout] = {"rate": found.rate, "bound": found.bound}
         if {"disaggregated", "colocated"} <= set(entry):
             entry["ratio"] = _ratio(entry["disaggregated"]["rate"], entry["colocated"]["rate"])
@@ -72,7 +86,7 @@ def regime_summary(
     for layout, points in points_by_layout.items():
         result[f"goodput_{layout}"] = main[layout]["rate"]
         result[f"goodput_{layout}_bound"] = main[layout]["bound"]
-        met = [(p.rate_per_device, [meets_slo(r, *slo, 1.0) for r in p.records]) for p in points]
+        met = [(p.rate_per_device, [meets_slo(r, slos) for r in p.records]) for p in points]
         result[f"goodput_{layout}_interval90"] = list(goodput_interval(met))
     result["goodput_ratio"] = main.get("ratio")
     return result

@@ -11,17 +11,25 @@ _NUMBER = {"type": "number"}
 _OPTIONAL_NUMBER = {"type": ["number", "null"]}
 _BOUND = {"enum": ["crossed", "at_least", "below_lowest"]}
 
-SLO_SCHEMA: dict[str, Any] = {
+_CLASS_SLO: dict[str, Any] = {
     "type": "object",
-    "required": ["ttft_s", "tpot_s", "calibration", "start_rate"],
+    "required": ["ttft_s", "tpot_s", "calibration"],
     "properties": {
         "ttft_s": {"type": "number", "exclusiveMinimum": 0},
         "tpot_s": {"type": "number", "exclusiveMinimum": 0},
         "calibration": {
             "type": "object", "required": ["prompt_len", "prefill_s", "decode_step_s"],
         },
-        "start_rate": {"type": "number", "exclusiveMinimum": 0},
     },
+}  # fmt: skip
+# One shape's SLOs, or a mix's per class (planner/traffic.py: MIXES; report.slos_of reads both).
+SLO_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["start_rate"],
+    "properties": {"start_rate": {"type": "number", "exclusiveMinimum": 0},
+                   "classes": {"type": "object", "minProperties": 1,
+                               "additionalProperties": _CLASS_SLO}},
+    "anyOf": [_CLASS_SLO, {"required": ["classes"]}],
 }  # fmt: skip
 
 WORKLOAD_SCHEMA: dict[str, Any] = {
@@ -107,7 +115,8 @@ RAW_SCHEMA: dict[str, Any] = {
         "slo": SLO_SCHEMA,
         "workload": WORKLOAD_SCHEMA,
         "requests": {"type": "array", "items": {
-            "type": "object", "required": ["prompt_len", "output_len", "unit_gap_s"]}},
+            "type": "object", "required": ["prompt_len", "output_len", "unit_gap_s"],
+            "properties": {"slo_class": {"type": "string"}}}},
         "layouts": {"type": "object", "additionalProperties": {
             "type": "object", "required": ["num_devices", "address", "points"],
             "properties": {"points": {"type": "array", "items": {

@@ -15,13 +15,13 @@ low rates do not take minutes; every point still draws from the same request seq
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.goodput.driver import LoadDriver
 from benchmarks.goodput.workloads import BenchRequest, build_requests
-from planner.metrics import ATTAINMENT_TARGET, RequestRecord, attainment
+from planner.metrics import ATTAINMENT_TARGET, RequestRecord, SLOs, attainment
 from planner.traffic import arrival_offsets
 
 
@@ -74,30 +74,37 @@ class RatePoint:
 
 
 class RateSweep:
-    """Runs the points of one layout against one router address."""
+    """Runs the points of one layout against one router address. `classes`: each request's SLO
+    class (none: one for all); `pick(available, num)`: which requests a point of `num` sends
+    (default the first `num`; a phased mix takes the first of each phase, Mix.point_indices)."""
 
     def __init__(
         self, driver: LoadDriver, address: str, prompts: list[tuple[list[int], int]],
-        unit_gaps: list[float], id_prefix: str, num_devices: int, slo: tuple[float, float],
+        unit_gaps: list[float], id_prefix: str, num_devices: int, slos: SLOs,
         policy: SweepPolicy, on_point: Callable[[RatePoint, float], None] | None = None,
-    ) -> None:
+        classes: Sequence[str] = (),
+        pick: Callable[[int, int], list[int]] | None = None,
+    ) -> None:  # fmt: skip
         self.driver = driver
         self.address = address
         self.prompts = prompts
         self.unit_gaps = unit_gaps
         self.id_prefix = id_prefix
         self.num_devices = num_devices
-        self.ttft_slo_s, self.tpot_slo_s = slo
+        self.slos = slos
         self.policy = policy
         self.on_point = on_point
+        self.classes = list(classes) or [""] * len(prompts)
+        self.pick = pick or (lambda available, num: list(range(min(num, available))))
         self.points: list[RatePoint] = []
 
     def run_rate(self, rate: float) -> RatePoint:
         index = len(self.points)
-        num = self.policy.num_requests(rate, len(self.prompts))
-        offsets = arrival_offsets(self.unit_gaps[:num], rate)
+        chosen = self.pick(len(self.prompts), self.policy.num_requests(rate, len(self.prompts)))
+        offsets = arrival_offsets(self.unit_gaps[: len(chosen)], rate)
         requests: list[BenchRequest] = build_requests(
-            self.prompts[:num], offsets, f"{self.id_prefix}-r{index}"
+            [self.prompts[i] for i in chosen], offsets, f"{self.id_prefix}-r{index}",
+            [self.classes[i] for i in chosen],
         )
         records = self.driver.run(self.address, requests)
         finished = [t for r in records for t in r.token_times[-1:]] or [records[0].send_time]
@@ -111,7 +118,7 @@ class RateSweep:
         return point
 
     def attainment(self, point: RatePoint) -> float:
-        return attainment(point.records, self.ttft_slo_s, self.tpot_slo_s)
+        return attainment(point.records, self.slos)
 
     def run(self) -> list[RatePoint]:
         sweep_rates(self.policy, lambda rate: self.attainment(self.run_rate(rate)))

@@ -10,6 +10,7 @@ exactly the same number of tokens.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Regimes read from packaged datasets (real prompts, real lengths), and the synthetic shape whose
@@ -38,6 +39,7 @@ class BenchRequest:
     prompt_token_ids: tuple[int, ...]
     output_len: int
     send_offset_s: float
+    slo_class: str = ""  # whose SLOs it is held to in a mix (metrics.SLOs)
 
 
 def random_prompts(
@@ -50,12 +52,16 @@ def random_prompts(
 
 
 def build_requests(
-    prompts: list[tuple[list[int], int]], offsets: list[float], id_prefix: str
-) -> list[BenchRequest]:
-    """Pair each (prompt ids, output length) with its arrival offset."""
-    if len(prompts) != len(offsets):
-        raise ValueError(f"{len(prompts)} prompts but {len(offsets)} arrival times")
+    prompts: list[tuple[list[int], int]], offsets: list[float], id_prefix: str,
+    classes: Sequence[str] = (),
+) -> list[BenchRequest]:  # fmt: skip
+    """Pair each (prompt ids, output length) with its arrival offset (and its SLO class)."""
+    if len(prompts) != len(offsets) or (classes and len(classes) != len(prompts)):
+        raise ValueError(f"{len(prompts)} prompts but {len(offsets)} arrival times and "
+                         f"{len(classes)} classes")  # fmt: skip
+    classes = classes or [""] * len(prompts)
     return [
-        BenchRequest(f"{id_prefix}-{index}", tuple(ids), output_len, offset)
-        for index, ((ids, output_len), offset) in enumerate(zip(prompts, offsets, strict=True))
-    ]
+        BenchRequest(f"{id_prefix}-{index}", tuple(ids), output_len, offset, slo_class)
+        for index, ((ids, output_len), offset, slo_class)
+        in enumerate(zip(prompts, offsets, classes, strict=True))
+    ]  # fmt: skip

@@ -9,6 +9,7 @@ import pytest
 from planner.metrics import (
     Goodput,
     RequestRecord,
+    SLOs,
     attainment,
     breakdown,
     e2e,
@@ -79,12 +80,30 @@ def test_attainment_needs_both_slos_and_scales_them() -> None:
         record(0.0, [0.5, 1.25]),   # tpot 0.75: misses TPOT at 1 and 2
         record(0.0, [], "DEADLINE_EXCEEDED"),  # failed: a miss at every scale
     ]  # fmt: skip
-    assert attainment(records, ttft_slo_s=1.0, tpot_slo_s=0.25) == 0.25
-    assert attainment(records, ttft_slo_s=1.0, tpot_slo_s=0.25, scale=2.0) == 0.5
-    assert attainment(records, ttft_slo_s=1.0, tpot_slo_s=0.25, scale=4.0) == 0.75
-    assert attainment(records, ttft_slo_s=0.5, tpot_slo_s=0.25) == 0.25  # <= is inclusive
+    slos = SLOs.single(1.0, 0.25)
+    assert attainment(records, slos) == 0.25
+    assert attainment(records, slos, scale=2.0) == 0.5
+    assert attainment(records, slos, scale=4.0) == 0.75
+    assert attainment(records, SLOs.single(0.5, 0.25)) == 0.25  # <= is inclusive
     with pytest.raises(ValueError):
-        attainment([], 1.0, 1.0)
+        attainment([], slos)
+
+
+def test_each_request_is_held_to_its_own_class_slos() -> None:
+    slow_first = record(0.0, [1.5, 1.75])  # ttft 1.5, tpot 0.25
+    quick = record(0.0, [0.5, 0.55])  # ttft 0.5, tpot 0.05
+    slos = SLOs({"summarization": (2.0, 0.1), "chatbot": (1.0, 0.3)})
+    slow_first.slo_class, quick.slo_class = "chatbot", "summarization"
+    assert attainment([slow_first, quick], slos) == 0.5  # chatbot's TTFT 1.0 s is missed
+    slow_first.slo_class = "summarization"  # TTFT 2 s met, TPOT 0.1 s missed
+    assert attainment([slow_first, quick], slos) == 0.5
+    quick.slo_class = "chatbot"
+    assert attainment([quick], slos) == 1.0
+    quick.slo_class = "code"
+    with pytest.raises(ValueError, match="SLO class 'code'"):
+        attainment([quick], slos)
+    with pytest.raises(ValueError):
+        SLOs({"chatbot": (1.0, 0.0)})
 
 
 def test_goodput_interpolates_the_first_crossing_of_90_percent() -> None:

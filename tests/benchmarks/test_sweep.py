@@ -10,10 +10,10 @@ import pytest
 
 from benchmarks.goodput.sweep import RateSweep, SweepPolicy, sweep_rates
 from benchmarks.goodput.workloads import BenchRequest
-from planner.metrics import RequestRecord
+from planner.metrics import RequestRecord, SLOs
 
 CAPACITY = 3.0
-SLO = (1.0, 0.1)
+SLO = SLOs.single(1.0, 0.1)
 
 
 class CapacityDriver:

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from benchmarks.goodput.workloads import build_requests, random_prompts
-from planner.traffic import SHAPES, arrival_offsets, synthetic_lengths, unit_rate_gaps
+from planner.traffic import MIXES, SHAPES, Mix, arrival_offsets, synthetic_lengths, unit_rate_gaps
 
 
 def test_same_seed_same_arrivals_and_rates_only_compress_time() -> None:
@@ -83,3 +83,32 @@ def test_slos_are_calibrated_on_the_long_prompts_of_a_workload() -> None:
     base = slo_base_prompt_len(lengths)
     assert sum(n <= base for n in lengths) >= 0.9 * len(lengths)
     assert base > statistics.median(lengths)
+
+
+def test_the_mixed_regime_interleaves_all_three_shapes_in_about_equal_shares() -> None:
+    classes = MIXES["mixed"].classes(3000, seed=0)
+    assert classes == MIXES["mixed"].classes(3000, seed=0)
+    assert classes != MIXES["mixed"].classes(3000, seed=1)
+    for shape in ("chatbot", "code", "summarization"):
+        assert classes.count(shape) == pytest.approx(1000, abs=100)
+    assert len({tuple(classes[i : i + 3]) for i in range(0, 60, 3)}) > 3  # not in a fixed cycle
+    assert MIXES["mixed"].point_indices(100, 30) == list(range(30))
+
+
+def test_the_shift_regime_moves_halfway_through_every_point() -> None:
+    shift = MIXES["shift"]
+    assert shift.classes(6, seed=3) == ["summarization"] * 3 + ["chatbot"] * 3
+    # a point of 4 of the 10 requests takes the first 2 of each phase, so it shifts as well
+    assert shift.point_indices(10, 4) == [0, 1, 5, 6]
+    assert shift.point_indices(10, 5) == [0, 1, 2, 5, 6]
+    assert shift.point_indices(10, 10) == list(range(10))
+    with pytest.raises(ValueError, match="two or more"):
+        Mix("bad", ("chatbot", "poetry"), interleaved=False, source="")
+
+
+def test_requests_carry_their_slo_class() -> None:
+    requests = build_requests([([5], 2), ([6], 3)], [0.0, 0.5], "x", ["code", "chatbot"])
+    assert [r.slo_class for r in requests] == ["code", "chatbot"]
+    assert [r.slo_class for r in build_requests([([5], 2)], [0.0], "y")] == [""]
+    with pytest.raises(ValueError):
+        build_requests([([5], 2)], [0.0], "z", ["code", "chatbot"])

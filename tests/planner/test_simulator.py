@@ -147,7 +147,7 @@ def test_attainment_agrees_with_the_benchmark_metric_code() -> None:
                        decode=[_spec()]).run()  # fmt: skip
     records = to_records(result)
     for ttft_ms, tpot_ms in [(50.0, 6.0), (200.0, 5.5), (1e9, 1e9)]:
-        expected = metrics.attainment(records, ttft_ms / 1000, tpot_ms / 1000)
+        expected = metrics.attainment(records, metrics.SLOs.single(ttft_ms / 1000, tpot_ms / 1000))
         assert joint_attainment(result, ttft_ms, tpot_ms) == pytest.approx(expected)
 
 
