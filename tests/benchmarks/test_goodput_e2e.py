@@ -11,10 +11,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from benchmarks.goodput.compare import run_benchmark
-from benchmarks.goodput.options import parse_bench_args
 from benchmarks.goodput.schema import RAW_SCHEMA, SUMMARY_SCHEMA
 from planner.metrics import goodput
+from tests.benchmarks.bench_support import run_bench
 
 pytestmark = pytest.mark.slow
 TTFT_SLO_S, TPOT_SLO_S = 0.5, 0.05
@@ -23,16 +22,11 @@ NUM_REQUESTS = 8
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], Path]:
-    out = tmp_path_factory.mktemp("bench")
-    args = parse_bench_args([
-        "--compare", "--out", str(out), "--model-dir", str(out / "model"), "--model-size", "tiny",
-        "--workloads", "summarization", "--num-requests", str(NUM_REQUESTS), "--rates", "4,8",
+    return run_bench(
+        tmp_path_factory, "summarization", "--num-requests", str(NUM_REQUESTS), "--rates", "4,8",
         "--ttft-slo", str(TTFT_SLO_S), "--tpot-slo", str(TPOT_SLO_S), "--client-processes", "2",
         "--slo-scales", "0.5,1,2",
-    ])  # fmt: skip
-    summary = run_benchmark(args)
-    raw = json.loads((out / "raw" / "summarization.json").read_text())
-    return summary, raw, out
+    )  # fmt: skip
 
 
 def test_output_matches_the_schemas_and_the_file_on_disk(run) -> None:

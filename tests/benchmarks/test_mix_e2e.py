@@ -4,17 +4,15 @@ class's SLOs, and attainment recomputed from the raw timings per class equal to 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
-from benchmarks.goodput.compare import run_benchmark
-from benchmarks.goodput.options import parse_bench_args
 from benchmarks.goodput.schema import RAW_SCHEMA, SUMMARY_SCHEMA
 from planner.traffic import SHAPES
+from tests.benchmarks.bench_support import run_bench
 
 pytestmark = pytest.mark.slow
 NUM_REQUESTS = 8
@@ -22,15 +20,8 @@ NUM_REQUESTS = 8
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], Path]:
-    out = tmp_path_factory.mktemp("bench-mix")
-    args = parse_bench_args([
-        "--compare", "--out", str(out), "--model-dir", str(out / "model"), "--model-size", "tiny",
-        "--workloads", "shift", "--num-requests", str(NUM_REQUESTS), "--rates", "4",
-        "--client-processes", "1",
-    ])  # fmt: skip
-    summary = run_benchmark(args)
-    raw = json.loads((out / "raw" / "shift.json").read_text())
-    return summary, raw, out
+    return run_bench(tmp_path_factory, "shift", "--num-requests", str(NUM_REQUESTS), "--rates",
+                     "4", "--client-processes", "1")  # fmt: skip
 
 
 def test_each_shape_gets_slos_from_its_own_prompts(run) -> None:
