@@ -93,8 +93,9 @@ def slo_base_prompt_len(prompt_lens: list[int]) -> int:
 
 
 def _slo_and_start(
-    args, model_dir: Path, name: str, prompts: list, driver, address: str | None = None
-) -> dict[str, Any]:
+    args, model_dir: Path, name: str, prompts: list, classes: list[str], driver,
+    address: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The regime's SLOs (given, or shape factors x calibration) and the sweep's start rate;
     a mix's SLOs per class, each its shape's factors times a calibration on its own prompts.
 
@@ -105,7 +106,6 @@ def _slo_and_start(
         address = _targets(args)[0][1]
     if name not in MIXES:
         return _class_slo(args, model_dir, REAL_REGIMES.get(name, name), prompts, driver, address)
-    classes = regime_classes(args, name, len(prompts))
     per_class, work_s = {}, 0.0
     for shape in MIXES[name].shapes:
         mine = [prompt for prompt, c in zip(prompts, classes, strict=True) if c == shape]
@@ -156,7 +156,9 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, str | None, int]]:
     return [(layout, None, layouts.NUM_DEVICES[layout]) for layout in order]
 
 
-def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, bar) -> dict:
+def _sweep_layout(
+    args, model_dir, regime, target, prompts, classes, gaps, slo, driver, bar
+) -> dict:
     """Start the layout (unless it runs already), sweep it, stop it. `slo` None: calibrate
     through this layout's router first (the local baseline, which runs first)."""
     layout, address, num_devices = target
@@ -173,7 +175,7 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
         warm_up(driver, address, prompts)
         if slo is None:
             bar.set_description(f"{regime}: calibrating through {layout}")
-            slo = _slo_and_start(args, model_dir, regime, prompts, driver, address)
+            slo = _slo_and_start(args, model_dir, regime, prompts, classes, driver, address)
         bar.set_description(f"{regime}: {layout}")
 
         def on_point(point: RatePoint, attained: float) -> None:
@@ -184,7 +186,7 @@ def _sweep_layout(args, model_dir, regime, target, prompts, gaps, slo, driver, b
         mix = MIXES.get(regime)
         sweep = RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
                           slos_of(slo), policy, on_point,
-                          classes=regime_classes(args, regime, len(prompts)),
+                          classes=classes,
                           pick=mix.point_indices if mix else None)  # fmt: skip
         points = sweep.run()
     finally:
@@ -198,20 +200,20 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
     load_before = os.getloadavg()
     source: dict[str, Any] = {}
     prompts = _regime_prompts(args, model_dir, regime, args.num_requests, source)
+    classes = regime_classes(args, regime, len(prompts))
     gaps = unit_rate_gaps(args.num_requests, args.arrival, args.cv, args.seed)
     slo = None
     if not _calibrates_through_baseline(args):
-        slo = _slo_and_start(args, model_dir, regime, prompts, driver)
+        slo = _slo_and_start(args, model_dir, regime, prompts, classes, driver)
     runs = {}
     for target in _targets(args):
         runs[target[0]] = _sweep_layout(
-            args, model_dir, regime, target, prompts, gaps, slo, driver, bar
+            args, model_dir, regime, target, prompts, classes, gaps, slo, driver, bar
         )
         slo = runs[target[0]]["slo"]
     assert slo is not None
     points_by_layout = {layout: run["points"] for layout, run in runs.items()}
     summary = regime_summary(points_by_layout, slos_of(slo), args.slo_scales)
-    classes = regime_classes(args, regime, len(prompts))
     workload = {
         "regime": regime, "source": _source(regime),
         "synthetic": regime in SHAPES or regime in MIXES, "data": source or None,
