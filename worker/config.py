@@ -47,9 +47,9 @@ class WorkerConfig:
             if not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
         if self.sends_kv is None:
-            object.__setattr__(self, "sends_kv", self.role == Role.PREFILL)
+            object.__setattr__(self, "sends_kv", self.role in (Role.PREFILL, Role.ADAPTIVE))
         if self.receives_kv is None:
-            object.__setattr__(self, "receives_kv", self.role == Role.DECODE)
+            object.__setattr__(self, "receives_kv", self.role in (Role.DECODE, Role.ADAPTIVE))
 
     @classmethod
     def prefill(
@@ -64,3 +64,11 @@ class WorkerConfig:
     ) -> WorkerConfig:
         """A decode instance's config (`limits`: watermark_blocks)."""
         return replace(cls(engine, Role.DECODE, kv_transfer or KVTransferConfig()), **limits)
+
+    @classmethod
+    def adaptive(
+        cls, engine: EngineConfig, kv_transfer: KVTransferConfig | None = None, **limits: Any
+    ) -> WorkerConfig:
+        """An adaptive instance's config: it prefills for others, decodes what others
+        prefilled, and runs requests start to end, as the router places each one."""
+        return replace(cls(engine, Role.ADAPTIVE, kv_transfer or KVTransferConfig()), **limits)

@@ -239,6 +239,7 @@ class Worker(WorkerLoop):
         extra = {
             "num_prefix_hit_tokens": float(stats.num_prefix_hit_tokens),
             "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
+            "chunk_size": float(self.config.engine.chunk_size),
         }
         num_receiving = 0
         if self.sending is not None:

@@ -86,3 +86,42 @@ def test_one_instance_prefills_for_another_decodes_for_a_third_and_runs_its_own(
             assert time.monotonic() < deadline, f"{instance_id} holds blocks"
             time.sleep(0.02)
         worker.call(worker.engine.block_pool.check_integrity)
+
+
+def test_two_adaptive_instances_prefill_for_each_other_and_run_their_own(
+    board: Switchboard, tiny_model
+) -> None:
+    """The adaptive layout's pair (Role.ADAPTIVE): KV moves both ways between the same two
+    instances, while each also runs requests start to end."""
+    model_dir = tiny_model("llama")
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    config = WorkerConfig.adaptive(engine_config(model_dir))
+    assert config.role is Role.ADAPTIVE and config.sends_kv and config.receives_kv
+    workers = {i: start(board, model_dir, i, config) for i in ("A", "B")}
+    routes = {  # request -> (prefill instance, decode instance)
+        "a-for-b-0": ("A", "B"), "b-for-a-0": ("B", "A"), "a-own": ("A", "A"),
+        "b-for-a-1": ("B", "A"), "a-for-b-1": ("A", "B"), "b-own": ("B", "B"),
+    }  # fmt: skip
+    for (request_id, (prefill_id, decode_id)), prompt in zip(routes.items(), PROMPTS, strict=True):
+        request = WorkerRequest(request_id, prompt, GREEDY, time.time())
+        ticket = None
+        if prefill_id != decode_id:
+            ticket = workers[decode_id].reserve(request, prefill_id, 1)
+        workers[prefill_id].submit(request, ticket)
+    events = collect(workers, set(routes))
+
+    for (request_id, (prefill_id, decode_id)), reference in zip(
+        routes.items(), expected, strict=True
+    ):
+        # A decode step may be polled before the prefill side's first token (the router
+        # reorders them the same way: router/generation.py's _in_order).
+        first, *rest = sorted(events[request_id], key=lambda e: e.source != prefill_id)
+        assert first.source == prefill_id and {e.source for e in rest} <= {decode_id}, request_id
+        tokens = [t for event in (first, *rest) for t in event.token_ids]
+        assert tokens == reference, request_id
+    for instance_id, worker in workers.items():
+        deadline = time.monotonic() + 5.0
+        while worker.load().num_free_blocks != NUM_BLOCKS:
+            assert time.monotonic() < deadline, f"{instance_id} holds blocks"
+            time.sleep(0.02)
+        worker.call(worker.engine.block_pool.check_integrity)
