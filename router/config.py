@@ -42,6 +42,11 @@ class RouterConfig:
     all; 0 turns that off. A request that finds no healthy instance to take it, at dispatch or
     after a failure, waits up to `recovery_wait_s` for one to come back (a restarted worker),
     never past the client's deadline; 0 fails it at once with UNAVAILABLE.
+    Adaptive placement (a cluster of Role.ADAPTIVE instances, router/adaptive.py) predicts each
+    request's TTFT and TPOT with the latency model in `latency_profile` (a profile file that
+    `pdserve profile` writes; `latency_profile_model` names the model when it holds several),
+    corrected online by the workers' measured step times, against the request's own SLOs or, when
+    it sets none, `default_ttft_slo_s` and `default_tpot_slo_s`.
     """
 
     model_dir: str
@@ -72,6 +77,10 @@ class RouterConfig:
     shutdown_grace_s: float = 5.0
     max_retries: int = 3
     recovery_wait_s: float = 30.0
+    latency_profile: str | None = None
+    latency_profile_model: str | None = None
+    default_ttft_slo_s: float = 2.0
+    default_tpot_slo_s: float = 0.1
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_dir):
@@ -102,6 +111,11 @@ class RouterConfig:
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(
                 f"prefill_policy must be one of {PREFILL_POLICIES}, got {self.prefill_policy!r}"
+            )
+        if self.latency_profile is not None and not os.path.isfile(self.latency_profile):
+            raise ValueError(
+                f"latency_profile {self.latency_profile!r} is not a file: write one with "
+                "`pdserve profile`, or leave it unset (adaptive placement needs it)"
             )
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(
@@ -135,6 +149,8 @@ class RouterConfig:
             "poll_timeout_s",
             "worker_timeout_s",
             "shutdown_grace_s",
+            "default_ttft_slo_s",
+            "default_tpot_slo_s",
         )
         for name in names:
             value = getattr(self, name)

@@ -3,6 +3,8 @@
     disaggregated:  decode = decode_policy(...);  ticket = decode.reserve(req)
                     prefill = prefill_policy(...); prefill.submit(req, ticket)
     colocated:      prefill = prefill_policy(...); prefill.submit(req, None)
+    adaptive:       (A, B) = placer.choose(...)  (router/adaptive.py)
+                    A == B: A.submit(req, None)       else: as disaggregated, A for B
 
 An instance that answers Overloaded (or fails, or times out) is left out and the policy picks
 again among the rest; a refused prefill gives back the decode reservation first. When no
@@ -23,19 +25,22 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from router.adaptive import AdaptivePlacer, Placement, RequestSLO
 from router.generation_errors import FailureKind, GenerationFailed
 from router.policies import DecodePolicy, PrefillPolicy
 from router.validation import ValidatedRequest
-from router.worker_api import KVTicket, Overloaded, WorkerRequest
+from router.worker_api import KVTicket, Overloaded, RequestTimings, WorkerRequest
 from router.worker_pool import RequestChannel, WorkerPool
 
 
 @dataclass(frozen=True)
 class Dispatch:
     prefill_id: str
-    decode_id: str | None  # None when colocated
+    decode_id: str | None  # None when colocated (or an adaptive request placed local)
     num_prompt_tokens: int  # those the prefill instance computes (a cached prefix excepted)
     num_failed: int = 0  # placements that failed on the way (not merely full): retries
+    placement: Placement | None = None  # an adaptive cluster's decision
+    key: str = ""  # the placement's worker-side request id
 
 
 class Dispatcher:
@@ -45,11 +50,17 @@ class Dispatcher:
         prefill_policy: PrefillPolicy,
         decode_policy: DecodePolicy,
         worker_timeout_s: float,
+        placer: AdaptivePlacer | None = None,
+        default_slo: RequestSLO | None = None,
     ) -> None:
         self._pool = pool
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
         self._timeout_s = worker_timeout_s
+        if pool.adaptive and (placer is None or default_slo is None):
+            raise ValueError("an adaptive pool needs a placer and default SLOs")
+        self.placer = placer if pool.adaptive else None
+        self._default_slo = default_slo or RequestSLO(1.0, 1.0)
 
     async def dispatch(
         self,
@@ -67,9 +78,16 @@ class Dispatcher:
         num_overloaded = num_failed = 0
         mark = self._pool.recovery_mark()
         while True:
-            decode_id = self._pick_decode(request, refused | avoiding)
-            prefill_id = self._pick_prefill(request, refused | avoiding)
+            placement = self._choose(request, refused | avoiding)
+            if placement is not None:
+                prefill_id, decode_id = placement.prefill_id, None
+                if placement.kind == "remote":
+                    decode_id = placement.decode_id
+            else:
+                decode_id = self._pick_decode(request, refused | avoiding)
+                prefill_id = self._pick_prefill(request, refused | avoiding)
             if prefill_id is None or (self._pool.disaggregated and decode_id is None):
+                placement = None
                 if avoiding:
                     avoiding.clear()
                     continue
@@ -97,20 +115,36 @@ class Dispatcher:
                 self._pool.note_dispatch(prefill_id, num_tokens, is_prefill=True)
                 if decode_id is not None:
                     self._pool.note_dispatch(decode_id, len(prompt), is_prefill=False)
-                return Dispatch(prefill_id, decode_id, num_tokens, num_failed)
+                key = worker_request.request_id
+                if placement is not None and self.placer is not None:
+                    slo = request.slo or self._default_slo
+                    max_tokens = request.params.max_tokens
+                    self.placer.placed(key, placement, len(prompt), max_tokens, slo)
+                return Dispatch(prefill_id, decode_id, num_tokens, num_failed, placement, key)
             refused.add(failed_id)
             num_overloaded += int(overloaded)
             num_failed += int(not overloaded)
             self._abandon(channel)
 
-    def prefilled(self, dispatch: Dispatch) -> None:
+    def prefilled(self, dispatch: Dispatch, timings: RequestTimings | None = None) -> None:
         """The request's first token is in: its prompt no longer waits on the prefill instance
-        (the policies read that instance's outstanding prompt tokens as its queue)."""
+        (the policies read that instance's outstanding prompt tokens as its queue). `timings`:
+        the first token's, whose prefill compute tunes the adaptive placer's model."""
         self._pool.note_prefilled(dispatch.prefill_id, dispatch.num_prompt_tokens)
+        if self.placer is not None and dispatch.placement is not None:
+            measured = timings.prefill_s if timings is not None and timings.prefill_s else None
+            self.placer.prefilled(dispatch.key, dispatch.placement, measured)
+
+    def progress(self, dispatch: Dispatch, num_tokens: int) -> None:
+        """The request has `num_tokens` tokens out (the adaptive placer's slack reads it)."""
+        if self.placer is not None and dispatch.placement is not None:
+            self.placer.progress(dispatch.key, dispatch.placement, num_tokens)
 
     def release(self, dispatch: Dispatch, prefilled: bool) -> None:
         """Undo the dispatch's bookkeeping when the request ends (`prefilled`: `prefilled`
         was called for it)."""
+        if self.placer is not None and dispatch.placement is not None:
+            self.placer.release(dispatch.key, dispatch.placement)
         if not prefilled:
             self._pool.note_prefilled(dispatch.prefill_id, dispatch.num_prompt_tokens)
         self._pool.note_done(dispatch.prefill_id)
@@ -129,6 +163,18 @@ class Dispatcher:
         self._pool.abort_everywhere(channel.request_id, channel.holder_ids)
         channel.abandoned.append((channel.request_id, set(channel.holder_ids)))
         channel.holder_ids.clear()
+
+    def _choose(self, request: ValidatedRequest, refused: set[str]) -> Placement | None:
+        """An adaptive cluster's placement among the instances not refused (None: not
+        adaptive, or none left)."""
+        if self.placer is None:
+            return None
+        candidates = self._pool.prefill_candidates(exclude=refused)
+        if not candidates:
+            return None
+        prompt, max_tokens = request.prompt_token_ids, request.params.max_tokens
+        slo = request.slo or self._default_slo
+        return self.placer.choose(len(prompt), max_tokens, slo, candidates)
 
     def _pick_decode(self, request: ValidatedRequest, refused: set[str]) -> str | None:
         if not self._pool.disaggregated:

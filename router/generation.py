@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from router.adaptive import Placement
 from router.admission import AdmissionController, AdmissionFull
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import Dispatch, Dispatcher
@@ -52,6 +53,7 @@ class GenerationChunk:
     timings: RouterTimings | None = None  # on the last chunk
     prefill_instance: str = ""  # on the last chunk: where the request ran
     decode_instance: str = ""
+    placement: Placement | None = None  # on the last chunk, from an adaptive cluster
 
 
 class GenerationRunner:
@@ -176,6 +178,7 @@ class GenerationRunner:
                             channel, progress, event, dispatch.prefill_id
                         )
                         chunk = self._on_event(request, progress, event)
+                        self._dispatcher.progress(dispatch, len(progress.sent_token_ids))
                         merged = chunk if merged is None else _concat(merged, chunk)
                         if chunk.finish_reason is not None:
                             yield merged
@@ -212,7 +215,7 @@ class GenerationRunner:
         if progress.prefilled or item.source in ("", dispatch.prefill_id):
             if not progress.prefilled:  # the prompt no longer waits on the prefill instance
                 progress.prefilled = True
-                self._dispatcher.prefilled(dispatch)
+                self._dispatcher.prefilled(dispatch, item.timings)
             events = [item, *progress.early_events]
             progress.early_events.clear()
             return events
@@ -306,6 +309,7 @@ class GenerationRunner:
             timings=timings,
             prefill_instance=progress.prefill_instance,
             decode_instance=progress.decode_instance,
+            placement=progress.placement,
         )
 
     def _observe_finish(self, timings: RouterTimings, finish_reason: str, num_after: int) -> None:

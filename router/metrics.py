@@ -6,6 +6,8 @@ serves it on its metrics port (router/metrics_http.py) when one is configured.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.worker_api import InstanceLoad, Role
@@ -79,6 +81,39 @@ class RouterMetrics:
             "pdserve:generation_tokens", "Tokens generated.", registry=self.registry
         )
         self._init_worker_gauges()
+        self._init_placement_metrics(histogram)
+
+    def _init_placement_metrics(self, histogram: Callable[[str, str], Histogram]) -> None:
+        """An adaptive cluster's decisions (router/adaptive.py)."""
+        self.placements = Counter(
+            "pdserve:placements", "Requests placed by an adaptive cluster, by kind (local: "
+            "prefill and decode on one instance; remote: KV moved).", ["kind"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.predicted_ttft = histogram(
+            "pdserve:placement_predicted_ttft_seconds", "TTFT predicted at placement, seconds."
+        )
+        self.predicted_tpot = histogram(
+            "pdserve:placement_predicted_tpot_seconds", "TPOT predicted at placement, seconds."
+        )
+        self.prefill_role_instances = Gauge(
+            "pdserve:prefill_role_instances",
+            "Adaptive instances that take remote prefills (the rest decode).",
+            registry=self.registry,
+        )
+        self.latency_model_speed = Gauge(
+            "pdserve:latency_model_speed",
+            "Measured over profiled prefill time: the factor the placer's model runs at.",
+            registry=self.registry,
+        )
+
+    def observe_placement(self, kind: str, ttft_s: float, tpot_s: float, roles: int,
+                          speed: float) -> None:  # fmt: skip
+        self.placements.labels(kind).inc()
+        self.predicted_ttft.observe(ttft_s)
+        self.predicted_tpot.observe(tpot_s)
+        self.prefill_role_instances.set(roles)
+        self.latency_model_speed.set(speed)
 
     def _init_worker_gauges(self) -> None:
         def gauge(name: str, doc: str) -> Gauge:

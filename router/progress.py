@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from router.adaptive import Placement
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import Dispatch
 from router.recovery import Recovery
@@ -40,11 +41,13 @@ class Progress:
     finished_by: str | None = None  # instance whose finish event ended the placement
     decode_started: bool = False  # an event from the decode instance: the KV has landed
     first_placed_at: float = 0.0  # the placement that sent the client's first token
+    placement: Placement | None = None  # the current placement's adaptive decision
 
     def start_placement(self, dispatch: Dispatch) -> None:
         self.placed_at = time.perf_counter()
         self.prefill_instance = dispatch.prefill_id
         self.decode_instance = dispatch.decode_id or ""
+        self.placement = dispatch.placement
         self.prefilled = self.decode_started = False
         self.early_events.clear()
         self.finished_by = None

@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from router.adaptive import RequestSLO, adaptive_placer
 from router.admission import AdmissionController
 from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
@@ -105,6 +106,8 @@ class Router:
             make_prefill_policy(config.prefill_policy, config.block_size, prefix_index),
             make_decode_policy(config.decode_policy, config.block_size),
             config.worker_timeout_s,
+            adaptive_placer(config, self.metrics) if self.pool.adaptive else None,
+            RequestSLO(config.default_ttft_slo_s, config.default_tpot_slo_s),
         )
         runner = GenerationRunner(
             self.pool,

@@ -138,6 +138,12 @@ def chunk_to_response(chunk: GenerationChunk) -> pb.GenerateResponse:
         _copy_timings(chunk.timings, response.timings)
         response.prefill_instance = chunk.prefill_instance
         response.decode_instance = chunk.decode_instance
+    if chunk.placement is not None:
+        placement = chunk.placement
+        response.placement.kind = placement.kind
+        response.placement.predicted_ttft_s = placement.predicted_ttft_s
+        response.placement.predicted_tpot_s = placement.predicted_tpot_s
+        response.placement.prefill_role_instances = placement.prefill_role_instances
     return response
 
 

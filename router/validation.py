@@ -12,6 +12,7 @@ loop keeps streaming every other request's tokens meanwhile.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from typing import TypeVar
 from pdserve_proto.v1 import generation_pb2 as pb
 
 from engine.sampling_params import MIN_TEMPERATURE, SamplingParams
+from router.adaptive import RequestSLO
 from router.config import RouterConfig
 from router.tokenizer import ChatTemplateError, ModelLimits, RouterTokenizer
 
@@ -47,6 +49,7 @@ class ValidatedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_strings: tuple[str, ...]
+    slo: RequestSLO | None = None  # the request's own latency objectives, when it set them
 
 
 class RequestValidator:
@@ -74,7 +77,26 @@ class RequestValidator:
                 f"{params.max_tokens}: together {num_total}, over the model's maximum length "
                 f"{self._limits.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        return ValidatedRequest(request_id, prompt_token_ids, params, stop_strings)
+        slo = self._slo(request)
+        return ValidatedRequest(request_id, prompt_token_ids, params, stop_strings, slo)
+
+    def _slo(self, request: pb.GenerateRequest) -> RequestSLO | None:
+        """The request's TTFT and TPOT objectives (an unset one takes the router's default)."""
+        has_ttft, has_tpot = request.HasField("ttft_slo_s"), request.HasField("tpot_slo_s")
+        if not (has_ttft or has_tpot):
+            return None
+        for name, present in (("ttft_slo_s", has_ttft), ("tpot_slo_s", has_tpot)):
+            value = getattr(request, name)
+            if present and not (math.isfinite(value) and value > 0):
+                raise InvalidRequest(
+                    f"{name} must be a number of seconds > 0, got {value!r}; leave it unset "
+                    "for the router's default"
+                )
+        config = self._config
+        return RequestSLO(
+            request.ttft_slo_s if has_ttft else config.default_ttft_slo_s,
+            request.tpot_slo_s if has_tpot else config.default_tpot_slo_s,
+        )
 
     def _request_id(self, request_id: str) -> str:
         if not request_id:

@@ -148,7 +148,12 @@ class WorkerPool:
         self._prefill_ids = [h.instance_id for h in prefill_handles]
         self._decode_ids = [h.instance_id for h in decode_handles]
         self._prefill_handles = {h.instance_id: h for h in prefill_handles}
-        self._decode_handles = {h.instance_id: h for h in decode_handles}
+        self._decode_handles: dict[str, DecodeHandle] = {h.instance_id: h for h in decode_handles}
+        # Adaptive instances are both: each prefills, decodes, or runs a request start to end.
+        self.adaptive = prefill_handles[0].role is Role.ADAPTIVE
+        if self.adaptive:
+            self._decode_ids = list(self._prefill_ids)
+            self._decode_handles = {h.instance_id: h for h in prefill_handles}  # type: ignore[misc]
         self._channels: dict[str, RequestChannel] = {}  # by worker-side request id
         # A run token keeps ids unique across router restarts too: workers may outlive a router.
         self._id_prefix = uuid.uuid4().hex[:8]
@@ -165,7 +170,8 @@ class WorkerPool:
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self._decode_ids)
+        """Every request prefilled on one instance and decoded on another (not adaptive)."""
+        return bool(self._decode_ids) and not self.adaptive
 
     async def start(self) -> None:
         await self.refresh_loads()
@@ -373,10 +379,15 @@ def _check_roles(
     if not prefill_handles:
         raise ValueError("the router needs at least one prefill or colocated worker handle")
     prefill_roles = {h.role for h in prefill_handles}
-    if not prefill_roles <= {Role.PREFILL, Role.COLOCATED} or len(prefill_roles) > 1:
+    if not prefill_roles <= {Role.PREFILL, Role.COLOCATED, Role.ADAPTIVE} or (
+        len(prefill_roles) > 1
+    ):
         raise ValueError(
-            f"prefill handles must all be PREFILL or all COLOCATED, got {prefill_roles}"
+            f"prefill handles must all be PREFILL, all COLOCATED or all ADAPTIVE, got "
+            f"{prefill_roles}"
         )
+    if Role.ADAPTIVE in prefill_roles and decode_handles:
+        raise ValueError("ADAPTIVE handles decode themselves and for each other; pass no decode handles")
     if any(h.role != Role.DECODE for h in decode_handles):
         raise ValueError("decode handles must have role DECODE")
     if Role.PREFILL in prefill_roles and not decode_handles:

@@ -29,6 +29,8 @@ class ClusterSpec:
 
     Disaggregated: `num_prefill_instances` x `prefill` and `num_decode_instances` x `decode`.
     Colocated: `num_colocated_instances` x `colocated`, no prefill/decode.
+    Adaptive: `num_adaptive_instances` x `adaptive`, each able to prefill for another, decode
+    what another prefilled, or run a request start to end (the router chooses per request).
     `pin_cpus` gives each worker process (and its TP ranks) its own cores on CPU. `ray`: what
     only the Ray runtime reads (address, CPUs, custom resources, restarts).
     """
@@ -40,10 +42,22 @@ class ClusterSpec:
     num_decode_instances: int = 0
     colocated: WorkerConfig | None = None
     num_colocated_instances: int = 0
+    adaptive: WorkerConfig | None = None
+    num_adaptive_instances: int = 0
     pin_cpus: bool = False
     ray: RaySection = field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
+        if self.num_adaptive_instances > 0:
+            if self.adaptive is None:
+                raise ValueError("adaptive instances need a WorkerConfig in `adaptive`")
+            if self.num_prefill_instances or self.num_decode_instances or (
+                self.num_colocated_instances
+            ):
+                raise ValueError("an adaptive cluster has adaptive instances only")
+            if self.num_adaptive_instances < 2:
+                raise ValueError("an adaptive cluster needs >= 2 instances to move KV between")
+            return
         if self.num_colocated_instances > 0:
             if self.colocated is None:
                 raise ValueError("colocated instances need a WorkerConfig in `colocated`")
@@ -66,15 +80,21 @@ class ClusterSpec:
         return self.num_colocated_instances > 0
 
     @property
+    def is_adaptive(self) -> bool:
+        return self.num_adaptive_instances > 0
+
+    @property
     def num_workers(self) -> int:
         """Worker processes in all: one per TP rank of every instance."""
         return sum(self.worker_config(i).engine.tensor_parallel_size for i in self.instance_ids())
 
     def worker_config(self, instance_id: str) -> WorkerConfig:
         """The config instance `instance_id` ("prefill-0", "decode-1", ...) is built with."""
-        config = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[
-            instance_id.rsplit("-", 1)[0]
-        ]
+        configs = {
+            "prefill": self.prefill, "decode": self.decode, "colocated": self.colocated,
+            "adaptive": self.adaptive,
+        }  # fmt: skip
+        config = configs[instance_id.rsplit("-", 1)[0]]
         assert config is not None, f"no config for {instance_id}"
         return config
 
@@ -82,6 +102,8 @@ class ClusterSpec:
         """prefill-0.., decode-0.. (or colocated-0..): the names the router and logs use."""
         if self.is_colocated:
             return [f"colocated-{i}" for i in range(self.num_colocated_instances)]
+        if self.is_adaptive:
+            return [f"adaptive-{i}" for i in range(self.num_adaptive_instances)]
         return [f"prefill-{i}" for i in range(self.num_prefill_instances)] + [
             f"decode-{i}" for i in range(self.num_decode_instances)
         ]

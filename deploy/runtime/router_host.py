@@ -84,11 +84,10 @@ class ServingCluster:
         """The router on its loop thread, with a handle (`_handle`) per worker."""
         spec, ids = self.spec, self.spec.instance_ids()
         prefill_tp = {i: spec.worker_config(i).engine.tensor_parallel_size for i in ids
-                      if i.startswith("prefill")}  # fmt: skip
-        front_role = Role.COLOCATED if spec.is_colocated else Role.PREFILL
+                      if i.startswith(("prefill", "adaptive"))}  # fmt: skip
         for i in ids:
-            decode = i.startswith("decode")
-            role, tp = (Role.DECODE, prefill_tp) if decode else (front_role, {})
+            role = Role(i.rsplit("-", 1)[0])
+            tp = prefill_tp if role in (Role.DECODE, Role.ADAPTIVE) else {}
             self.handles[i] = self._handle(i, role, tp)
         front = [h for h in self.handles.values() if h.role != Role.DECODE]
         back = [h for h in self.handles.values() if h.role == Role.DECODE]

@@ -78,6 +78,8 @@ def test_request_fields_match_the_documented_api() -> None:
         "stop_token_ids",
         "ignore_eos",
         "request_id",
+        "ttft_slo_s",
+        "tpot_slo_s",
     }
     assert set(fields) == expected
     # Optional sampling fields keep presence, so "unset" differs from 0.
@@ -85,3 +87,4 @@ def test_request_fields_match_the_documented_api() -> None:
     assert not request.HasField("temperature")
     request.temperature = 0.0
     assert request.HasField("temperature")
+    assert not request.HasField("tpot_slo_s")  # unset: the router's default SLO

@@ -191,7 +191,7 @@ class LocalCluster(ServingCluster):
                     raise WorkerUnavailable(f"{instance_id} is restarting")
                 loads.append(worker.call(Load(), timeout_s=10.0))
             except WorkerUnavailable:
-                role = Role.DECODE if instance_id.startswith("decode") else Role.PREFILL
+                role = Role(instance_id.rsplit("-", 1)[0])
                 loads.append(InstanceLoad(instance_id, role, healthy=False))
         return loads
 
@@ -255,7 +255,7 @@ class LocalCluster(ServingCluster):
                     worker.kill()
                     return
                 self.workers[instance_id] = worker  # the relay delivers the peers' acks to it
-            if instance_id.startswith("prefill"):
+            if instance_id.startswith(("prefill", "adaptive")):
                 self._settle_prefill(instance_id, worker)
             handle = self.handles[instance_id]
             assert isinstance(handle, ProcessHandle)
@@ -269,6 +269,6 @@ class LocalCluster(ServingCluster):
         settle_prefill_channels(
             lambda command: worker.call(command, timeout_s),
             instance_id, self.spec.worker_config(instance_id).engine.tensor_parallel_size,
-            [i for i in self.workers if i.startswith("decode")],
+            [i for i in self.workers if i.startswith(("decode", "adaptive")) and i != instance_id],
             lambda peer_id, command: self.workers[peer_id].call(command, timeout_s), timeout_s,
         )  # fmt: skip
