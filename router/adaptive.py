@@ -25,10 +25,15 @@ prefill-role instance to a decode-role one (only while k > 0). For each the mode
     harm  = decodes on the prefill instance whose slack (the time left before their TPOT SLO
             breaks, less the steps they still need) the queued and new prefill would use up
 
-An option is feasible when TTFT and TPOT meet the request's SLOs and it harms no decode. The
-request takes the feasible option with the lowest TTFT/ttft_slo + TPOT/tpot_slo (the least
-loaded, relative to what the request allows); with none feasible, the one that breaks the
-fewest objectives, then the same sum. A tight request never decodes on a prefill-role instance.
+An option is feasible when TTFT and TPOT meet the request's SLOs and it harms no decode (one
+already late does not count). The request takes the option that breaks the fewest objectives
+(its own two, and each harmed decode), local before remote among equals (no KV moves, and a
+prefill-role instance stays free for the prompts that need it), then the lowest
+TTFT/ttft_slo + TPOT/tpot_slo (the least loaded, relative to what the request allows). While
+roles are on, a tight request is always prefilled on a prefill-role instance and decoded on
+another: the decode-role instances admit local prefills only of loose requests, and only as
+much prompt compute as their decodes' slack allows (the per-request form of a per-step prefill
+budget, which on CPU costs more than it saves: small chunks run the prompt 1.7x slower).
 
 Model: the planner's latency model (planner/latency.StepModel, from the profile file) times a
 speed factor the router learns from every first token (the worker's measured prefill compute
@@ -74,7 +79,7 @@ class Placement:
     predicted_ttft_s: float
     predicted_tpot_s: float
     prefill_role_instances: int  # k at the time
-    predicted_compute_s: float = 0.0  # the prompt's own compute, for the speed factor
+    profiled_compute_s: float = 0.0  # the prompt's compute at the profile's speed
 
     @property
     def kind(self) -> str:
@@ -142,12 +147,17 @@ class LatencyModel:
 
     def prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0) -> float:
         """A prompt's compute: its chunks, each in a step beside `batch_size` decodes."""
+        return self.speed * self.profiled_prefill_s(num_tokens, batch_size, sum_ctx)
+
+    def profiled_prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0
+                           ) -> float:  # fmt: skip
+        """The same at the profile's own speed."""
         if num_tokens <= 0:
             return 0.0
         alone = self.step.prefill_stage_ms(num_tokens, float(num_tokens) ** 2)
         num_chunks = math.ceil(num_tokens / self.chunk_size)
         beside = num_chunks * self.step.decode_stage_ms(batch_size, sum_ctx) if batch_size else 0.0
-        return self.speed * (alone + beside) / 1000.0
+        return (alone + beside) / 1000.0
 
     def transfer_s(self, num_tokens: int) -> float:
         profile = self.step.profile
@@ -158,11 +168,11 @@ class LatencyModel:
             profile.transfer_per_message_ms,
         ) / 1000.0  # fmt: skip
 
-    def observe(self, predicted_s: float, measured_s: float) -> None:
-        """A prompt's measured compute against what was predicted at this speed."""
-        if predicted_s <= 0 or measured_s <= 0:
+    def observe(self, profiled_s: float, measured_s: float) -> None:
+        """A prompt's measured compute against its profiled one (`profiled_prefill_s`)."""
+        if profiled_s <= 0 or measured_s <= 0:
             return
-        ratio = self.speed * measured_s / predicted_s  # the speed that would have predicted it
+        ratio = measured_s / profiled_s  # the speed that would have predicted it
         blended = (1 - SPEED_ALPHA) * self.speed + SPEED_ALPHA * ratio
         self.speed = min(max(blended, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
 
@@ -183,7 +193,6 @@ class AdaptivePlacer:
         self._instances: dict[str, _Instance] = {}
         self._arrivals: deque[_Arrival] = deque()
         self.prefill_role: tuple[str, ...] = ()
-        self._tight_until = 0.0  # roles stay on for a window after the last tight arrival
         self.role_changes: deque[tuple[float, int]] = deque(maxlen=MAX_ROLE_CHANGES)
 
     # -- the decision -----------------------------------------------------------------------
@@ -223,7 +232,7 @@ class AdaptivePlacer:
         state = self._instances[best.prefill_id]
         return Placement(
             best.prefill_id, best.decode_id, best.ttft_s, best.tpot_s, len(self.prefill_role),
-            self.model.prefill_s(num_prompt_tokens, *self._decode_load(state, now)),
+            self.model.profiled_prefill_s(num_prompt_tokens, *self._decode_load(state, now)),
         )  # fmt: skip
 
     def _option(
@@ -252,10 +261,8 @@ class AdaptivePlacer:
         while self._arrivals and self._arrivals[0].at < now - WINDOW_S:
             self._arrivals.popleft()
         num_tight = sum(1 for arrival in self._arrivals if self._is_tight(arrival))
-        if num_tight >= max(1.0, TIGHT_SHARE * len(self._arrivals)):
-            self._tight_until = now + WINDOW_S
         k = 0
-        if now < self._tight_until and len(ids) > 1:
+        if num_tight >= max(1.0, TIGHT_SHARE * len(self._arrivals)) and len(ids) > 1:
             work_s = sum(arrival.compute_s for arrival in self._arrivals)
             needed = math.ceil(work_s / WINDOW_S / PREFILL_UTILIZATION)
             k = min(max(needed, 1), len(ids) - 1)
@@ -317,8 +324,9 @@ class AdaptivePlacer:
         now = self._clock()
         prefill = self._instances.setdefault(placement.prefill_id, _Instance())
         decode = self._instances.setdefault(placement.decode_id, _Instance())
-        prefill.queued[key] = placement.predicted_compute_s
-        prefill.prefill_log.append((now, placement.predicted_compute_s))
+        compute_s = self.model.speed * placement.profiled_compute_s
+        prefill.queued[key] = compute_s
+        prefill.prefill_log.append((now, compute_s))
         decode.decoding[key] = _Decoding(num_prompt, max_tokens, slo.tpot_s)
         if self._metrics is not None:
             self._metrics.observe_placement(
@@ -337,7 +345,7 @@ class AdaptivePlacer:
             decoding.first_token_at = self._clock()
             decoding.num_tokens = max(decoding.num_tokens, 1)
         if measured_s is not None:
-            self.model.observe(placement.predicted_compute_s, measured_s)
+            self.model.observe(placement.profiled_compute_s, measured_s)
 
     def progress(self, key: str, placement: Placement, num_tokens: int) -> None:
         decode = self._instances.get(placement.decode_id)
