@@ -297,9 +297,11 @@ class AdaptivePlacer:
         return batch, float(sum_ctx)
 
     def _mean_step_s(self, ids: list[str]) -> float:
-        batches = [len(self._instances[i].decoding) for i in ids]
-        mean_batch = max(1, round(sum(batches) / max(1, len(ids))))
-        return self.model.decode_step_s(mean_batch, 0.0)
+        """A decode step as the instances run them now (one sequence of no context, idle)."""
+        steps = [
+            self.model.decode_step_s(*self._decode_load(self._instances[i], 0.0)) for i in ids
+        ]
+        return max(self.model.decode_step_s(1, 0.0), sum(steps) / max(1, len(steps)))
 
     def _prefill_share(self, instance: _Instance, now: float, extra_s: float = 0.0) -> float:
         """The share of the last window the instance spent (or is set to spend) on prompts."""
