@@ -42,6 +42,17 @@ class RequestRecord:
     timings: dict[str, float] = field(default_factory=dict)  # the response's Timings
     shard: int = 0
     slo_class: str = ""  # whose SLOs it is held to (SLOs.of); "" in a regime of one shape
+    # From the last response: where the request ran (the prefill instance serves a colocated
+    # request whole; decode_instance is "" then) and, from an adaptive cluster, how the router
+    # placed it: "local" (prefill and decode on one instance) or "remote" (KV moved); "" from a
+    # fixed layout. The predictions are the router's for that placement; prefill_role_instances
+    # is how many instances took remote prefills when it decided.
+    prefill_instance: str = ""
+    decode_instance: str = ""
+    placement_kind: str = ""
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    prefill_role_instances: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -123,15 +134,19 @@ class SLOs:
         return cls({"": (ttft_slo_s, tpot_slo_s)})
 
     def of(self, record: RequestRecord) -> tuple[float, float]:
-        if len(self.by_class) == 1:
-            return next(iter(self.by_class.values()))
         try:
-            return self.by_class[record.slo_class]
+            return self.of_class(record.slo_class)
         except KeyError:
             raise ValueError(
                 f"request {record.request_id} has SLO class {record.slo_class!r}; the SLOs "
                 f"know {sorted(self.by_class)}"
             ) from None
+
+    def of_class(self, slo_class: str) -> tuple[float, float]:
+        """(TTFT, TPOT) SLOs of a class (KeyError if unknown); a single class holds for all."""
+        if len(self.by_class) == 1:
+            return next(iter(self.by_class.values()))
+        return self.by_class[slo_class]
 
 
 def meets_slo(record: RequestRecord, slos: SLOs, scale: float = 1.0) -> bool:

@@ -79,8 +79,10 @@ class Dispatcher:
         mark = self._pool.recovery_mark()
         while True:
             placement = self._choose(request, refused | avoiding)
+            prefill_id: str | None
+            decode_id: str | None = None
             if placement is not None:
-                prefill_id, decode_id = placement.prefill_id, None
+                prefill_id = placement.prefill_id
                 if placement.kind == "remote":
                     decode_id = placement.decode_id
             else:

@@ -1,11 +1,13 @@
 """One shard of the load: asyncio gRPC streaming clients sending requests on schedule.
 
 Each request is a `Generate` server stream with `token_ids` (no tokenizer effects), `max_tokens`
-= its target and `ignore_eos`. The client notes the send time, the arrival time of every token
-(a message carrying n tokens gives all n the same time) and the finish, on this process's
-monotonic clock mapped to wall-clock time once at start (`WallClock`): several processes or
-nodes then share one timeline (up to their wall clocks' agreement), while each latency is a
-difference of two readings of one monotonic clock.
+= its target, `ignore_eos`, and its class's SLOs (`ttft_slo_s`, `tpot_slo_s`: an adaptive cluster
+places it by them; fixed layouts ignore them). The client notes the send time, the arrival time
+of every token (a message carrying n tokens gives all n the same time) and the finish, on this
+process's monotonic clock mapped to wall-clock time once at start (`WallClock`): several
+processes or nodes then share one timeline (up to their wall clocks' agreement), while each
+latency is a difference of two readings of one monotonic clock. From the last response it keeps
+where the request ran and, from an adaptive cluster, how it was placed (RequestRecord).
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ ShardRunner = Callable[
 ]
 
 
+def _record_placement(record: RequestRecord, last: Any) -> None:
+    """Where the last response says the request ran, and how an adaptive cluster placed it."""
+    record.prefill_instance = last.prefill_instance
+    record.decode_instance = last.decode_instance
+    if last.HasField("placement") and last.placement.kind:  # a fixed layout leaves it unset
+        placement = last.placement
+        record.placement_kind = placement.kind
+        record.predicted_ttft_s = placement.predicted_ttft_s
+        record.predicted_tpot_s = placement.predicted_tpot_s
+        record.prefill_role_instances = placement.prefill_role_instances
+
+
 async def _one_request(
     stub: Any, request: BenchRequest, clock: WallClock, shard: int, timeout_s: float
 ) -> RequestRecord:
@@ -56,6 +70,7 @@ async def _one_request(
     message = pb.GenerateRequest(
         token_ids=list(request.prompt_token_ids), max_tokens=request.output_len,
         ignore_eos=True, request_id=request.request_id,
+        ttft_slo_s=request.ttft_slo_s, tpot_slo_s=request.tpot_slo_s,  # None leaves them unset
     )  # fmt: skip
     record = RequestRecord(
         request.request_id, len(request.prompt_token_ids), request.output_len, clock.now(),
@@ -68,6 +83,7 @@ async def _one_request(
             if response.finish_reason:
                 record.finish_reason = _FINISH_REASONS.get(response.finish_reason, "?")
                 record.timings = {f: getattr(response.timings, f) for f in TIMING_FIELDS}
+                _record_placement(record, response)
     except grpc.aio.AioRpcError as exc:
         record.error = f"{exc.code().name}: {exc.details()}"
     if not record.error and not record.finish_reason:

@@ -1,16 +1,19 @@
-"""The comparison in one command: one workload, the disaggregated layout and the colocated
-baseline on the same devices, a rate sweep each, goodput at every SLO scale, plots.
+"""The comparison in one command: one workload, the layouts (layouts.py: disaggregated, the
+colocated baseline, adaptive; --layouts picks) on the same devices, a rate sweep each, goodput at
+every SLO scale, plots.
 
     python -m benchmarks.goodput --compare --out runs/today [--quick]   (= pdserve bench ...)
 
 For each regime (a synthetic shape, or a ShareGPT file): make the requests, then for each layout
 (the colocated baseline first) start a local cluster (or use a running router, --target), warm it
-up, sweep the rate (sweep.py), shut it down. The SLOs (unless given) are the shape's factors times
+up, sweep the rate (sweep.py), shut it down. Every request carries its class's SLOs, which the
+adaptive layout places it by. The SLOs (unless given) are the shape's factors times
 the unloaded TTFT and TPOT measured through the first layout's router once it is warm
 (calibrate.py), so they include what the serving path costs (gRPC, router, worker process);
 `--calibrate engine` measures one engine alone in this process instead. Output in --out:
     raw/{regime}.json   config, workload, SLOs, every request's timings at every rate
-    summary.json        goodputs, ratio and SLOs of the main regime, the ratio of every regime
+    summary.json        goodputs, ratio and SLOs of the main regime; per regime the ratio and
+                        adaptive_over_best (adaptive over the better fixed layout)
     {regime}_*.png      plots.py
 The last line printed is summary.json's content as one JSON object.
 """
@@ -38,7 +41,7 @@ from benchmarks.goodput.sweep import RatePoint, RateSweep, SweepPolicy, warm_up
 from benchmarks.goodput.workloads import REAL_REGIMES, REAL_SOURCES, random_prompts
 from planner.traffic import MIXES, SHAPES, synthetic_lengths, unit_rate_gaps
 
-SUMMARY_SCHEMA = "pdserve.goodput.summary/1"
+SUMMARY_SCHEMA = "pdserve.goodput.summary/2"
 RAW_SCHEMA = "pdserve.goodput.raw/1"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "goodput-llama"
 
@@ -152,8 +155,7 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, str | None, int]]:
     """(layout, router address or None to start one here, devices) to run, in order."""
     if args.target:
         return [parse_target(text) for text in args.target]
-    order = sorted(layouts.LAYOUTS, key=lambda name: name != "colocated")  # the baseline first
-    return [(layout, None, layouts.NUM_DEVICES[layout]) for layout in order]
+    return [(layout, None, layouts.NUM_DEVICES[layout]) for layout in args.layouts]
 
 
 def _sweep_layout(
@@ -166,8 +168,8 @@ def _sweep_layout(
     if address is None:
         bar.set_description(f"{regime}: starting {layout}")
         spec = layouts.cluster_spec(
-            layout, model_dir, pin_cpus=not args.no_pin, chunk_size=args.chunk_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            layout, model_dir, pin_cpus=not args.no_pin, latency_profile=args.latency_profile,
+            chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens,
         )  # fmt: skip
         cluster = layouts.start_local_cluster(spec)
         address = cluster.address
@@ -291,9 +293,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "goodput_disaggregated": main.get("goodput_disaggregated"),
         "goodput_colocated": main.get("goodput_colocated"),
         "goodput_ratio": main.get("goodput_ratio"),
-        "goodputs": {name: main.get(f"goodput_{name}") for name in main["devices"]},
+        "goodputs": main["goodputs"],
         "goodput_unit": "requests/s per device", "slo": main["slo"], "workload": main["workload"],
         "ratios": {regime: result.get("goodput_ratio") for regime, result in results.items()},
+        "adaptive_over_best": {regime: result["adaptive_over_best"]
+                               for regime, result in results.items()},
         "regimes": results, "config": _jsonable(vars(args)), "model_dir": str(model_dir),
         "duration_s": time.time() - started,
     }  # fmt: skip
@@ -306,7 +310,7 @@ def report(args: argparse.Namespace) -> int:
     summary = run_benchmark(args)
     print(json.dumps({k: summary[k] for k in (
         "main_regime", "goodput_disaggregated", "goodput_colocated", "goodput_ratio", "goodputs",
-        "ratios", "duration_s")}))  # fmt: skip
+        "ratios", "adaptive_over_best", "duration_s")}))  # fmt: skip
     return 0
 
 

@@ -9,7 +9,15 @@ vocabulary is the tokenizer's. `size="tiny"` is a 2-layer, hidden-64 variant for
 Layouts (each worker a process of its own, one core each when pinned):
   disaggregated  1 prefill instance + 1 decode instance (TP=1 each)
   colocated      2 colocated Worker replicas (the baseline: chunked prefill mixed into decode)
-Both get the same EngineConfig (token budget, chunk size, KV pool), so only the layout differs.
+  adaptive       2 instances that each prefill and decode; per request the router either runs it
+                 whole on one ("local") or prefills it on one and moves its KV to the other to
+                 decode ("remote"), whichever its latency profile predicts meets the request's
+                 SLOs (the client sends each request's own). The profile is a planner-format
+                 latency profile (`pdserve profile`; DEFAULT_LATENCY_PROFILE is the bench
+                 model's on the 2-core development machine); the router corrects its speed
+                 online.
+All get the same EngineConfig (token budget, chunk size, KV pool), and the two that move KV the
+same KVTransferConfig, so only the layout differs.
 """
 
 from __future__ import annotations
@@ -18,9 +26,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-LAYOUTS = ("disaggregated", "colocated")
-NUM_DEVICES = {"disaggregated": 2, "colocated": 2}  # cores (GPUs on a GPU cluster) per layout
+LAYOUTS = ("disaggregated", "colocated", "adaptive")
+# cores (GPUs on a GPU cluster) per layout
+NUM_DEVICES = {"disaggregated": 2, "colocated": 2, "adaptive": 2}
 KV_START_TIMEOUT_S = 600.0
+DEFAULT_LATENCY_PROFILE = (
+    Path(__file__).resolve().parents[1] / "results" / "placement" / "profile-2core.json"
+)
 
 _TOKENIZER_CORPUS = [
     "Disaggregated serving puts the prefill and the decode phases on different devices.",
@@ -100,8 +112,12 @@ def engine_config(model_dir: str | Path, **overrides: Any) -> Any:
     return dataclasses.replace(config, **overrides)
 
 
-def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **engine: Any) -> Any:
-    """The deploy ClusterSpec of one layout on this machine (the router on a free port)."""
+def cluster_spec(
+    layout: str, model_dir: str | Path, pin_cpus: bool = True,
+    latency_profile: str | Path = DEFAULT_LATENCY_PROFILE, **engine: Any,
+) -> Any:  # fmt: skip
+    """The deploy ClusterSpec of one layout on this machine (the router on a free port);
+    `latency_profile` is what the adaptive layout's router predicts with."""
     from deploy.config.cluster_spec import ClusterSpec
     from kv_transfer.config import KVTransferConfig
     from router.config import RouterConfig
@@ -124,6 +140,12 @@ def cluster_spec(layout: str, model_dir: str | Path, pin_cpus: bool = True, **en
     # A decode reservation waits for its prefill to start (start_timeout_s): past the knee of a
     # sweep requests queue for minutes, and they should count as late, not as failed transfers.
     kv = KVTransferConfig(start_timeout_s=KV_START_TIMEOUT_S)
+    if layout == "adaptive":
+        return ClusterSpec(
+            router=dataclasses.replace(router, latency_profile=str(latency_profile)),
+            adaptive=WorkerConfig.adaptive(config, kv), num_adaptive_instances=2,
+            pin_cpus=pin_cpus,
+        )  # fmt: skip
     return ClusterSpec(
         router=router, prefill=WorkerConfig.prefill(config, kv),
         num_prefill_instances=1, decode=WorkerConfig.decode(config, kv),

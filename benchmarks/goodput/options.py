@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from benchmarks.goodput.layouts import DEFAULT_LATENCY_PROFILE, LAYOUTS
 from benchmarks.goodput.report import DEFAULT_SLO_SCALES
 from benchmarks.goodput.sharegpt import PACKAGED
 from planner.traffic import ARRIVALS, MIXES, SHAPES
@@ -33,11 +34,32 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _layouts(text: str) -> tuple[str, ...]:
+    """The layouts to run, the colocated baseline first (the SLOs are calibrated through it),
+    the others in the order given."""
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [name for name in names if name not in LAYOUTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown layout {unknown}; choose from {list(LAYOUTS)}")
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one layout")
+    return tuple(sorted(names, key=lambda name: name != "colocated"))
+
+
+DEFAULT_LAYOUTS = _layouts(",".join(LAYOUTS))  # colocated, disaggregated, adaptive
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Every option of the benchmark, on a parser of the caller's (a subcommand's, say)."""
     add = parser.add_argument
     add("--compare", action="store_true",
-        help="run the disaggregated layout and the colocated baseline side by side (default)")
+        help="run the layouts (--layouts) side by side on the same devices (default)")
+    add("--layouts", type=_layouts, default=None,
+        help=f"local layouts to run, comma separated (default {','.join(DEFAULT_LAYOUTS)}); the "
+        "colocated baseline always runs first, and without it the SLOs need --calibrate engine")
+    add("--latency-profile", type=Path, default=DEFAULT_LATENCY_PROFILE,
+        help="the planner-format latency profile (pdserve profile) the adaptive layout's router "
+        "predicts TTFT and TPOT with (default: this repo's 2-core profile of the bench model)")
     add("--out", type=Path, required=True, help="folder for raw JSON, summary.json and plots")
     add("--quick", action="store_true",
         help=f"a short run of the {QUICK_REGIME} regime only (< 5 min on 2 cores)")
@@ -69,7 +91,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model-dir", type=Path, default=None,
         help="benchmark model folder (built there on first use; default ~/.cache/pdserve)")
     add("--model-size", choices=("bench", "tiny"), default="bench")
-    add("--chunk-size", type=int, default=512, help="prefill chunk (both layouts)")
+    add("--chunk-size", type=int, default=512, help="prefill chunk (every layout)")
     add("--max-num-batched-tokens", type=int, default=2048, help="step token budget")
     add("--no-pin", action="store_true", help="do not pin each worker to its own core")
     add("--client-processes", type=int, default=1, help="load-driver processes (0: in-process)")
@@ -85,10 +107,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_bench_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="pdserve bench",
-        description="Goodput under SLOs: disaggregated prefill/decode against colocated.",
+        description="Goodput under SLOs: disaggregated prefill/decode, colocated and adaptive "
+        "(per-request placement) layouts on the same devices.",
     )
     add_bench_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.target and args.layouts:
+        parser.error("--layouts picks local clusters; with --target the targets name the layouts")
+    if not args.target:
+        args.layouts = args.layouts or DEFAULT_LAYOUTS
+        if "colocated" not in args.layouts and args.calibrate == "path":
+            parser.error("the SLOs are calibrated through the colocated baseline: add colocated "
+                         "to --layouts, or pass --calibrate engine")  # fmt: skip
+        if "adaptive" in args.layouts and not args.latency_profile.is_file():
+            parser.error(f"--latency-profile {args.latency_profile}: no such file")
+    return args
 
 
 def parse_target(text: str) -> tuple[str, str, int]:

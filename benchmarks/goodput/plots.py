@@ -5,6 +5,9 @@ say whether the regime is synthetic or which real data it comes from (workloads.
     {regime}_attainment_vs_scale.png   attainment against SLO scale at one shared rate
     {regime}_latency_cdf.png           TTFT and TPOT CDFs at that rate, SLOs marked
     {regime}_ttft_breakdown.png        mean TTFT split into stages, stacked, per layout and rate
+    {regime}_placements.png            an adaptive layout only: per rate, each request by arrival
+                                       (local or remote, at its prompt length) and the number of
+                                       instances taking remote prefills over time
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.goodput.placements import role_changes
 from benchmarks.goodput.report import common_rate, point_at
 from benchmarks.goodput.sweep import RatePoint
 from benchmarks.goodput.workloads import regime_label
 from planner.metrics import ATTAINMENT_TARGET, SLOs, attainment, breakdown, tpot, ttft
 
-COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange"}
+COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange", "adaptive": "tab:green"}
+KIND_COLORS = {"local": "tab:green", "remote": "tab:purple", "": "gray"}  # "": never placed
+CLASS_MARKERS = ("o", "^", "s", "D")
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill")
 SCALES = [0.25 * k for k in range(1, 17)]
 Layouts = dict[str, list[RatePoint]]
@@ -39,7 +45,7 @@ def plot_regime(
     slos: SLOs,
     summary: dict[str, Any],
 ) -> list[str]:
-    """Write the four charts; returns their file names."""
+    """Write the charts (four, and the placements of an adaptive layout); their file names."""
     plt = _pyplot()
     goodputs = [summary.get(f"goodput_{layout}", 0.0) or 0.0 for layout in points_by_layout]
     shared = common_rate(points_by_layout, max(goodputs))
@@ -48,6 +54,10 @@ def plot_regime(
         names.append(_attainment_vs_scale(plt, out_dir, regime, points_by_layout, slos, shared))
         names.append(_latency_cdf(plt, out_dir, regime, points_by_layout, slos, shared))
     names.append(_ttft_breakdown(plt, out_dir, regime, points_by_layout))
+    placed = {layout: points for layout, points in points_by_layout.items()
+              if any(r.placement_kind for p in points for r in p.records)}  # fmt: skip
+    if placed:
+        names.append(_placements(plt, out_dir, regime, placed))
     return names
 
 
@@ -76,10 +86,10 @@ def _attainment_vs_rate(
         if rate:
             axis.axvline(rate, color=COLORS.get(layout), linestyle=":", linewidth=1)
     axis.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--", linewidth=1)
-    ratio = summary.get("goodput_ratio")
-    title = f"{regime_label(regime)}: SLO attainment" + (
-        f" (goodput ratio {ratio:.2f}x)" if ratio else ""
-    )
+    ratio, over_best = summary.get("goodput_ratio"), summary.get("adaptive_over_best")
+    notes = [f"goodput ratio {ratio:.2f}x"] if ratio else []
+    notes += [f"adaptive {over_best:.2f}x the best fixed"] if over_best else []
+    title = f"{regime_label(regime)}: SLO attainment" + (f" ({'; '.join(notes)})" if notes else "")
     axis.set(xlabel="rate per device (requests/s)", ylabel="SLO attainment (%)", title=title,
              ylim=(-2, 102))  # fmt: skip
     axis.legend()
@@ -154,3 +164,45 @@ def _ttft_breakdown(plt: Any, out_dir: Path, regime: str, points_by_layout: Layo
              title=f"{regime_label(regime)}: where the time to first token goes")  # fmt: skip
     axis.legend(fontsize=8)
     return _save(plt, figure, out_dir / f"{regime}_ttft_breakdown.png")
+
+
+def _placements(plt: Any, out_dir: Path, regime: str, placed: Layouts) -> str:
+    """One row per (adaptive layout, rate): each request at its arrival and prompt length,
+    colored local or remote (marker by SLO class in a mix), and on the right axis the number of
+    instances taking remote prefills, as the router reported it with each placement."""
+    rows = [(layout, point) for layout, points in placed.items()
+            for point in sorted(points, key=lambda p: p.rate)]  # fmt: skip
+    figure, axes = plt.subplots(len(rows), 1, figsize=(10, 2.4 * len(rows) + 0.6), squeeze=False)
+    for axis, (layout, point) in zip(axes[:, 0], rows, strict=True):
+        records = point.records
+        start = min(r.send_time for r in records)
+        classes = sorted({r.slo_class for r in records})
+        handles = []
+        for kind, color in KIND_COLORS.items():
+            for marker, slo_class in zip(CLASS_MARKERS, classes, strict=False):
+                mine = [r for r in records if r.placement_kind == kind and r.slo_class == slo_class]
+                if mine:
+                    label = " ".join(filter(None, (kind or "unplaced", slo_class)))
+                    handles.append(axis.scatter(
+                        [r.send_time - start for r in mine], [r.prompt_len for r in mine],
+                        s=14, color=color, marker=marker, label=label,
+                    ))  # fmt: skip
+        changes = role_changes(records)
+        if changes:  # held from each change to the next, the last to the last arrival
+            counts = [count for _, count in changes]
+            end = max(r.send_time for r in records) - start
+            roles = axis.twinx()
+            handles += roles.step([t for t, _ in changes] + [end], counts + counts[-1:],
+                                  where="post", color="black", linewidth=1,
+                                  label="remote-prefill instances")  # fmt: skip
+            top = max(2, *counts)
+            roles.set(ylabel="remote-prefill\ninstances", ylim=(-0.2, top + 0.2),
+                      yticks=range(top + 1))  # fmt: skip
+        num_remote = sum(r.placement_kind == "remote" for r in records)
+        axis.set(ylabel="prompt tokens", ylim=(0, None),
+                 title=f"{layout} at {point.rate_per_device:.2f} req/s/device: "
+                 f"{num_remote} of {len(records)} remote")  # fmt: skip
+        axis.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.1, 1.0))
+    axes[-1, 0].set_xlabel("arrival (s since the point's first request)")
+    figure.suptitle(f"{regime_label(regime)}: where each request was prefilled")
+    return _save(plt, figure, out_dir / f"{regime}_placements.png")

@@ -6,9 +6,10 @@ test (tests/benchmarks/test_goodput_e2e.py) does exactly that.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from benchmarks.goodput.placements import placement_breakdown
 from benchmarks.goodput.sweep import RatePoint
 from planner.metrics import (
     SLOs,
@@ -25,8 +26,19 @@ from planner.metrics import (
 DEFAULT_SLO_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
 
 
+FIXED_LAYOUTS = ("colocated", "disaggregated")
+
+
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
+
+
+def adaptive_over_best(goodputs: Mapping[str, float]) -> float | None:
+    """The adaptive layout's goodput over the better fixed layout's; None unless all three
+    ran (or when neither fixed layout reached 90% at any rate)."""
+    if not {"adaptive", *FIXED_LAYOUTS} <= goodputs.keys():
+        return None
+    return _ratio(goodputs["adaptive"], max(goodputs[name] for name in FIXED_LAYOUTS))
 
 
 def slos_of(slo: dict[str, Any]) -> SLOs:
@@ -60,6 +72,7 @@ def _point_summary(point: RatePoint, slos: SLOs) -> dict[str, Any]:
         "breakdown_mean_s": mean_breakdown(point.records),
         "ttft_mean_s": sum(ttft(r) for r in done) / len(done) if done else None,
         "tpot_mean_s": sum(tpot(r) for r in done) / len(done) if done else None,
+        "placements": placement_breakdown(point.records),  # None from a fixed layout
     }
 
 
@@ -68,19 +81,23 @@ def regime_summary(
     slos: SLOs,
     slo_scales: Sequence[float] = DEFAULT_SLO_SCALES,
 ) -> dict[str, Any]:
-    """Goodput of each layout (per device, SLO scale 1) with its 90% bootstrap interval over the
-    requests (metrics.goodput_interval), their ratio, and per scale the same; per point: attainment,
-    latency percentiles and the mean per-request breakdown."""
+    """Goodput of each layout (per device, SLO scale 1; `goodputs` holds them all) with its 90%
+    bootstrap interval over the requests (metrics.goodput_interval), the disaggregated over
+    colocated ratio, adaptive_over_best, and per scale the same; per point: attainment, latency
+    percentiles, the mean per-request breakdown and an adaptive layout's placements."""
     result: dict[str, Any] = {"points": {}, "goodput_by_scale": {}}
     for layout, points in points_by_layout.items():
         result["points"][layout] = [_point_summary(p, slos) for p in points]
     for scale in sorted(set(slo_scales) | {1.0}):
         entry: dict[str, Any] = {}
+        rates = {}
         for layout, points in points_by_layout.items():
             found = goodput_at_scale(points, slos, scale)
             entry[layout] = {"rate": found.rate, "bound": found.bound}
-        if {"disaggregated", "colocated"} <= set(entry):
-            entry["ratio"] = _ratio(entry["disaggregated"]["rate"], entry["colocated"]["rate"])
+            rates[layout] = found.rate
+        if {"disaggregated", "colocated"} <= set(rates):
+            entry["ratio"] = _ratio(rates["disaggregated"], rates["colocated"])
+        entry["adaptive_over_best"] = adaptive_over_best(rates)
         result["goodput_by_scale"][f"{scale:g}"] = entry
     main = result["goodput_by_scale"]["1"]
     for layout, points in points_by_layout.items():
@@ -89,6 +106,8 @@ def regime_summary(
         met = [(p.rate_per_device, [meets_slo(r, slos) for r in p.records]) for p in points]
         result[f"goodput_{layout}_interval90"] = list(goodput_interval(met))
     result["goodput_ratio"] = main.get("ratio")
+    result["goodputs"] = {layout: main[layout]["rate"] for layout in points_by_layout}
+    result["adaptive_over_best"] = main["adaptive_over_best"]
     return result
 
 

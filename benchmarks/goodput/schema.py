@@ -10,6 +10,8 @@ from typing import Any
 _NUMBER = {"type": "number"}
 _OPTIONAL_NUMBER = {"type": ["number", "null"]}
 _BOUND = {"enum": ["crossed", "at_least", "below_lowest"]}
+_GOODPUT = {"type": "object", "required": ["rate", "bound"],
+            "properties": {"rate": _NUMBER, "bound": _BOUND}}  # fmt: skip
 
 _CLASS_SLO: dict[str, Any] = {
     "type": "object",
@@ -38,12 +40,31 @@ WORKLOAD_SCHEMA: dict[str, Any] = {
                  "mean_prompt_len", "mean_output_len"],
 }  # fmt: skip
 
+# An adaptive layout's placements at one point (placements.py); null from a fixed layout.
+PLACEMENTS_SCHEMA: dict[str, Any] = {
+    "type": ["object", "null"],
+    "required": ["num_local", "num_remote", "num_unplaced", "by_class", "role_changes"],
+    "properties": {
+        "num_local": {"type": "integer", "minimum": 0},
+        "num_remote": {"type": "integer", "minimum": 0},
+        "num_unplaced": {"type": "integer", "minimum": 0},
+        "by_class": {"type": "object", "additionalProperties": {
+            "type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}},
+        # [seconds since the point's first send, instances taking remote prefills], by time
+        "role_changes": {"type": "array", "items": {
+            "type": "array", "prefixItems": [{"type": "number", "minimum": 0},
+                                             {"type": "integer", "minimum": 0}],
+            "minItems": 2, "maxItems": 2}},
+    },
+}  # fmt: skip
+
 POINT_SUMMARY_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["rate", "rate_per_device", "attainment", "num_requests", "num_failed",
-                 "latency", "breakdown_mean_s"],
+                 "latency", "breakdown_mean_s", "placements"],
     "properties": {
         "attainment": {"type": "number", "minimum": 0, "maximum": 1},
+        "placements": PLACEMENTS_SCHEMA,
         "breakdown_mean_s": {
             "type": "object",
             "required": ["router_queue", "prefill_queue", "prefill", "transfer",
@@ -53,26 +74,29 @@ POINT_SUMMARY_SCHEMA: dict[str, Any] = {
     },
 }  # fmt: skip
 
+# A regime's goodput_{layout} keys exist for the layouts that ran (`goodputs` holds them all);
+# adaptive_over_best is adaptive over the better fixed layout, null unless all three ran.
 REGIME_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["points", "goodput_by_scale", "goodput_disaggregated", "goodput_colocated",
-                 "goodput_ratio", "slo", "workload", "devices", "plots"],
+    "required": ["points", "goodput_by_scale", "goodputs", "goodput_ratio", "adaptive_over_best",
+                 "slo", "workload", "devices", "plots"],
     "properties": {
         "points": {"type": "object", "additionalProperties": {
             "type": "array", "items": POINT_SUMMARY_SCHEMA}},
         "goodput_by_scale": {"type": "object", "additionalProperties": {
             "type": "object",
+            "required": ["adaptive_over_best"],
             "properties": {
-                "disaggregated": {"type": "object", "required": ["rate", "bound"],
-                                  "properties": {"rate": _NUMBER, "bound": _BOUND}},
-                "colocated": {"type": "object", "required": ["rate", "bound"],
-                              "properties": {"rate": _NUMBER, "bound": _BOUND}},
-                "ratio": _OPTIONAL_NUMBER,
+                "disaggregated": _GOODPUT, "colocated": _GOODPUT, "adaptive": _GOODPUT,
+                "ratio": _OPTIONAL_NUMBER, "adaptive_over_best": _OPTIONAL_NUMBER,
             },
         }},
+        "goodputs": {"type": "object", "minProperties": 1, "additionalProperties": _NUMBER},
         "goodput_disaggregated": _NUMBER,
         "goodput_colocated": _NUMBER,
+        "goodput_adaptive": _NUMBER,
         "goodput_ratio": _OPTIONAL_NUMBER,
+        "adaptive_over_best": _OPTIONAL_NUMBER,
         "slo": SLO_SCHEMA,
         "workload": WORKLOAD_SCHEMA,
         "plots": {"type": "array", "items": {"type": "string", "pattern": r"\.png$"}},
@@ -82,16 +106,19 @@ REGIME_SCHEMA: dict[str, Any] = {
 SUMMARY_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["schema", "main_regime", "goodput_disaggregated", "goodput_colocated",
-                 "goodput_ratio", "goodput_unit", "slo", "workload", "ratios", "regimes",
-                 "config", "duration_s"],
+                 "goodput_ratio", "goodputs", "goodput_unit", "slo", "workload", "ratios",
+                 "adaptive_over_best", "regimes", "config", "duration_s"],
     "properties": {
-        "schema": {"const": "pdserve.goodput.summary/1"},
-        "goodput_disaggregated": _NUMBER,
-        "goodput_colocated": _NUMBER,
+        # /2: goodputs and adaptive_over_best; a fixed layout's goodput null when it did not run
+        "schema": {"const": "pdserve.goodput.summary/2"},
+        "goodput_disaggregated": _OPTIONAL_NUMBER,
+        "goodput_colocated": _OPTIONAL_NUMBER,
         "goodput_ratio": _OPTIONAL_NUMBER,
+        "goodputs": {"type": "object", "minProperties": 1, "additionalProperties": _NUMBER},
         "slo": SLO_SCHEMA,
         "workload": WORKLOAD_SCHEMA,
         "ratios": {"type": "object", "additionalProperties": _OPTIONAL_NUMBER},
+        "adaptive_over_best": {"type": "object", "additionalProperties": _OPTIONAL_NUMBER},
         "regimes": {"type": "object", "additionalProperties": REGIME_SCHEMA},
     },
 }  # fmt: skip
@@ -104,6 +131,13 @@ RECORD_SCHEMA: dict[str, Any] = {
         "send_time": _NUMBER,
         "token_times": {"type": "array", "items": _NUMBER},
         "timings": {"type": "object", "additionalProperties": _NUMBER},
+        # where it ran, and an adaptive cluster's placement (absent in runs made before them)
+        "prefill_instance": {"type": "string"},
+        "decode_instance": {"type": "string"},
+        "placement_kind": {"enum": ["", "local", "remote"]},
+        "predicted_ttft_s": _OPTIONAL_NUMBER,
+        "predicted_tpot_s": _OPTIONAL_NUMBER,
+        "prefill_role_instances": {"type": ["integer", "null"], "minimum": 0},
     },
 }  # fmt: skip
 

@@ -104,7 +104,7 @@ class RateSweep:
         offsets = arrival_offsets(self.unit_gaps[: len(chosen)], rate)
         requests: list[BenchRequest] = build_requests(
             [self.prompts[i] for i in chosen], offsets, f"{self.id_prefix}-r{index}",
-            [self.classes[i] for i in chosen],
+            [self.classes[i] for i in chosen], self.slos,
         )
         records = self.driver.run(self.address, requests)
         finished = [t for r in records for t in r.token_times[-1:]] or [records[0].send_time]

@@ -13,6 +13,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.metrics import SLOs
+
 # Regimes read from packaged datasets (real prompts, real lengths), and the synthetic shape whose
 # SLO factors each uses: ShareGPT is chatbot traffic, HumanEval code completion.
 REAL_REGIMES: dict[str, str] = {"sharegpt": "chatbot", "humaneval": "code"}
@@ -33,13 +35,17 @@ def regime_label(name: str) -> str:
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request of a workload; `send_offset_s` is its arrival, seconds after the start."""
+    """One request of a workload; `send_offset_s` is its arrival, seconds after the start.
+    `ttft_slo_s` and `tpot_slo_s` are its class's SLOs at scale 1, sent with it (an adaptive
+    cluster places the request by them); None sends none (the router's defaults)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     output_len: int
     send_offset_s: float
     slo_class: str = ""  # whose SLOs it is held to in a mix (metrics.SLOs)
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
 
 def random_prompts(
@@ -53,15 +59,21 @@ def random_prompts(
 
 def build_requests(
     prompts: list[tuple[list[int], int]], offsets: list[float], id_prefix: str,
-    classes: Sequence[str] = (),
+    classes: Sequence[str] = (), slos: SLOs | None = None,
 ) -> list[BenchRequest]:  # fmt: skip
-    """Pair each (prompt ids, output length) with its arrival offset (and its SLO class)."""
+    """Pair each (prompt ids, output length) with its arrival offset (and its SLO class, and
+    that class's SLOs from `slos`)."""
     if len(prompts) != len(offsets) or (classes and len(classes) != len(prompts)):
         raise ValueError(f"{len(prompts)} prompts but {len(offsets)} arrival times and "
                          f"{len(classes)} classes")  # fmt: skip
     classes = classes or [""] * len(prompts)
-    return [
-        BenchRequest(f"{id_prefix}-{index}", tuple(ids), output_len, offset, slo_class)
-        for index, ((ids, output_len), offset, slo_class)
-        in enumerate(zip(prompts, offsets, classes, strict=True))
-    ]  # fmt: skip
+    requests = []
+    for index, ((ids, output_len), offset, slo_class) in enumerate(
+        zip(prompts, offsets, classes, strict=True)
+    ):
+        ttft_slo_s, tpot_slo_s = slos.of_class(slo_class) if slos else (None, None)
+        requests.append(BenchRequest(
+            f"{id_prefix}-{index}", tuple(ids), output_len, offset, slo_class,
+            ttft_slo_s, tpot_slo_s,
+        ))  # fmt: skip
+    return requests

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.goodput.compare import _jsonable
+from benchmarks.goodput.compare import _jsonable, _targets
 from benchmarks.goodput.options import parse_bench_args, parse_target
 from deploy.cli.main import main as pdserve
 
@@ -62,3 +62,65 @@ def test_both_layouts_get_one_engine_config_without_prefix_cache(tmp_path) -> No
     assert engine == split.prefill.engine == split.decode.engine
     assert engine.enable_prefix_caching is False  # replayed prompts would hit
     assert engine.chunk_size == 256
+
+
+def test_layouts_run_the_colocated_baseline_first_and_default_to_all_three() -> None:
+    assert parse_bench_args(["--out", "x"]).layouts == ("colocated", "disaggregated", "adaptive")
+    args = parse_bench_args(["--out", "x", "--layouts", "adaptive,disaggregated,colocated",
+                             "--workloads", "mixed,shift"])  # fmt: skip
+    assert args.layouts == ("colocated", "adaptive", "disaggregated")
+    assert args.workloads == ("mixed", "shift")
+    assert parse_bench_args(["--out", "x", "--layouts", "colocated, adaptive"]).layouts == (
+        "colocated", "adaptive",
+    )  # fmt: skip
+    assert parse_bench_args(
+        ["--out", "x", "--layouts", "adaptive", "--calibrate", "engine"]
+    ).layouts == ("adaptive",)
+    assert _targets(parse_bench_args(["--out", "x", "--layouts", "disaggregated,colocated"])) == [
+        ("colocated", None, 2), ("disaggregated", None, 2),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--layouts", "hybrid"], "unknown layout ['hybrid']"),
+    (["--layouts", ","], "name at least one layout"),
+    (["--layouts", "adaptive,disaggregated"], "calibrated through the colocated baseline"),
+    (["--layouts", "colocated", "--target", "colocated=h:1:2"], "--layouts picks local clusters"),
+    (["--latency-profile", "nowhere.json"], "--latency-profile nowhere.json: no such file"),
+])  # fmt: skip
+def test_bad_layout_choices_are_refused_with_the_reason(
+    flags: list[str], reason: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_bench_args(["--out", "x", *flags])
+    assert reason in capsys.readouterr().err
+
+
+def test_a_missing_profile_is_fine_when_the_adaptive_layout_does_not_run() -> None:
+    args = parse_bench_args(["--out", "x", "--layouts", "colocated,disaggregated",
+                             "--latency-profile", "nowhere.json"])  # fmt: skip
+    assert args.layouts == ("colocated", "disaggregated")
+
+
+def test_the_adaptive_layout_gets_the_same_engine_and_kv_config_and_the_profile(tmp_path) -> None:
+    from benchmarks.goodput.layouts import (
+        DEFAULT_LATENCY_PROFILE,
+        KV_START_TIMEOUT_S,
+        cluster_spec,
+    )
+    from worker.protocol import Role
+
+    adaptive = cluster_spec("adaptive", tmp_path, chunk_size=256)
+    split = cluster_spec("disaggregated", tmp_path, chunk_size=256)
+    assert adaptive.num_adaptive_instances == 2 and adaptive.pin_cpus
+    assert adaptive.adaptive.role is Role.ADAPTIVE
+    assert adaptive.adaptive.sends_kv and adaptive.adaptive.receives_kv
+    assert adaptive.adaptive.engine == split.prefill.engine
+    assert adaptive.adaptive.kv_transfer == split.prefill.kv_transfer == split.decode.kv_transfer
+    assert adaptive.adaptive.kv_transfer.start_timeout_s == KV_START_TIMEOUT_S
+    assert adaptive.router.latency_profile == str(DEFAULT_LATENCY_PROFILE)
+    assert split.router.latency_profile is None
+    other = tmp_path / "profile.json"
+    other.write_text("{}")
+    spec = cluster_spec("adaptive", tmp_path, pin_cpus=False, latency_profile=other)
+    assert spec.router.latency_profile == str(other) and not spec.pin_cpus

@@ -1,6 +1,7 @@
-"""A short comparison end to end: both layouts on local clusters (tiny model, 2 rates, 2 client
-processes), its JSON checked against the schemas, and attainment and goodput recomputed from the
-raw per-request timings equal to summary.json."""
+"""A short comparison end to end: the two fixed layouts on local clusters (tiny model, 2 rates,
+2 client processes; `--layouts` leaves the adaptive one to test_mix_e2e), its JSON checked against
+the schemas, and attainment and goodput recomputed from the raw per-request timings equal to
+summary.json."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[
     return run_bench(
         tmp_path_factory, "summarization", "--num-requests", str(NUM_REQUESTS), "--rates", "4,8",
         "--ttft-slo", str(TTFT_SLO_S), "--tpot-slo", str(TPOT_SLO_S), "--client-processes", "2",
-        "--slo-scales", "0.5,1,2",
+        "--slo-scales", "0.5,1,2", "--layouts", "disaggregated,colocated",
     )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
-"""A regime of mixed shapes end to end (`pdserve bench --compare --workloads shift`): each shape's
-SLOs calibrated on its own prompts through the baseline's router, each request held to its own
-class's SLOs, and attainment recomputed from the raw timings per class equal to summary.json."""
+"""A regime of mixed shapes end to end (`pdserve bench --compare --workloads shift`, all three
+layouts): each shape's SLOs calibrated on its own prompts through the baseline's router, each
+request held to its own class's SLOs, attainment recomputed from the raw timings per class equal
+to summary.json, and the adaptive layout's placements in the records, the summary and a plot."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from typing import Any
 import jsonschema
 import pytest
 
+from benchmarks.goodput.report import adaptive_over_best
 from benchmarks.goodput.schema import RAW_SCHEMA, SUMMARY_SCHEMA
 from planner.traffic import SHAPES
 from tests.benchmarks.bench_support import run_bench
 
 pytestmark = pytest.mark.slow
 NUM_REQUESTS = 8
+LAYOUTS = ("colocated", "disaggregated", "adaptive")  # the default --layouts, in run order
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,8 @@ def test_the_requests_shift_halfway_and_every_record_keeps_its_class(run) -> Non
     _, raw, _ = run
     half = NUM_REQUESTS // 2
     assert [r["slo_class"] for r in raw["requests"]] == ["summarization"] * half + ["chatbot"] * half
-    for layout in ("disaggregated", "colocated"):
+    assert list(raw["layouts"]) == list(LAYOUTS)
+    for layout in LAYOUTS:
         (point,) = raw["layouts"][layout]["points"]
         assert [r["slo_class"] for r in point["records"]] == [
             r["slo_class"] for r in raw["requests"]
@@ -65,7 +69,7 @@ def test_attainment_recomputed_per_class_equals_the_summary(run) -> None:
     summary, raw, _ = run
     classes = raw["slo"]["classes"]
     regime = summary["regimes"]["shift"]
-    for layout in ("disaggregated", "colocated"):
+    for layout in LAYOUTS:
         (point,) = raw["layouts"][layout]["points"]
         (reported,) = regime["points"][layout]
         met = {name: [_met(r, classes[name]) for r in point["records"] if r["slo_class"] == name]
@@ -74,3 +78,38 @@ def test_attainment_recomputed_per_class_equals_the_summary(run) -> None:
             name: sum(flags) / len(flags) for name, flags in met.items()
         }
         assert reported["attainment"] == sum(map(sum, met.values())) / NUM_REQUESTS
+
+
+def test_adaptive_over_best_is_the_adaptive_goodput_over_the_better_fixed_one(run) -> None:
+    summary, _, _ = run
+    regime = summary["regimes"]["shift"]
+    assert set(regime["goodputs"]) == set(LAYOUTS) and summary["goodputs"] == regime["goodputs"]
+    assert regime["adaptive_over_best"] == adaptive_over_best(regime["goodputs"])
+    assert summary["adaptive_over_best"] == {"shift": regime["adaptive_over_best"]}
+
+
+def test_every_adaptive_request_says_where_and_how_it_was_placed(run) -> None:
+    summary, raw, out = run
+    (point,) = raw["layouts"]["adaptive"]["points"]
+    records = point["records"]
+    assert {r["placement_kind"] for r in records} <= {"local", "remote"}
+    for r in records:
+        assert r["prefill_instance"] in ("adaptive-0", "adaptive-1")
+        # a local request decodes where it prefilled; a remote one on the other instance
+        same = r["decode_instance"] in ("", r["prefill_instance"])
+        assert same == (r["placement_kind"] == "local"), r
+        assert r["predicted_ttft_s"] > 0 and r["predicted_tpot_s"] > 0
+        assert r["prefill_role_instances"] in (0, 1, 2)
+    for layout in ("colocated", "disaggregated"):
+        (fixed,) = raw["layouts"][layout]["points"]
+        assert {r["placement_kind"] for r in fixed["records"]} == {""}
+    regime = summary["regimes"]["shift"]
+    (placements,) = [p["placements"] for p in regime["points"]["adaptive"]]
+    kinds = [r["placement_kind"] for r in records]
+    assert (placements["num_local"], placements["num_remote"], placements["num_unplaced"]) == (
+        kinds.count("local"), kinds.count("remote"), 0,
+    )  # fmt: skip
+    assert placements["role_changes"][0][0] == 0.0
+    assert [p["placements"] for p in regime["points"]["colocated"]] == [None]
+    assert "shift_placements.png" in regime["plots"]
+    assert (out / "shift_placements.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
