@@ -91,6 +91,11 @@ token = rule(
     "{key} must be a non-empty string (or null for no auth)",
     optional=True,
 )
+optional_text = rule(
+    lambda value: isinstance(value, str) and value.strip(),
+    "{key} must be a non-empty string (or null), got {value!r}",
+    optional=True,
+)
 amount = rule(is_amount, "{key} must be a number > 0, got {value!r}", optional=True)
 file = rule(
     lambda value: isinstance(value, str) and Path(value).expanduser().is_file(),

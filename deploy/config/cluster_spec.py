@@ -154,6 +154,12 @@ def build_cluster_spec(config: ServeConfig, model_dir: str | None = None) -> Clu
             num_colocated_instances=config.colocated.instances, pin_cpus=pin_cpus, ray=config.ray,
         )  # fmt: skip
     kv_transfer = KVTransferConfig(**dataclasses.asdict(config.kv_transfer))  # the same names
+    if config.mode == "adaptive":
+        engine = engine_config(config, model_dir, config.adaptive.tensor_parallel_size)
+        return ClusterSpec(
+            router, adaptive=WorkerConfig.adaptive(engine, kv_transfer),
+            num_adaptive_instances=config.adaptive.instances, pin_cpus=pin_cpus, ray=config.ray,
+        )  # fmt: skip
     prefill = engine_config(config, model_dir, config.prefill.tensor_parallel_size)
     decode = engine_config(config, model_dir, config.decode.tensor_parallel_size)
     return ClusterSpec(

@@ -27,7 +27,7 @@ from deploy.config.models import MODEL_NAMES, check_tensor_parallel
 from router.config import DECODE_POLICIES, PREFILL_POLICIES
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "colocated", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,15 @@ class DecodeSection(RoleSection):
     """Decode instances (data parallel), picked by the decode policy."""
 
     policy: str = knob("least_batch", checks.choice(DECODE_POLICIES))
+
+
+@dataclass(frozen=True)
+class AdaptiveSection:
+    """Instances that each prefill, decode, or both, as the router places each request (mode
+    adaptive); at least two, so that KV can move between them."""
+
+    instances: int = knob(2, checks.integer(2))
+    tensor_parallel_size: int = knob(1, checks.integer(1))
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,12 @@ class RouterSection:
     shutdown_grace_s: float = knob(30.0, checks.seconds())
     max_retries: int = knob(3, checks.integer(0))
     recovery_wait_s: float = knob(30.0, checks.seconds(allow_zero=True))
+    # mode adaptive: the latency profile (`pdserve profile`) placement predicts with, and the
+    # SLOs of a request that sets none (router/adaptive.py)
+    latency_profile: str | None = knob(None, checks.file)
+    latency_profile_model: str | None = knob(None, checks.optional_text)
+    default_ttft_slo_s: float = knob(2.0, checks.seconds())
+    default_tpot_slo_s: float = knob(0.1, checks.seconds())
 
     def __post_init__(self) -> None:
         # Pairs first, before the files are looked at: a lone TLS file is "needs both".
@@ -169,6 +184,7 @@ class ServeConfig:
     prefill: RoleSection = section(RoleSection)
     decode: DecodeSection = section(DecodeSection)
     colocated: RoleSection = section(RoleSection)
+    adaptive: AdaptiveSection = section(AdaptiveSection)
     kv_cache: KVCacheConfig = section(KVCacheConfig)
     kv_transfer: KVTransferSection = section(KVTransferSection)
     scheduler: SchedulerConfig = section(SchedulerConfig)
@@ -194,6 +210,11 @@ class ServeConfig:
             )
         if self.mode == "colocated" and self.colocated.instances < 1:
             raise ConfigError("mode colocated needs colocated.instances >= 1")
+        if self.mode == "adaptive" and self.router.latency_profile is None:
+            raise ConfigError(
+                "mode adaptive needs router.latency_profile: a latency profile of this model "
+                "and device, which `pdserve profile` writes"
+            )
         if self.model not in MODEL_NAMES:
             self.check_tensor_parallel(str(Path(self.model).expanduser()))
 
@@ -213,7 +234,9 @@ class ServeConfig:
     def check_tensor_parallel(self, model_dir: str) -> None:
         """ConfigError naming the heads and the allowed sizes when a TP size does not fit the
         model (a named model is checked once its folder exists: the CLI calls this then)."""
-        roles = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+        roles = {"colocated": ("colocated",), "adaptive": ("adaptive",)}.get(
+            self.mode, ("prefill", "decode")
+        )
         check_tensor_parallel(
             model_dir, {role: getattr(self, role).tensor_parallel_size for role in roles}
         )

@@ -233,6 +233,25 @@ def test_colocated_layout_has_replicas_and_no_ray(model_dir: str) -> None:
         RayCluster(spec)
 
 
+def test_adaptive_layout_needs_a_latency_profile_and_runs_without_ray(model_dir: str) -> None:
+    with pytest.raises(ConfigError, match="mode adaptive needs router.latency_profile"):
+        parse_config({"model": model_dir, "mode": "adaptive"})
+    with pytest.raises(ConfigError, match="adaptive.instances must be"):
+        parse_config({"mode": "adaptive", "adaptive": {"instances": 1}})
+    profile = str(REPO_ROOT / "benchmarks" / "results" / "placement" / "profile-2core.json")
+    config = parse_config({
+        "model": model_dir, "mode": "adaptive", "adaptive": {"instances": 3},
+        "router": {"latency_profile": profile, "default_tpot_slo_s": 0.05},
+    })  # fmt: skip
+    spec = build_cluster_spec(config)
+    assert spec.is_adaptive and spec.instance_ids() == ["adaptive-0", "adaptive-1", "adaptive-2"]
+    worker = spec.worker_config("adaptive-2")
+    assert worker.role.value == "adaptive" and worker.sends_kv and worker.receives_kv
+    assert spec.router.latency_profile == profile and spec.router.default_tpot_slo_s == 0.05
+    with pytest.raises(ConfigError, match="runs as plain processes only"):
+        open_cluster(config, model_dir)
+
+
 def _example_configs() -> dict[str, dict]:
     kuberay = list(yaml.safe_load_all((REPO_ROOT / "deploy" / "kuberay.yaml").read_text()))
     config_map = next(doc for doc in kuberay if doc["kind"] == "ConfigMap")

@@ -92,7 +92,9 @@ class RayCluster(ServingCluster):
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 180.0) -> None:
         if spec.prefill is None or spec.decode is None:
-            raise ValueError("Ray runs the disaggregated layout only; run colocated without Ray")
+            raise ValueError(
+                "Ray runs the disaggregated layout only; run colocated or adaptive without Ray"
+            )
         super().__init__(spec, start_timeout_s)
         self.prefill: WorkerConfig = spec.prefill
         self.decode: WorkerConfig = spec.decode
