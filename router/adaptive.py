@@ -246,6 +246,7 @@ class AdaptivePlacer:
             ttft_s += self.model.transfer_s(num_tokens)
         batch, sum_ctx = self._decode_load(decode, now)
         step_s = self.model.decode_step_s(batch + 1, sum_ctx + num_tokens)
+        slower_s = step_s - self.model.decode_step_s(batch, sum_ctx)  # each step, with it added
         share = min(self._prefill_share(decode, now, extra_s=own_s if decode is prefill else 0.0),
                     0.95)  # fmt: skip
         tpot_s = step_s / (1.0 - share)
@@ -253,7 +254,16 @@ class AdaptivePlacer:
             1 for d in prefill.decoding.values()
             if 0 <= self._slack_s(d, prefill, now) < queued_s + own_s
         )  # fmt: skip
+        if decode is not prefill:  # and those its decode would slow past their SLO
+            harm += sum(
+                1 for d in decode.decoding.values()
+                if 0 <= self._slack_s(d, decode, now) < slower_s * self._remaining(d)
+            )  # fmt: skip
         return _Option(prefill_id, decode_id, ttft_s, tpot_s, harm)
+
+    @staticmethod
+    def _remaining(decoding: _Decoding) -> int:
+        return max(0, decoding.max_tokens - max(decoding.num_tokens, 1))
 
     # -- roles ------------------------------------------------------------------------------
 
@@ -312,12 +322,11 @@ class AdaptivePlacer:
 
     def _slack_s(self, decoding: _Decoding, instance: _Instance, now: float) -> float:
         """How long the decode may still be stalled before its TPOT breaks its SLO."""
+        step_s = self.model.decode_step_s(*self._decode_load(instance, now))
         if decoding.first_token_at is None:  # not decoding yet: its whole budget is ahead
-            return decoding.tpot_slo_s * max(0, decoding.max_tokens - 1)
-        batch, sum_ctx = self._decode_load(instance, now)
-        remaining = max(0, decoding.max_tokens - decoding.num_tokens)
+            return (decoding.tpot_slo_s - step_s) * max(0, decoding.max_tokens - 1)
         deadline = decoding.first_token_at + decoding.tpot_slo_s * (decoding.max_tokens - 1)
-        return deadline - now - remaining * self.model.decode_step_s(batch, sum_ctx)
+        return deadline - now - self._remaining(decoding) * step_s
 
     # -- the request's life -----------------------------------------------------------------
 

@@ -110,6 +110,9 @@ def ids(view: View) -> list[str]:
     return sorted(view.workers)
 
 
+PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks/results/placement/profile-2core.json")
+
+
 @dataclass(frozen=True)
 class Row:
     """Set `value` (with `also`, keys it needs); `where(view)` must then equal `expected`."""
@@ -147,6 +150,10 @@ def table(tmp: Path) -> dict[str, Row]:
                                               also={"mode": "colocated"}),
         "colocated.policy": Row("round_robin", router("prefill_policy"),
                                 also={"mode": "colocated"}),
+        "adaptive.instances": Row(3, ids, ["adaptive-0", "adaptive-1", "adaptive-2"],
+                                  {"mode": "adaptive", "router.latency_profile": PROFILE}),
+        "adaptive.tensor_parallel_size": Row(2, engine("tensor_parallel_size"), also={
+            "mode": "adaptive", "router.latency_profile": PROFILE}),
         "kv_cache.block_size": Row(8, lambda v: (one(e.block_size for e in engines(v)),
                                                  v.router.block_size), (8, 8)),
         "kv_cache.memory_mb": Row(3, engine("kv_cache_memory_bytes"), 3 * 1024 * 1024),
@@ -180,6 +187,10 @@ def table(tmp: Path) -> dict[str, Row]:
         "router.shutdown_grace_s": Row(12.0, router("shutdown_grace_s")),
         "router.max_retries": Row(5, router("max_retries")),
         "router.recovery_wait_s": Row(4.5, router("recovery_wait_s")),
+        "router.latency_profile": Row(PROFILE, router("latency_profile")),
+        "router.latency_profile_model": Row("m", router("latency_profile_model")),
+        "router.default_ttft_slo_s": Row(1.5, router("default_ttft_slo_s")),
+        "router.default_tpot_slo_s": Row(0.05, router("default_tpot_slo_s")),
         "ray.enabled": Row(False, lambda v: v.runtime, "plain"),
         "ray.address": Row("auto", lambda v: v.ray_start, ("join", "auto")),
         "ray.num_cpus": Row(3, lambda v: v.ray_start, ("local", 3)),
@@ -196,6 +207,8 @@ PLAIN_ONLY = {
     "colocated.instances": "colocated mode only (plain processes)",
     "colocated.tensor_parallel_size": "colocated mode only (plain processes)",
     "colocated.policy": "colocated mode only (plain processes)",
+    "adaptive.instances": "adaptive mode only (plain processes)",
+    "adaptive.tensor_parallel_size": "adaptive mode only (plain processes)",
 }
 RAY_ONLY = {
     "ray.enabled": "picks the runtime: false is what --no-ray sets",
