@@ -4,7 +4,7 @@ and move the KV (remote), from predicted TTFT and TPOT against the request's own
 Every instance of an adaptive cluster (Role.ADAPTIVE) prefills, decodes, or does both. Two
 decisions, one slow and one per request:
 
-Roles (`_update_roles`, at each placement, over the last `WINDOW_S` of arrivals). A request is
+Roles (`_update_roles`, at each placement, over the last `window_s` of arrivals). A request is
 *tight* when its TPOT SLO cannot absorb the stalls a colocated instance puts on its decodes:
 its slack over `max_tokens` tokens, (tpot_slo - decode step) x (max_tokens - 1), is below
 `STALLS_ABSORBED` of the window's long prefills (their 90th percentile of predicted compute).
@@ -55,7 +55,7 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policies import InstanceState
 
-WINDOW_S = 10.0  # the arrivals the roles follow
+WINDOW_S = 10.0  # the arrivals the roles follow, by default (router.adaptive_window_s)
 STALLS_ABSORBED = 2.0  # a request that absorbs fewer long prefills than this is tight
 TIGHT_SHARE = 0.05  # tight requests' share of the window that turns on prefill roles
 PREFILL_UTILIZATION = 0.8  # the prefill work one prefill-role instance is given at most
@@ -186,8 +186,10 @@ class AdaptivePlacer:
         model: LatencyModel,
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        window_s: float = WINDOW_S,
     ) -> None:
         self.model = model
+        self.window_s = window_s
         self._metrics = metrics
         self._clock = clock
         self._instances: dict[str, _Instance] = {}
@@ -268,13 +270,13 @@ class AdaptivePlacer:
     # -- roles ------------------------------------------------------------------------------
 
     def _update_roles(self, now: float, ids: list[str]) -> None:
-        while self._arrivals and self._arrivals[0].at < now - WINDOW_S:
+        while self._arrivals and self._arrivals[0].at < now - self.window_s:
             self._arrivals.popleft()
         num_tight = sum(1 for arrival in self._arrivals if self._is_tight(arrival))
         k = 0
         if num_tight >= max(1.0, TIGHT_SHARE * len(self._arrivals)) and len(ids) > 1:
             work_s = sum(arrival.compute_s for arrival in self._arrivals)
-            needed = math.ceil(work_s / WINDOW_S / PREFILL_UTILIZATION)
+            needed = math.ceil(work_s / self.window_s / PREFILL_UTILIZATION)
             k = min(max(needed, 1), len(ids) - 1)
         kept = [i for i in self.prefill_role if i in ids][:k]
         # New prefill-role instances: those with the fewest decodes to protect.
@@ -316,9 +318,9 @@ class AdaptivePlacer:
     def _prefill_share(self, instance: _Instance, now: float, extra_s: float = 0.0) -> float:
         """The share of the last window the instance spent (or is set to spend) on prompts."""
         log = instance.prefill_log
-        while log and log[0][0] < now - WINDOW_S:
+        while log and log[0][0] < now - self.window_s:
             log.popleft()
-        return (sum(compute_s for _, compute_s in log) + extra_s) / WINDOW_S
+        return (sum(compute_s for _, compute_s in log) + extra_s) / self.window_s
 
     def _slack_s(self, decoding: _Decoding, instance: _Instance, now: float) -> float:
         """How long the decode may still be stalled before its TPOT breaks its SLO."""
@@ -385,4 +387,4 @@ def adaptive_placer(config: RouterConfig, metrics: RouterMetrics | None = None) 
             "to a file `pdserve profile` wrote for this model and device"
         )
     model = LatencyModel.from_file(config.latency_profile, config.latency_profile_model)
-    return AdaptivePlacer(model, metrics)
+    return AdaptivePlacer(model, metrics, window_s=config.adaptive_window_s)

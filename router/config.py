@@ -46,7 +46,8 @@ class RouterConfig:
     request's TTFT and TPOT with the latency model in `latency_profile` (a profile file that
     `pdserve profile` writes; `latency_profile_model` names the model when it holds several),
     corrected online by the workers' measured step times, against the request's own SLOs or, when
-    it sets none, `default_ttft_slo_s` and `default_tpot_slo_s`.
+    it sets none, `default_ttft_slo_s` and `default_tpot_slo_s`; instance roles follow the
+    arrivals of the last `adaptive_window_s`.
     """
 
     model_dir: str
@@ -81,6 +82,7 @@ class RouterConfig:
     latency_profile_model: str | None = None
     default_ttft_slo_s: float = 2.0
     default_tpot_slo_s: float = 0.1
+    adaptive_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_dir):
@@ -151,6 +153,7 @@ class RouterConfig:
             "shutdown_grace_s",
             "default_ttft_slo_s",
             "default_tpot_slo_s",
+            "adaptive_window_s",
         )
         for name in names:
             value = getattr(self, name)

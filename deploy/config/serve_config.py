@@ -120,6 +120,7 @@ class RouterSection:
     latency_profile_model: str | None = knob(None, checks.optional_text)
     default_ttft_slo_s: float = knob(2.0, checks.seconds())
     default_tpot_slo_s: float = knob(0.1, checks.seconds())
+    adaptive_window_s: float = knob(10.0, checks.seconds())  # the arrivals roles follow
 
     def __post_init__(self) -> None:
         # Pairs first, before the files are looked at: a lone TLS file is "needs both".

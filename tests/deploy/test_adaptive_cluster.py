@@ -34,8 +34,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("adaptive"), "llama"))
 
 
-def adaptive_spec(model_dir: str) -> ClusterSpec:
-    router = RouterConfig(model_dir=model_dir, port=0, block_size=8, latency_profile=str(PROFILE))
+def adaptive_spec(model_dir: str, window_s: float = 10.0) -> ClusterSpec:
+    router = RouterConfig(
+        model_dir=model_dir, port=0, block_size=8, latency_profile=str(PROFILE),
+        adaptive_window_s=window_s,
+    )  # fmt: skip
     worker = WorkerConfig.adaptive(engine_config(model_dir), KVTransferConfig(start_timeout_s=8.0))
     return ClusterSpec(router=router, adaptive=worker, num_adaptive_instances=2, pin_cpus=False)
 
@@ -86,3 +89,38 @@ def test_a_bad_slo_is_invalid_argument(model_dir: str) -> None:
                 generate(address, [5, 6, 7], "bad", bad)
             assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "slo_s must be a number of seconds > 0" in raised.value.details()
+
+
+def test_a_shift_from_tight_to_loose_traffic_moves_the_roles_and_fails_nothing(
+    model_dir: str,
+) -> None:
+    """The shift workload's two halves, as SLOs: long prompts held to a TPOT no colocated stall
+    fits, then short ones that fit anywhere. The roles move from one prefill instance to none
+    within the window (2 s here), with no restart, and every request of both halves ends well."""
+    window_s = 2.0
+    tight = make_prompts((40, 44, 38, 42, 46, 40), seed=5)
+    loose = make_prompts((8, 10, 12, 9, 11, 7, 10, 9, 12, 8, 11, 10), seed=6)
+    with LocalCluster(adaptive_spec(model_dir, window_s), restart_workers=False) as cluster:
+        address = cluster.start()
+        pids = {i: worker.pid for i, worker in cluster.workers.items()}
+        lasts = []
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(generate, address, p, f"t{i}", TIGHT)
+                       for i, p in enumerate(tight)]  # fmt: skip
+            lasts += [future.result(timeout=120)[-1] for future in futures]
+        began = time.monotonic()
+        for i, prompt in enumerate(loose):  # one every ~0.3 s, past the window
+            lasts.append(generate(address, prompt, f"l{i}", LOOSE)[-1])
+            time.sleep(max(0.0, began + 0.3 * (i + 1) - time.monotonic()))
+        assert time.monotonic() - began > window_s
+        assert all(last.finish_reason == pb.FINISH_REASON_LENGTH for last in lasts)
+        roles = [last.placement.prefill_role_instances for last in lasts]
+        kinds = [last.placement.kind for last in lasts]
+        assert roles[: len(tight)] == [1] * len(tight) and kinds[: len(tight)] == ["remote"] * 6
+        assert roles[-3:] == [0, 0, 0] and kinds[-3:] == ["local"] * 3  # the roles moved
+        assert {last.prefill_instance for last in lasts[-6:]} == set(pids)  # both replicas serve
+        assert {i: worker.pid for i, worker in cluster.workers.items()} == pids  # no restart
+        deadline = time.monotonic() + 10.0
+        while any(load.num_free_blocks != NUM_BLOCKS for load in cluster.status()):
+            assert time.monotonic() < deadline, [load.num_free_blocks for load in cluster.status()]
+            time.sleep(0.05)

@@ -191,6 +191,7 @@ def table(tmp: Path) -> dict[str, Row]:
         "router.latency_profile_model": Row("m", router("latency_profile_model")),
         "router.default_ttft_slo_s": Row(1.5, router("default_ttft_slo_s")),
         "router.default_tpot_slo_s": Row(0.05, router("default_tpot_slo_s")),
+        "router.adaptive_window_s": Row(4.0, router("adaptive_window_s")),
         "ray.enabled": Row(False, lambda v: v.runtime, "plain"),
         "ray.address": Row("auto", lambda v: v.ray_start, ("join", "auto")),
         "ray.num_cpus": Row(3, lambda v: v.ray_start, ("local", 3)),
