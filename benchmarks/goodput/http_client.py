@@ -2,7 +2,9 @@
 
 The same requests as the gRPC client (client.py): `POST /v1/completions` with the prompt as token
 ids, `max_tokens` = the target, `ignore_eos` (vLLM's and SGLang's extension, which pdserve takes
-too), greedy, streamed as server-sent events with usage (STREAM_OPTIONS). Sent through the
+too), the request's class SLOs (`ttft_slo_s`, `tpot_slo_s`: pdserve's extension, by which an
+adaptive cluster places it; other servers ignore fields they do not know), greedy, streamed as
+server-sent events with usage (STREAM_OPTIONS). Sent through the
 official `openai` SDK, so what it measures is what an ordinary client sees.
 
 Token times: with per-chunk usage (STREAM_OPTIONS) every chunk's new completion tokens arrive at
@@ -63,7 +65,7 @@ async def _one_request(
         stream = await client.completions.create(
             model=model, prompt=list(request.prompt_token_ids), max_tokens=request.output_len,
             temperature=0.0, stream=True, stream_options=STREAM_OPTIONS,
-            extra_body={"ignore_eos": True},
+            extra_body=_extra_body(request),
         )  # fmt: skip
         async for chunk in stream:
             now = clock.now()
@@ -116,3 +118,13 @@ async def run_http_shard_async(
         records = await asyncio.gather(*tasks)
     by_id = {record.request_id: record for record in records}
     return [by_id[request.request_id] for request in requests]
+
+
+def _extra_body(request: BenchRequest) -> dict[str, object]:
+    """The non-OpenAI fields: ignore_eos, and the SLOs when the request has them."""
+    extra: dict[str, object] = {"ignore_eos": True}
+    for name in ("ttft_slo_s", "tpot_slo_s"):
+        value = getattr(request, name)
+        if value is not None:
+            extra[name] = value
+    return extra

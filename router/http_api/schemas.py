@@ -4,7 +4,8 @@ Requests take the fields OpenAI's SDK sends; a field pdserve cannot honour (logp
 tools, penalties, ...) is refused with a 400 naming it (see `unsupported_field`), never silently
 ignored. Fields the SDK does not know are ignored, as OpenAI does. A few vLLM extensions that
 benchmark tools send are accepted: `top_k`, `ignore_eos`, `stop_token_ids`, `request_id` and
-`stream_options.continuous_usage_stats` (usage on every chunk).
+`stream_options.continuous_usage_stats` (usage on every chunk); and pdserve's own `ttft_slo_s`
+and `tpot_slo_s`, the latency objectives an adaptive cluster places the request by.
 
 Responses are built without validation (`model_construct`) on the streaming path: every chunk is
 made here from values the router already checked.
@@ -51,6 +52,9 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     request_id: str | None = None
+    # pdserve extensions: the request's latency objectives, for an adaptive cluster's placement
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to something pdserve does not do."""

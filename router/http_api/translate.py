@@ -46,6 +46,8 @@ def _sampling(body: SamplingFields, request_id: str, max_tokens: int | None) -> 
         stop=stop,
         stop_token_ids=body.stop_token_ids or (),
         ignore_eos=body.ignore_eos,
+        ttft_slo_s=body.ttft_slo_s,
+        tpot_slo_s=body.tpot_slo_s,
     )
 
 

@@ -168,6 +168,8 @@ def test_the_event_stream_ends_with_done_and_models_health_metrics_answer(
         ({"prompt": ""}, "prompt"),
         ({"stop": ["x", ""]}, "stop[1]"),
         ({"temperature": "warm"}, "temperature"),
+        ({"extra_body": {"tpot_slo_s": 0}}, "tpot_slo_s"),  # pdserve's SLO extension
+        ({"extra_body": {"ttft_slo_s": -2.5}}, "ttft_slo_s"),
     ],
 )
 def test_bad_completion_fields_get_400_naming_the_field(
