@@ -18,8 +18,9 @@ replicas, and a shift between them moves the roles within one window, with no re
 Placement (`choose`), given the roles. The options are: local on any instance; remote from a
 prefill-role instance to a decode-role one (only while k > 0). For each the model predicts
 
-    TTFT  = queued prefill compute there + this prompt's compute (its chunks, each riding a
-            step with that instance's decodes) [+ the KV transfer]
+    TTFT  = queued prefill compute there + this prompt's compute (the tokens its prefix cache
+            lacks, when KV-aware routing's index is on; its chunks, each riding a step with that
+            instance's decodes) [+ the KV transfer]
     TPOT  = the decode instance's step with this request added / (1 - its prefill share),
             the share of the last window's time it spent computing prompts
     harm  = decodes on the prefill instance whose slack (the time left before their TPOT SLO
@@ -46,7 +47,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from planner.latency import StepModel, transfer_ms
@@ -205,9 +206,12 @@ class AdaptivePlacer:
         max_tokens: int,
         slo: RequestSLO,
         candidates: Sequence[InstanceState],
+        num_cached: Mapping[str, int] | None = None,
     ) -> Placement:
         """Where to prefill and decode a request (`candidates`: the healthy instances, not
-        empty). The request's prompt tokens are those the prefill side computes."""
+        empty). `num_cached`: the prompt tokens each instance's prefix cache holds (KV-aware
+        routing's index), which a prefill there does not compute."""
+        cached = num_cached or {}
         now = self._clock()
         ids = sorted(state.instance_id for state in candidates)
         for instance_id in ids:
@@ -216,7 +220,7 @@ class AdaptivePlacer:
         chunk_size = candidates[0].load.extra.get("chunk_size")
         if chunk_size:
             self.model.chunk_size = int(chunk_size)
-        compute_s = self.model.prefill_s(num_prompt_tokens)
+        compute_s = self.model.prefill_s(num_prompt_tokens - max(cached.values(), default=0))
         step_s = self._mean_step_s(ids)
         arrival = _Arrival(now, compute_s, slo.tpot_s, (slo.tpot_s - step_s) * (max_tokens - 1))
         self._arrivals.append(arrival)
@@ -224,7 +228,7 @@ class AdaptivePlacer:
         tight = self._is_tight(arrival)
         roles_on = bool(self.prefill_role)
         options = [
-            self._option(a, b, num_prompt_tokens, max_tokens, now)
+            self._option(a, b, num_prompt_tokens, cached.get(a, 0), now)
             for a in ids for b in ids
             if (a == b and not (tight and roles_on))
             or (a in self.prefill_role and b not in self.prefill_role)
@@ -232,16 +236,17 @@ class AdaptivePlacer:
         fits = [o for o in options if free_blocks.get(o.decode_id, 1) > 0] or options
         best = min(fits, key=lambda o: o.score(slo))
         state = self._instances[best.prefill_id]
+        uncached = num_prompt_tokens - cached.get(best.prefill_id, 0)
         return Placement(
             best.prefill_id, best.decode_id, best.ttft_s, best.tpot_s, len(self.prefill_role),
-            self.model.profiled_prefill_s(num_prompt_tokens, *self._decode_load(state, now)),
+            self.model.profiled_prefill_s(uncached, *self._decode_load(state, now)),
         )  # fmt: skip
 
     def _option(
-        self, prefill_id: str, decode_id: str, num_tokens: int, max_tokens: int, now: float
+        self, prefill_id: str, decode_id: str, num_tokens: int, num_cached: int, now: float
     ) -> _Option:
         prefill, decode = self._instances[prefill_id], self._instances[decode_id]
-        own_s = self.model.prefill_s(num_tokens, *self._decode_load(prefill, now))
+        own_s = self.model.prefill_s(num_tokens - num_cached, *self._decode_load(prefill, now))
         queued_s = sum(prefill.queued.values())
         ttft_s = queued_s + own_s
         if prefill_id != decode_id:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from router.adaptive import AdaptivePlacer, Placement, RequestSLO
 from router.generation_errors import FailureKind, GenerationFailed
-from router.policies import DecodePolicy, PrefillPolicy
+from router.policies import DecodePolicy, KVAware, PrefillPolicy
 from router.validation import ValidatedRequest
 from router.worker_api import KVTicket, Overloaded, RequestTimings, WorkerRequest
 from router.worker_pool import RequestChannel, WorkerPool
@@ -176,7 +176,12 @@ class Dispatcher:
             return None
         prompt, max_tokens = request.prompt_token_ids, request.params.max_tokens
         slo = request.slo or self._default_slo
-        return self.placer.choose(len(prompt), max_tokens, slo, candidates)
+        cached = None
+        if isinstance(self._prefill_policy, KVAware):  # the prefix index is on: use it
+            cached = self._prefill_policy.cached_tokens(
+                prompt, [state.instance_id for state in candidates]
+            )
+        return self.placer.choose(len(prompt), max_tokens, slo, candidates, cached)
 
     def _pick_decode(self, request: ValidatedRequest, refused: set[str]) -> str | None:
         if not self._pool.disaggregated:

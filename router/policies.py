@@ -145,6 +145,14 @@ class KVAware(PrefillPolicy):
 
         return min(candidates, key=cost)
 
+    def cached_tokens(
+        self, prompt_token_ids: Sequence[int], instance_ids: Sequence[str]
+    ) -> dict[str, int]:
+        """The prompt tokens each instance's prefix cache holds (what a prefill there skips)."""
+        block_hashes = hash_prompt_blocks(prompt_token_ids, self._block_size)
+        matched = self.index.matching_blocks(block_hashes, instance_ids)
+        return {i: self._cached(matched[i], len(prompt_token_ids)) for i in instance_ids}
+
     def placed(self, prompt_token_ids: Sequence[int], instance_id: str) -> int:
         """What the instance will compute, and from now on: the prompt's blocks are expected
         there (it caches them once it has prefilled the prompt)."""

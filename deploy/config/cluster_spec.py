@@ -131,12 +131,13 @@ def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:
     router = dataclasses.asdict(config.router)
     del router["auth_token_file"]
     router["auth_token"] = config.router.resolved_auth_token()
-    colocated = config.mode == "colocated"
+    policies = {"colocated": config.colocated.policy, "adaptive": config.adaptive.policy}
+    prefill_policy = policies.get(config.mode, config.prefill.policy)  # who picks the prefill
     return RouterConfig(
         model_dir=model_dir,
         metrics_host=config.router.host,
         block_size=config.kv_cache.block_size,
-        prefill_policy=config.colocated.policy if colocated else config.prefill.policy,
+        prefill_policy=prefill_policy,
         decode_policy=config.decode.policy,
         **router,
     )

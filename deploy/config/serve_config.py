@@ -54,6 +54,8 @@ class AdaptiveSection:
 
     instances: int = knob(2, checks.integer(2))
     tensor_parallel_size: int = knob(1, checks.integer(1))
+    # kv_aware: placement counts the prompt tokens each instance's prefix cache holds
+    policy: str = knob("least_tokens", checks.choice(PREFILL_POLICIES))
 
 
 @dataclass(frozen=True)

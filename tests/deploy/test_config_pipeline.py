@@ -154,6 +154,8 @@ def table(tmp: Path) -> dict[str, Row]:
                                   {"mode": "adaptive", "router.latency_profile": PROFILE}),
         "adaptive.tensor_parallel_size": Row(2, engine("tensor_parallel_size"), also={
             "mode": "adaptive", "router.latency_profile": PROFILE}),
+        "adaptive.policy": Row("kv_aware", router("prefill_policy"), also={
+            "mode": "adaptive", "router.latency_profile": PROFILE}),
         "kv_cache.block_size": Row(8, lambda v: (one(e.block_size for e in engines(v)),
                                                  v.router.block_size), (8, 8)),
         "kv_cache.memory_mb": Row(3, engine("kv_cache_memory_bytes"), 3 * 1024 * 1024),
@@ -210,6 +212,7 @@ PLAIN_ONLY = {
     "colocated.policy": "colocated mode only (plain processes)",
     "adaptive.instances": "adaptive mode only (plain processes)",
     "adaptive.tensor_parallel_size": "adaptive mode only (plain processes)",
+    "adaptive.policy": "adaptive mode only (plain processes)",
 }
 RAY_ONLY = {
     "ray.enabled": "picks the runtime: false is what --no-ray sets",

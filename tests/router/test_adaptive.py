@@ -115,3 +115,13 @@ def test_the_model_learns_the_machine_speed(placer: AdaptivePlacer):
     assert placer.model.speed == pytest.approx(2.0, rel=0.02)
     assert placer.model.prefill_s(400) == pytest.approx(2.0 * 0.001 * (
         placer.model.step.prefill_stage_ms(400, 400.0**2)), rel=0.02)  # fmt: skip
+
+
+def test_a_cached_prefix_draws_the_prefill_and_shortens_its_predicted_ttft(
+    placer: AdaptivePlacer,
+):
+    cold = placer.choose(600, 200, CHATBOT, states("a", "b"))
+    warm = placer.choose(600, 200, CHATBOT, states("a", "b"), {"a": 0, "b": 560})
+    assert warm.kind == "local" and warm.prefill_id == "b"
+    assert warm.predicted_ttft_s < 0.2 * cold.predicted_ttft_s
+    assert warm.profiled_compute_s == pytest.approx(placer.model.profiled_prefill_s(40))
