@@ -10,7 +10,8 @@ its slack over `max_tokens` tokens, (tpot_slo - decode step) x (max_tokens - 1),
 `STALLS_ABSORBED` of the window's long prefills (their 90th percentile of predicted compute).
 While tight requests make up `TIGHT_SHARE` of the window, `k` instances take remote prefills
 (enough to keep each under `PREFILL_UTILIZATION` of prefill work, at least 1, at most n - 1);
-the rest decode. With none in the window, k = 0: every request runs where it is prefilled,
+the rest decode; unless queueing the tight prompts on k instances would break more of their
+TTFT SLOs than it keeps (`_split_breaks_ttft`). With none in the window, k = 0: every request runs where it is prefilled,
 the colocated layout. So summarization-like traffic (long prompts, tight TPOT) turns the cluster
 into prefill + decode instances, chatbot-like traffic (short prompts, long loose outputs) into
 replicas, and a shift between them moves the roles within one window, with no restart.
@@ -39,7 +40,10 @@ budget, which on CPU costs more than it saves: small chunks run the prompt 1.7x 
 Model: the planner's latency model (planner/latency.StepModel, from the profile file) times a
 speed factor the router learns from every first token (the worker's measured prefill compute
 over the predicted one, an exponential average): a profile taken on another day, or a machine
-whose speed moved, still predicts in the right units.
+whose speed moved, still predicts in the right units. A second factor, learned from every
+finished request's TPOT against its prediction, scales the decode step: what the profile's
+step and the stall model miss under load (measured on the bench: TPOT predicted 16-27 ms came
+out 30-38 ms, and the SLO between them let placements through that broke it).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class Placement:
     predicted_tpot_s: float
     prefill_role_instances: int  # k at the time
     profiled_compute_s: float = 0.0  # the prompt's compute at the profile's speed
+    decode_bias: float = 1.0  # the model's decode bias when it predicted predicted_tpot_s
 
     @property
     def kind(self) -> str:
@@ -109,7 +114,7 @@ class _Instance:
 class _Arrival:
     at: float
     compute_s: float
-    tpot_slo_s: float
+    ttft_slo_s: float
     slack_s: float  # (tpot_slo - decode step) x (max_tokens - 1)
 
 
@@ -134,7 +139,10 @@ class LatencyModel:
     def __init__(self, step: StepModel, chunk_size: int = 512) -> None:
         self.step = step
         self.chunk_size = chunk_size
-        self.speed = 1.0
+        self.speed = 1.0  # measured over profiled prompt compute
+        # Measured TPOT over predicted, on top of `speed`: what the decode step and the stall
+        # model miss (a step that grows faster with the batch than profiled, lumpier stalls).
+        self.decode_bias = 1.0
 
     @classmethod
     def from_file(cls, path: str, model: str | None = None) -> LatencyModel:
@@ -144,7 +152,7 @@ class LatencyModel:
     def decode_step_s(self, batch_size: int, sum_ctx: float) -> float:
         if batch_size <= 0:
             return 0.0
-        return self.speed * self.step.decode_stage_ms(batch_size, sum_ctx) / 1000.0
+        return self.speed * self.decode_bias * self.step.decode_stage_ms(batch_size, sum_ctx) / 1e3
 
     def prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0) -> float:
         """A prompt's compute: its chunks, each in a step beside `batch_size` decodes."""
@@ -174,8 +182,18 @@ class LatencyModel:
         if profiled_s <= 0 or measured_s <= 0:
             return
         ratio = measured_s / profiled_s  # the speed that would have predicted it
-        blended = (1 - SPEED_ALPHA) * self.speed + SPEED_ALPHA * ratio
-        self.speed = min(max(blended, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
+        self.speed = _blend(self.speed, ratio)
+
+    def observe_tpot(self, predicted_s: float, bias: float, measured_s: float) -> None:
+        """A request's measured TPOT against the one predicted when it was placed (at `bias`)."""
+        if predicted_s <= 0 or measured_s <= 0:
+            return
+        self.decode_bias = _blend(self.decode_bias, bias * measured_s / predicted_s)
+
+
+def _blend(old: float, measured: float) -> float:
+    blended = (1 - SPEED_ALPHA) * old + SPEED_ALPHA * measured
+    return min(max(blended, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
 
 
 class AdaptivePlacer:
@@ -222,7 +240,7 @@ class AdaptivePlacer:
             self.model.chunk_size = int(chunk_size)
         compute_s = self.model.prefill_s(num_prompt_tokens - max(cached.values(), default=0))
         step_s = self._mean_step_s(ids)
-        arrival = _Arrival(now, compute_s, slo.tpot_s, (slo.tpot_s - step_s) * (max_tokens - 1))
+        arrival = _Arrival(now, compute_s, slo.ttft_s, (slo.tpot_s - step_s) * (max_tokens - 1))
         self._arrivals.append(arrival)
         self._update_roles(now, ids)
         tight = self._is_tight(arrival)
@@ -240,6 +258,7 @@ class AdaptivePlacer:
         return Placement(
             best.prefill_id, best.decode_id, best.ttft_s, best.tpot_s, len(self.prefill_role),
             self.model.profiled_prefill_s(uncached, *self._decode_load(state, now)),
+            self.model.decode_bias,
         )  # fmt: skip
 
     def _option(
@@ -277,12 +296,14 @@ class AdaptivePlacer:
     def _update_roles(self, now: float, ids: list[str]) -> None:
         while self._arrivals and self._arrivals[0].at < now - self.window_s:
             self._arrivals.popleft()
-        num_tight = sum(1 for arrival in self._arrivals if self._is_tight(arrival))
+        tight = [arrival for arrival in self._arrivals if self._is_tight(arrival)]
         k = 0
-        if num_tight >= max(1.0, TIGHT_SHARE * len(self._arrivals)) and len(ids) > 1:
+        if len(tight) >= max(1.0, TIGHT_SHARE * len(self._arrivals)) and len(ids) > 1:
             work_s = sum(arrival.compute_s for arrival in self._arrivals)
             needed = math.ceil(work_s / self.window_s / PREFILL_UTILIZATION)
             k = min(max(needed, 1), len(ids) - 1)
+            if self._split_breaks_ttft(tight, k):
+                k = 0
         kept = [i for i in self.prefill_role if i in ids][:k]
         # New prefill-role instances: those with the fewest decodes to protect.
         for instance_id in sorted(ids, key=lambda i: (len(self._instances[i].decoding), i)):
@@ -293,6 +314,20 @@ class AdaptivePlacer:
         self.prefill_role = tuple(sorted(kept))
         if not self.role_changes or self.role_changes[-1][1] != k:
             self.role_changes.append((now, k))
+
+    def _split_breaks_ttft(self, tight: list[_Arrival], k: int) -> bool:
+        """Whether queueing the tight requests' prompts on k instances would make more of them
+        miss their TTFT than it saves from colocated stalls: the mean wait of an M/D/1 queue at
+        those instances' prompt utilization, against each one's TTFT SLO. (Code completion's
+        TTFT is 2.5 prefills: under load, one prefill instance's queue breaks it; summarization
+        allows 10.)"""
+        mean_s = sum(arrival.compute_s for arrival in tight) / len(tight)
+        # over the time they arrived in (the window, or less when it has not filled yet)
+        span_s = max(self._clock() - self._arrivals[0].at, mean_s, 1e-3)
+        utilization = min(0.95, mean_s * len(tight) / min(span_s, self.window_s) / k)
+        wait_s = utilization / (2.0 * (1.0 - utilization)) * mean_s
+        late = sum(1 for arrival in tight if arrival.compute_s + wait_s > arrival.ttft_slo_s)
+        return late > len(tight) - late
 
     def _is_tight(self, arrival: _Arrival) -> bool:
         long_prefill_s = self._long_prefill_s()
@@ -364,6 +399,11 @@ class AdaptivePlacer:
             decoding.num_tokens = max(decoding.num_tokens, 1)
         if measured_s is not None:
             self.model.observe(placement.profiled_compute_s, measured_s)
+
+    def finished(self, placement: Placement, tpot_s: float) -> None:
+        """The request ended with this TPOT (measured by the router): the TPOT predictions learn
+        from it."""
+        self.model.observe_tpot(placement.predicted_tpot_s, placement.decode_bias, tpot_s)
 
     def progress(self, key: str, placement: Placement, num_tokens: int) -> None:
         decode = self._instances.get(placement.decode_id)

@@ -125,3 +125,26 @@ def test_a_cached_prefix_draws_the_prefill_and_shortens_its_predicted_ttft(
     assert warm.kind == "local" and warm.prefill_id == "b"
     assert warm.predicted_ttft_s < 0.2 * cold.predicted_ttft_s
     assert warm.profiled_compute_s == pytest.approx(placer.model.profiled_prefill_s(40))
+
+
+def test_tpot_predictions_learn_from_the_measured_ones(placer: AdaptivePlacer):
+    before = place(placer, "r", 200, 50, CHATBOT)
+    for _ in range(30):  # every request decodes 1.5x slower than predicted
+        placer.finished(before, 1.5 * before.predicted_tpot_s)
+    assert placer.model.decode_bias == pytest.approx(1.5, rel=0.02)
+    placer.release("r", before)
+    after = place(placer, "s", 200, 50, CHATBOT)
+    assert after.predicted_tpot_s == pytest.approx(1.5 * before.predicted_tpot_s, rel=0.05)
+    assert after.decode_bias == pytest.approx(1.5, rel=0.02)
+
+
+def test_roles_stay_off_when_one_prefill_queue_would_break_the_tight_ttfts(
+    placer: AdaptivePlacer, clock: Clock
+):
+    # Short outputs (tight TPOT slack) but a TTFT of 1.2 prefills, arriving faster than one
+    # instance prefills them: a prefill instance's queue would break them, so both replicas stay.
+    code = RequestSLO(ttft_s=1.2 * placer.model.prefill_s(300), tpot_s=0.02)
+    for n in range(12):
+        placement = place(placer, f"c{n}", 300, 8, code)
+        clock.now += 0.8 * placer.model.prefill_s(300)
+    assert placer.prefill_role == () and placement.kind == "local"
