@@ -37,13 +37,14 @@ another: the decode-role instances admit local prefills only of loose requests, 
 much prompt compute as their decodes' slack allows (the per-request form of a per-step prefill
 budget, which on CPU costs more than it saves: small chunks run the prompt 1.7x slower).
 
-Model: the planner's latency model (planner/latency.StepModel, from the profile file) times a
-speed factor the router learns from every first token (the worker's measured prefill compute
-over the predicted one, an exponential average): a profile taken on another day, or a machine
-whose speed moved, still predicts in the right units. A second factor, learned from every
-finished request's TPOT against its prediction, scales the decode step: what the profile's
-step and the stall model miss under load (measured on the bench: TPOT predicted 16-27 ms came
-out 30-38 ms, and the SLO between them let placements through that broke it).
+Model (router/latency_model.py): the planner's latency model (planner/latency.StepModel, from
+the profile file) times a speed factor the router learns from every first token (the worker's
+measured prefill compute over the predicted one, an exponential average): a profile taken on
+another day, or a machine whose speed moved, still predicts in the right units. A second
+factor, learned from every finished request's TPOT against its prediction, scales the decode
+step: what the profile's step and the stall model miss under load (measured on the bench: TPOT
+predicted 16-27 ms came out 30-38 ms, and the SLO between them let placements through that
+broke it).
 """
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from planner.latency import StepModel, transfer_ms
-from planner.profile import load_profile
 from router.config import RouterConfig
+from router.latency_model import LatencyModel
 from router.metrics import RouterMetrics
 from router.policies import InstanceState
 
@@ -64,8 +64,6 @@ WINDOW_S = 10.0  # the arrivals the roles follow, by default (router.adaptive_wi
 STALLS_ABSORBED = 2.0  # a request that absorbs fewer long prefills than this is tight
 TIGHT_SHARE = 0.05  # tight requests' share of the window that turns on prefill roles
 PREFILL_UTILIZATION = 0.8  # the prefill work one prefill-role instance is given at most
-SPEED_ALPHA = 0.2  # weight of each new measurement in the speed factor
-SPEED_BOUNDS = (0.25, 8.0)
 MAX_ROLE_CHANGES = 256  # the role timeline kept for metrics and tests
 
 
@@ -131,69 +129,6 @@ class _Option:
         misses = self.harm + int(self.ttft_s > slo.ttft_s) + int(self.tpot_s > slo.tpot_s)
         remote = self.prefill_id != self.decode_id
         return misses, remote, self.ttft_s / slo.ttft_s + self.tpot_s / slo.tpot_s
-
-
-class LatencyModel:
-    """Step times in seconds from a profile's StepModel, times the learned speed factor."""
-
-    def __init__(self, step: StepModel, chunk_size: int = 512) -> None:
-        self.step = step
-        self.chunk_size = chunk_size
-        self.speed = 1.0  # measured over profiled prompt compute
-        # Measured TPOT over predicted, on top of `speed`: what the decode step and the stall
-        # model miss (a step that grows faster with the batch than profiled, lumpier stalls).
-        self.decode_bias = 1.0
-
-    @classmethod
-    def from_file(cls, path: str, model: str | None = None) -> LatencyModel:
-        profile = load_profile(path, model)
-        return cls(StepModel(profile.tp(min(profile.by_tp))))
-
-    def decode_step_s(self, batch_size: int, sum_ctx: float) -> float:
-        if batch_size <= 0:
-            return 0.0
-        return self.speed * self.decode_bias * self.step.decode_stage_ms(batch_size, sum_ctx) / 1e3
-
-    def prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0) -> float:
-        """A prompt's compute: its chunks, each in a step beside `batch_size` decodes."""
-        return self.speed * self.profiled_prefill_s(num_tokens, batch_size, sum_ctx)
-
-    def profiled_prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0
-                           ) -> float:  # fmt: skip
-        """The same at the profile's own speed."""
-        if num_tokens <= 0:
-            return 0.0
-        alone = self.step.prefill_stage_ms(num_tokens, float(num_tokens) ** 2)
-        num_chunks = math.ceil(num_tokens / self.chunk_size)
-        beside = num_chunks * self.step.decode_stage_ms(batch_size, sum_ctx) if batch_size else 0.0
-        return (alone + beside) / 1000.0
-
-    def transfer_s(self, num_tokens: int) -> float:
-        profile = self.step.profile
-        if profile.transfer_GBps is None or profile.kv_bytes_per_token is None:
-            return 0.0
-        return transfer_ms(
-            num_tokens, profile.kv_bytes_per_token, profile.transfer_GBps,
-            profile.transfer_per_message_ms,
-        ) / 1000.0  # fmt: skip
-
-    def observe(self, profiled_s: float, measured_s: float) -> None:
-        """A prompt's measured compute against its profiled one (`profiled_prefill_s`)."""
-        if profiled_s <= 0 or measured_s <= 0:
-            return
-        ratio = measured_s / profiled_s  # the speed that would have predicted it
-        self.speed = _blend(self.speed, ratio)
-
-    def observe_tpot(self, predicted_s: float, bias: float, measured_s: float) -> None:
-        """A request's measured TPOT against the one predicted when it was placed (at `bias`)."""
-        if predicted_s <= 0 or measured_s <= 0:
-            return
-        self.decode_bias = _blend(self.decode_bias, bias * measured_s / predicted_s)
-
-
-def _blend(old: float, measured: float) -> float:
-    blended = (1 - SPEED_ALPHA) * old + SPEED_ALPHA * measured
-    return min(max(blended, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
 
 
 class AdaptivePlacer:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router.adaptive import WINDOW_S, AdaptivePlacer, LatencyModel, Placement, RequestSLO
+from router.adaptive import WINDOW_S, AdaptivePlacer, Placement, RequestSLO
+from router.latency_model import LatencyModel
 from router.policies import InstanceState
 from router.worker_api import InstanceLoad, Role
 

@@ -1,0 +1,82 @@
+"""The adaptive placer's latency model: the planner's StepModel (from a profile file) in
+seconds, corrected online by what the workers measure (router/adaptive.py uses it).
+
+Two factors, each an exponential average of measured over predicted: `speed`, from every first
+token's prefill compute against the profiled one (a profile taken on another day, or a machine
+whose speed moved, still predicts in the right units), and `decode_bias`, from every finished
+request's TPOT against its prediction, on the decode step: what the profile's step and the stall
+model miss under load.
+"""
+
+from __future__ import annotations
+
+import math
+
+from planner.latency import StepModel, transfer_ms
+from planner.profile import load_profile
+
+SPEED_ALPHA = 0.2  # weight of each new measurement
+SPEED_BOUNDS = (0.25, 8.0)
+
+
+class LatencyModel:
+    """Step times in seconds from a profile's StepModel, times the learned speed factor."""
+
+    def __init__(self, step: StepModel, chunk_size: int = 512) -> None:
+        self.step = step
+        self.chunk_size = chunk_size
+        self.speed = 1.0  # measured over profiled prompt compute
+        # Measured TPOT over predicted, on top of `speed`: what the decode step and the stall
+        # model miss (a step that grows faster with the batch than profiled, lumpier stalls).
+        self.decode_bias = 1.0
+
+    @classmethod
+    def from_file(cls, path: str, model: str | None = None) -> LatencyModel:
+        profile = load_profile(path, model)
+        return cls(StepModel(profile.tp(min(profile.by_tp))))
+
+    def decode_step_s(self, batch_size: int, sum_ctx: float) -> float:
+        if batch_size <= 0:
+            return 0.0
+        return self.speed * self.decode_bias * self.step.decode_stage_ms(batch_size, sum_ctx) / 1e3
+
+    def prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0) -> float:
+        """A prompt's compute: its chunks, each in a step beside `batch_size` decodes."""
+        return self.speed * self.profiled_prefill_s(num_tokens, batch_size, sum_ctx)
+
+    def profiled_prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0
+                           ) -> float:  # fmt: skip
+        """The same at the profile's own speed."""
+        if num_tokens <= 0:
+            return 0.0
+        alone = self.step.prefill_stage_ms(num_tokens, float(num_tokens) ** 2)
+        num_chunks = math.ceil(num_tokens / self.chunk_size)
+        beside = num_chunks * self.step.decode_stage_ms(batch_size, sum_ctx) if batch_size else 0.0
+        return (alone + beside) / 1000.0
+
+    def transfer_s(self, num_tokens: int) -> float:
+        profile = self.step.profile
+        if profile.transfer_GBps is None or profile.kv_bytes_per_token is None:
+            return 0.0
+        return transfer_ms(
+            num_tokens, profile.kv_bytes_per_token, profile.transfer_GBps,
+            profile.transfer_per_message_ms,
+        ) / 1000.0  # fmt: skip
+
+    def observe(self, profiled_s: float, measured_s: float) -> None:
+        """A prompt's measured compute against its profiled one (`profiled_prefill_s`)."""
+        if profiled_s <= 0 or measured_s <= 0:
+            return
+        ratio = measured_s / profiled_s  # the speed that would have predicted it
+        self.speed = _blend(self.speed, ratio)
+
+    def observe_tpot(self, predicted_s: float, bias: float, measured_s: float) -> None:
+        """A request's measured TPOT against the one predicted when it was placed (at `bias`)."""
+        if predicted_s <= 0 or measured_s <= 0:
+            return
+        self.decode_bias = _blend(self.decode_bias, bias * measured_s / predicted_s)
+
+
+def _blend(old: float, measured: float) -> float:
+    blended = (1 - SPEED_ALPHA) * old + SPEED_ALPHA * measured
+    return min(max(blended, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
