@@ -28,10 +28,24 @@ def _ticket(tid: int, tokens: int, block_size: int, tp: int, endpoint: Any) -> A
     )  # fmt: skip
 
 
+# The largest transfer moves at least this much: below it (a test's tiny model: 512 bytes a
+# token, 1 MB for 2048 tokens, ~0.6 ms) scheduling noise outweighs the bytes and the fitted
+# slope can come out <= 0 (seen in CI). Token counts scale up for such a model.
+MIN_LARGEST_TRANSFER_BYTES = 8 * 1024 * 1024
+
+
+def transfer_token_sizes(grid_tokens: tuple[int, ...], bytes_per_token: int) -> list[int]:
+    """The grid's token counts, scaled so that the largest moves MIN_LARGEST_TRANSFER_BYTES."""
+    largest = max(grid_tokens) * bytes_per_token
+    scale = max(1, -(-MIN_LARGEST_TRANSFER_BYTES // largest))
+    return [tokens * scale for tokens in grid_tokens]
+
+
 def measure_transfer(
     config: Any, tp: int, grid: Any, log: Any
 ) -> tuple[float, float, list[list[float]]]:
-    """(GB/s, per-message ms, [[tokens, bytes, ms], ...]) for `grid.transfer_tokens`."""
+    """(GB/s, per-message ms, [[tokens, bytes, ms], ...]) for `grid.transfer_tokens` (scaled up
+    for a model whose KV is too small to time, `transfer_token_sizes`)."""
     from benchmarks.kv_transfer_ranks import (
         Endpoint,
         Recv,
@@ -43,14 +57,16 @@ def measure_transfer(
 
     model = ModelConfig.from_model_dir(config.model_dir)
     block_size = config.block_size
-    num_blocks = -(-max(grid.transfer_tokens) // block_size) + 1
+    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
+    token_sizes = transfer_token_sizes(tuple(grid.transfer_tokens), bytes_per_token)
+    num_blocks = -(-max(token_sizes) // block_size) + 1
     spec = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
     prefill, decode = start_bench_workers(1, 1, spec)
     points: list[list[float]] = []
     try:
         endpoint = decode[0].call(Endpoint())
         tid = 0
-        for tokens in grid.transfer_tokens:
+        for tokens in token_sizes:
             times = []
             for _ in range(grid.repeats + 1):  # the first one warms the channel up
                 tid += 1

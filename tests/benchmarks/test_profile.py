@@ -118,3 +118,11 @@ def test_process_cpu_is_read_finer_than_the_tick() -> None:
     spent = _cpu_s([os.getpid()]) - before
     assert 0.012 <= spent < 0.05
     assert abs(spent * 1e3 - 10 * round(spent * 100)) > 1e-6  # not a whole number of ticks
+
+
+def test_transfer_sizes_scale_up_until_the_bytes_can_be_timed() -> None:
+    from benchmarks.profiling.transfer import MIN_LARGEST_TRANSFER_BYTES, transfer_token_sizes
+
+    tiny = transfer_token_sizes((64, 512, 2048), 512)  # a test model: 512 bytes a token
+    assert tiny == [64 * 8, 512 * 8, 2048 * 8] and tiny[-1] * 512 >= MIN_LARGEST_TRANSFER_BYTES
+    assert transfer_token_sizes((64, 512, 2048), 92_160) == [64, 512, 2048]  # big enough already
