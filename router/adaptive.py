@@ -177,8 +177,8 @@ class AdaptivePlacer:
         step_s = self._mean_step_s(ids)
         arrival = _Arrival(now, compute_s, slo.ttft_s, (slo.tpot_s - step_s) * (max_tokens - 1))
         self._arrivals.append(arrival)
-        self._update_roles(now, ids)
-        tight = self._is_tight(arrival)
+        long_prefill_s = self._update_roles(now, ids)
+        tight = arrival.slack_s < STALLS_ABSORBED * long_prefill_s
         roles_on = bool(self.prefill_role)
         options = [
             self._option(a, b, num_prompt_tokens, cached.get(a, 0), now)
@@ -228,10 +228,13 @@ class AdaptivePlacer:
 
     # -- roles ------------------------------------------------------------------------------
 
-    def _update_roles(self, now: float, ids: list[str]) -> None:
+    def _update_roles(self, now: float, ids: list[str]) -> float:
+        """Set the roles from the window; returns its long prefill (what tightness reads)."""
         while self._arrivals and self._arrivals[0].at < now - self.window_s:
             self._arrivals.popleft()
-        tight = [arrival for arrival in self._arrivals if self._is_tight(arrival)]
+        long_prefill_s = self._long_prefill_s()  # once: the window may hold many arrivals
+        bound_s = STALLS_ABSORBED * long_prefill_s
+        tight = [arrival for arrival in self._arrivals if arrival.slack_s < bound_s]
         k = 0
         if len(tight) >= max(1.0, TIGHT_SHARE * len(self._arrivals)) and len(ids) > 1:
             work_s = sum(arrival.compute_s for arrival in self._arrivals)
@@ -249,6 +252,7 @@ class AdaptivePlacer:
         self.prefill_role = tuple(sorted(kept))
         if not self.role_changes or self.role_changes[-1][1] != k:
             self.role_changes.append((now, k))
+        return long_prefill_s
 
     def _split_breaks_ttft(self, tight: list[_Arrival], k: int) -> bool:
         """Whether queueing the tight requests' prompts on k instances would make more of them
@@ -263,10 +267,6 @@ class AdaptivePlacer:
         wait_s = utilization / (2.0 * (1.0 - utilization)) * mean_s
         late = sum(1 for arrival in tight if arrival.compute_s + wait_s > arrival.ttft_slo_s)
         return late > len(tight) - late
-
-    def _is_tight(self, arrival: _Arrival) -> bool:
-        long_prefill_s = self._long_prefill_s()
-        return arrival.slack_s < STALLS_ABSORBED * long_prefill_s
 
     def _long_prefill_s(self) -> float:
         """The 90th percentile of the window's predicted prompt computes."""
