@@ -50,6 +50,9 @@ class EngineConfig:
     # How long one TP collective waits for the other ranks inside a step (a dead or stalled rank
     # turns into an error within it). Idle ranks wait for their next step without a deadline.
     tp_timeout_s: float = 120.0
+    # Hold a prompt chunk back while it would make a running decode miss its TPOT SLO, until the
+    # prompt's own TTFT SLO cannot wait (engine/slo.py). Only requests that carry SLOs take part.
+    slo_scheduling: bool = False
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

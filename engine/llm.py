@@ -11,6 +11,7 @@ gives the engine a KV connector (engine/kv_connector.py); the step loop is this 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.slo import PrefillGate, RequestSLO
+from engine.step_costs import StepCosts
 
 
 class LLMEngine:
@@ -45,6 +48,8 @@ class LLMEngine:
         self.block_pool = BlockPool(
             self.executor.num_kv_blocks, enable_caching=config.enable_prefix_caching
         )
+        self.step_costs = StepCosts()  # learned from every step, read by the prefill gate
+        gate = PrefillGate(self.step_costs) if config.slo_scheduling else None
         self.scheduler = Scheduler(
             self.block_pool,
             block_size=self.executor.block_size,
@@ -55,6 +60,7 @@ class LLMEngine:
             eos_token_ids=model_config.eos_token_ids,
             seed=config.seed,
             connector=self.connector,
+            gate=gate,
         )
         self.sampler = Sampler()
 
@@ -65,15 +71,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float = 0.0,
         decodes_here: bool = True,
+        slo: RequestSLO | None = None,
     ) -> Request:
         """Queue a request; raises ValueError for token ids outside the vocabulary or a prompt
         that leaves no room for a token (`check_fits`). One whose longest form exceeds the whole
         pool ends with an error at admission. `decodes_here=False`: the KV connector hands it
-        off after its first token."""
+        off after its first token. `slo` (with `arrival_time` as time.time()): what the prefill
+        gate schedules it by, when the engine has one."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         self.check_fits(request_id, prompt, None)
-        request = Request(request_id, prompt, params, arrival_time, decodes_here=decodes_here)
+        request = Request(
+            request_id, prompt, params, arrival_time, decodes_here=decodes_here, slo=slo
+        )
         self.scheduler.add_request(request)
         return request
 
@@ -111,6 +121,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Run one step; one StepOutput per request that gained a token or ended."""
+        started = time.perf_counter()
         for request in self.connector.start_step():  # their KV landed: they join as prefilled
             self.scheduler.add_prefilled(request)
         batch = self.scheduler.schedule()
@@ -119,7 +130,10 @@ class LLMEngine:
             logits = self.executor.execute(batch)  # [batch.num_sampled, vocab_size]
             if batch.num_sampled:
                 sampled = self.sampler(logits, self.scheduler.sampling_rows(batch))
-        return self.scheduler.update(batch, sampled)
+        outputs = self.scheduler.update(batch, sampled)
+        if batch:  # the whole step, as a decode's next token waits for it
+            self.step_costs.observe(batch, time.perf_counter() - started)
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.connector.has_work()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.slo import RequestSLO
 
 
 class RequestStatus(enum.IntEnum):
@@ -54,6 +58,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     decodes_here: bool = True  # False: its KV connector hands it off after its first token
+    slo: RequestSLO | None = None  # its latency objectives, when the router sent them
+    first_token_at: float | None = None  # time.time() of its first token, wherever it came from
 
     @property
     def num_prompt_tokens(self) -> int:

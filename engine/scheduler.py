@@ -16,7 +16,9 @@ The stop rule lives here, once. A KV connector (engine/kv_connector.py) hooks in
   3. requests whose prompt KV arrived from elsewhere (a prefill instance), in arrival order,
   4. waiting requests, first come first served, each starting after its cached prefix.
 Decodes go first so that a long prompt never stalls the tokens of running sequences (SARATHI).
-A chunk samples only when it reaches the request's last token.
+A chunk samples only when it reaches the request's last token. With a prefill gate
+(engine/slo.py, `EngineConfig.slo_scheduling`), steps 2 and 4 take only the chunks that fit in
+the slack of this step's decodes, or whose own TTFT SLO cannot wait; the rest wait their turn.
 
 When blocks run out, the most recently admitted running request is preempted: its blocks are
 freed (tail first, so its full blocks stay in the prefix cache longest) and it goes back to the
@@ -28,8 +30,9 @@ so a lone request can always make progress and the scheduler never spins.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from engine.batch import ScheduledBatch, SequenceChunk
@@ -39,6 +42,7 @@ from engine.outputs import SchedulerStats, StepOutput
 from engine.prefix_cache import PrefixCache, token_slice
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import SamplingRow
+from engine.slo import PrefillGate, StepWindow
 
 
 @dataclass
@@ -48,6 +52,7 @@ class _StepPlan:
     token_budget: int
     num_new_tokens: dict[str, int] = field(default_factory=dict)
     preempted: bool = False
+    window: StepWindow | None = None  # the prefill gate's, once the decodes are in
 
 
 class Scheduler:
@@ -65,6 +70,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         seed: int = 0,
         connector: KVConnector | None = None,
+        gate: PrefillGate | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
@@ -75,6 +82,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefix_cache = PrefixCache(block_pool, block_size)
         self.connector = connector if connector is not None else KVConnector()
+        self.gate = gate
+        self._clock = clock  # stamps first tokens (time.time(), as arrival times are)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         # Requests whose prompt KV already sits in their own blocks (`add_prefilled`).
@@ -144,11 +153,18 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         self._schedule_running(plan, decodes=True)
+        if not plan.preempted:
+            self._admit_landed(plan)  # they decode: the gate protects them too
+        if self.gate is not None:
+            decodes = [self.requests[i] for i in plan.num_new_tokens]
+            plan.window = self.gate.open(decodes)
         self._schedule_running(plan, decodes=False)
         if not plan.preempted:  # admitting right after preempting would only thrash
-            self._admit_landed(plan)
             self._admit_waiting(plan)
         return self._build_batch(plan)
+
+    def _gate_admits(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
+        return plan.window is None or plan.window.admits(request, num_new)
 
     def _schedule_running(self, plan: _StepPlan, decodes: bool) -> None:
         running = self.running
@@ -158,6 +174,9 @@ class Scheduler:
             num_left = request.num_tokens - request.num_computed_tokens
             if (num_left == 1) == decodes:
                 num_new = min(num_left, self.chunk_size, plan.token_budget)
+                if not decodes and not self._gate_admits(plan, request, num_new):
+                    i += 1
+                    continue
                 if not self._reserve_blocks(request, num_new, plan):
                     return  # it preempted itself: it was the tail, nothing follows
                 plan.num_new_tokens[request.request_id] = num_new
@@ -215,6 +234,7 @@ class Scheduler:
     def _admit_waiting(self, plan: _StepPlan) -> None:
         pool = self.block_pool
         block_size = self.block_size
+        held: list[Request] = []  # the gate's, back at the head of the queue afterwards
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if self._can_never_fit(request):
@@ -227,7 +247,13 @@ class Scheduler:
             num_revived = sum(1 for b in cached_block_ids if pool.ref_cnt(b) == 0)
             if not pool.can_allocate(num_needed + num_revived):
                 self.prefix_cache.forget(request.request_id)
-                return  # first come first served: nobody overtakes the head of the queue
+                break  # first come first served: nobody overtakes the head of the queue
+            request.num_computed_tokens = num_cached  # what the gate prices the chunk after
+            if not self._gate_admits(plan, request, num_new):
+                request.num_computed_tokens = 0
+                self.prefix_cache.forget(request.request_id)
+                held.append(self.waiting.popleft())  # a later prompt may still fit, or be due
+                continue
             self.waiting.popleft()
             pool.touch(cached_block_ids)
             last = cached_block_ids[-1] if cached_block_ids else None
@@ -240,6 +266,7 @@ class Scheduler:
             self.running.append(request)
             plan.num_new_tokens[request.request_id] = num_new
             plan.token_budget -= num_new
+        self.waiting.extendleft(reversed(held))
 
     def _can_never_fit(self, request: Request) -> bool:
         """Finish (error) the queue head if even the whole pool cannot hold its longest form."""
@@ -308,6 +335,8 @@ class Scheduler:
             if token_id is None:
                 continue
             request.output_token_ids.append(token_id)
+            if request.first_token_at is None:
+                request.first_token_at = self._clock()
             status = self._stop_status(request, token_id)
             if status is None and not request.decodes_here:
                 if self.connector.hand_off(request):  # it holds the blocks from here on
