@@ -37,6 +37,7 @@ class RecvReport:
     first_token_id: int | None
     error: str | None
     cancelled: bool = False  # the prefill side ended the transfer on purpose
+    first_token_at: float | None = None  # the prefill side's time.time() at the first token
 
 
 class DecodeRank:
@@ -72,14 +73,17 @@ class DecodeRank:
 
     def _report(self, handle: RecvHandle) -> RecvReport:
         ticket = handle.ticket
-        first_token_id, error, cancelled = None, None, False
+        first_token_id = first_token_at = error = None
+        cancelled = False
         try:
-            first_token_id = handle.wait(0).first_token_id
+            received = handle.wait(0)
+            first_token_id, first_token_at = received.first_token_id, received.first_token_at
         except KVTransferError as exc:
             error, cancelled = str(exc), isinstance(exc, KVTransferCancelled)
         return RecvReport(
-            ticket.request_id, ticket.transfer_id, self.rank, first_token_id, error, cancelled
-        )
+            ticket.request_id, ticket.transfer_id, self.rank, first_token_id, error, cancelled,
+            first_token_at,
+        )  # fmt: skip
 
     def close(self) -> None:
         self.channel_host.close()

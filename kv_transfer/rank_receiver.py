@@ -23,7 +23,7 @@ from kv_transfer.errors import KVTransferCancelled, KVTransferError
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
 from kv_transfer.staging import StagingPool
-from kv_transfer.wire import MAGIC, STATUS_CANCELLED, WireView, empty_control
+from kv_transfer.wire import MAGIC, STATUS_CANCELLED, Trailer, WireView, empty_control
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class ReceivedKV:
     transfer_id: int
     first_token_id: int | None
     num_tokens: int
+    first_token_at: float | None = None  # the sender's time.time() at its first token
 
 
 class RecvHandle:
@@ -44,7 +45,7 @@ class RecvHandle:
         self._remaining_lanes = num_lanes
         self._lock = threading.Lock()
         self._finished = threading.Event()
-        self._trailers: list[tuple[int, int]] = []  # (first_token_id, num_tokens) per lane
+        self._trailers: list[Trailer] = []  # one per lane
         self.error: KVTransferError | None = None
         self.finished_at: float | None = None  # time.monotonic() when the last lane ended
         if num_lanes == 0:
@@ -58,16 +59,18 @@ class RecvHandle:
             raise TimeoutError(f"request {self.ticket.request_id}: receive still in flight")
         if self.error is not None:
             raise self.error
-        first_token_id = self._trailers[0][0] if self._trailers else -1
+        trailer = self._trailers[0] if self._trailers else None
+        first_token_id = trailer.first_token_id if trailer is not None else -1
         return ReceivedKV(
             self.ticket.request_id,
             self.ticket.transfer_id,
             None if first_token_id < 0 else first_token_id,
             self.ticket.num_tokens,
+            trailer.first_token_at if trailer is not None else None,
         )
 
     def _lane_finished(
-        self, trailer: tuple[int, int] | None, error: KVTransferError | None
+        self, trailer: Trailer | None, error: KVTransferError | None
     ) -> None:
         with self._lock:
             if trailer is not None:
@@ -184,7 +187,7 @@ class _Lane:
         self._trailer = (channel.irecv(trailer, view.tag(tid, last)), trailer)
 
     def finish(self, staging: StagingPool) -> tuple[int, int]:
-        """Wait for the data (bounded by the deadline); returns (first_token_id, num_tokens)."""
+        """Wait for the data (bounded by the deadline); returns the trailer."""
         if self._early_error is not None:
             self.channel.mark_broken()
             raise KVTransferError(
@@ -198,7 +201,7 @@ class _Lane:
             return self._finish_packed(staging)
         return self._finish_layerwise(staging)
 
-    def _finish_layerwise(self, staging: StagingPool) -> tuple[int, int]:
+    def _finish_layerwise(self, staging: StagingPool) -> Trailer:
         assert self._header is not None and self._trailer is not None and self._posted
         channel, view, what, tid = self.channel, self.view, self.what, self.ticket.transfer_id
         header_work, header = self._header
@@ -223,21 +226,21 @@ class _Lane:
                 staging.give(buffer)
         trailer_work, trailer = self._trailer
         channel.wait(trailer_work, self.deadline, f"{what} trailer")
-        magic, trailer_tid, status, first_token_id, num_tokens, _ = trailer.tolist()
+        magic, trailer_tid, status, first_token_id, num_tokens, sent_at_us = trailer.tolist()
         if magic != MAGIC or trailer_tid != tid:
             channel.mark_broken()
             raise KVTransferError(f"{what}: bad trailer {trailer.tolist()}")
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
-        return int(first_token_id), int(num_tokens)
+        return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))
 
-    def _finish_packed(self, staging: StagingPool) -> tuple[int, int]:
+    def _finish_packed(self, staging: StagingPool) -> Trailer:
         """Whole mode: one message holds header, KV and trailer."""
         assert self._posted is not None
         ((work, message, _),) = self._posted
         self.channel.wait(work, self.deadline, self.what)
         try:
-            status, first_token_id, num_tokens = self.view.unpack(
+            status, trailer = self.view.unpack(
                 message, self.ticket.transfer_id, self.what
             )
         except KVTransferError:
@@ -246,4 +249,4 @@ class _Lane:
         staging.give(message)
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{self.what}: the prefill side cancelled")
-        return first_token_id, num_tokens
+        return trailer

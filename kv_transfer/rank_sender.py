@@ -157,9 +157,10 @@ class SendHandle:
         if self._finishing:
             return
         self._finishing = True
+        sent_at_us = int(time.time() * 1e6)  # the first token's time, for the decode side's TPOT
         for lane in self._lanes:
             if not lane.view.layerwise:
-                self._post_packed(lane, status, first_token_id)
+                self._post_packed(lane, status, first_token_id, sent_at_us)
                 continue
             self._post_payload_until(lane, lane.view.num_payload_messages)
             values = (
@@ -167,7 +168,7 @@ class SendHandle:
                 status,
                 -1 if first_token_id is None else first_token_id,
                 self.ticket.num_tokens,
-                0,
+                sent_at_us,
             )
             trailer = control_message(values, lane.view.cache.device)
             self._post(lane, trailer, 1 + lane.view.num_payload_messages, "trailer")
@@ -206,13 +207,16 @@ class SendHandle:
         if self.error is None:
             self.error = exc
 
-    def _post_packed(self, lane: _Lane, status: int, first_token_id: int | None) -> None:
+    def _post_packed(
+        self, lane: _Lane, status: int, first_token_id: int | None, sent_at_us: int = 0
+    ) -> None:
         if lane.channel is None:
             return
         first = -1 if first_token_id is None else first_token_id
         message = lane.view.pack(
-            self._staging, self.ticket.transfer_id, status, first, self.ticket.num_tokens
-        )
+            self._staging, self.ticket.transfer_id, status, first, self.ticket.num_tokens,
+            sent_at_us,
+        )  # fmt: skip
         self._post(lane, message, 0, "packed KV", staged=True)
 
     def _wait_all(self) -> None:

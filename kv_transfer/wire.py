@@ -11,7 +11,10 @@ Two wire modes (the ticket says which; see KVTransferConfig for how it is chosen
         Grouped: 2 * L messages [heads, num_blocks, block_size, head_dim] instead.
 
     header   int64[6]  MAGIC, transfer_id, status, num_blocks, num_heads, num_payload_messages
-    trailer  int64[6]  MAGIC, transfer_id, status, first_token_id, num_tokens, 0
+    trailer  int64[6]  MAGIC, transfer_id, status, first_token_id, num_tokens, sent_at_us
+                       (sent_at_us: the sender's wall clock, in microseconds, when it finished
+                       the prompt: the first token's time, which the decode side's TPOT counts
+                       from)
 
 The receiver posts every receive at once. A sender that cancels mid-way still sends the rest of
 the payload, with a CANCELLED trailer; one that never started (layerwise) sends only a CANCELLED
@@ -316,6 +319,7 @@ class WireView:
         status: int,
         first_token_id: int,
         num_tokens: int,
+        sent_at_us: int = 0,
     ) -> torch.Tensor:
         """The one message of a whole-mode transfer (no KV is read when status is CANCELLED)."""
         message = self.packed_buffer(staging)
@@ -323,21 +327,37 @@ class WireView:
         header.copy_(self.header(transfer_id, status))
         if status == STATUS_OK:
             self._gather(None, payload)
-        values = (transfer_id, status, first_token_id, num_tokens, 0)
+        values = (transfer_id, status, first_token_id, num_tokens, sent_at_us)
         trailer.copy_(control_message(values, self.cache.device))
         return message
 
-    def unpack(self, message: torch.Tensor, transfer_id: int, what: str) -> tuple[int, int, int]:
+    def unpack(
+        self, message: torch.Tensor, transfer_id: int, what: str
+    ) -> tuple[int, Trailer]:
         """Check a received packed message and scatter its KV (unless cancelled).
-        Returns (status, first_token_id, num_tokens)."""
+        Returns (status, trailer)."""
         header, payload, trailer = self._packed_parts(message)
         status = self.check_header(header, transfer_id, what)
-        magic, trailer_tid, _, first_token_id, num_tokens, _ = trailer.tolist()
+        magic, trailer_tid, _, first_token_id, num_tokens, sent_at_us = trailer.tolist()
         if magic != MAGIC or trailer_tid != transfer_id:
             raise KVTransferError(f"{what}: bad trailer {trailer.tolist()}")
         if status == STATUS_OK:
             self._scatter(None, payload)
-        return status, int(first_token_id), int(num_tokens)
+        return status, Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))
+
+
+@dataclass(frozen=True)
+class Trailer:
+    """What a transfer's trailer tells beyond its checks."""
+
+    first_token_id: int  # -1: none (a cancelled transfer)
+    num_tokens: int
+    sent_at_us: int  # 0: not told (a sender that predates the field)
+
+    @property
+    def first_token_at(self) -> float | None:
+        """The sender's time.time() when the prompt finished, if it told it."""
+        return self.sent_at_us / 1e6 if self.sent_at_us > 0 else None
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -164,6 +165,9 @@ class _WorkerState:
             if isinstance(handle, RecvHandle):
                 received = handle.wait(COMMAND_TIMEOUT_S)
                 result: dict[str, Any] = {"ok": True, "first_token_id": received.first_token_id}
+                # The trailer's stamp: when the sender finished (its clock is this machine's).
+                stamped = received.first_token_at
+                result["stamped_s_ago"] = None if stamped is None else time.time() - stamped
                 if check is not None:
                     result["mismatch"] = check_received(cache, *check)
                 return result

@@ -110,7 +110,9 @@ def check_transfer(
             list(ticket.block_ids),
         )
         result = decode[rank].call("wait", name, check)
+        stamped_s_ago = result.pop("stamped_s_ago")
         assert result == {"ok": True, "first_token_id": 1000 + seed, "mismatch": None}
+        assert stamped_s_ago is not None and 0 <= stamped_s_ago < 60  # the first token's time
 
 
 LAYOUTS = {  # (source ids, destination ids)
