@@ -70,5 +70,7 @@ class WorkerConfig:
         cls, engine: EngineConfig, kv_transfer: KVTransferConfig | None = None, **limits: Any
     ) -> WorkerConfig:
         """An adaptive instance's config: it prefills for others, decodes what others
-        prefilled, and runs requests start to end, as the router places each one."""
+        prefilled, and runs requests start to end, as the router places each one. Its engine
+        schedules by SLO (engine/slo.py): the router's placer predicts with that gate."""
+        engine = replace(engine, slo_scheduling=True)
         return replace(cls(engine, Role.ADAPTIVE, kv_transfer or KVTransferConfig()), **limits)

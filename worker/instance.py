@@ -241,6 +241,16 @@ class Worker(WorkerLoop):
             "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
             "chunk_size": float(self.config.engine.chunk_size),
         }
+        # The decode step this engine measures at its running batch (engine/step_costs.py),
+        # which an adaptive router's latency model learns from; and its prefill gate's holds.
+        decode_batch = max(1, stats.num_running)
+        decode_step_s = self.engine.step_costs.decode_step_s(decode_batch)
+        if decode_step_s is not None:
+            extra["decode_step_s"] = decode_step_s
+            extra["decode_batch"] = float(decode_batch)
+        gate = self.engine.scheduler.gate
+        if gate is not None:
+            extra["num_held_chunks"] = float(gate.num_held)
         num_receiving = 0
         if self.sending is not None:
             extra["num_transfers_in_flight"] = float(self.sending.kv_sender.num_in_flight)
@@ -292,7 +302,7 @@ class Worker(WorkerLoop):
             self._check_queue(len(request.prompt_token_ids))
             engine_request = self.engine.add_request(
                 request_id, request.prompt_token_ids, request.params, request.arrival_time,
-                decodes_here=ticket is None,
+                decodes_here=ticket is None, slo=request.slo,
             )  # fmt: skip
         except (Overloaded, ValueError):
             if sending is not None and ticket is not None:
@@ -375,6 +385,10 @@ class Worker(WorkerLoop):
 
     def check_liveness(self) -> None:
         self.engine.executor.check_ranks()  # a dead TP rank: this instance must be replaced
+
+    def busy(self) -> bool:
+        """Requests or KV transfers in flight (their deadlines and landings are polled)."""
+        return self.engine.has_unfinished()
 
     def fail_all(self, message: str) -> None:
         """The loop crashed: end every request it holds with an error event. When it crashed

@@ -21,6 +21,7 @@ from typing import Generic, Protocol, TypeVar
 
 from engine.block_pool import PrefixCacheChanges
 from engine.sampling_params import SamplingParams
+from engine.slo import RequestSLO
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
 
 ControlMessage = KVTransferDone | KVAbort  # between the two sides of a hand-off
@@ -66,6 +67,7 @@ class WorkerRequest:
     arrival_time: float  # time.time() when the router accepted the request
     prefill_instance: str = ""
     decode_instance: str = ""
+    slo: RequestSLO | None = None  # what an SLO-scheduling engine holds its prompt chunks by
 
 
 @dataclass

@@ -39,6 +39,7 @@ class _Incoming:
     request: WorkerRequest
     ticket: KVTicket
     first_token_id: int | None = None
+    first_token_at: float | None = None  # the prefill side's time.time() at the first token
     cancelled: bool = False  # the prefill side cancelled the transfer on purpose
 
 
@@ -146,6 +147,7 @@ class ReceiveConnector(KVConnector):
                 incoming.cancelled = incoming.cancelled or report.cancelled
                 if report.first_token_id is not None:
                     incoming.first_token_id = report.first_token_id
+                    incoming.first_token_at = report.first_token_at
             ack = self.kv_receiver.on_rank_finished(report.request_id, report.rank, report.error)
             landed.extend(self._settled(report.request_id, ack))
         for ack in self.kv_receiver.expire():
@@ -184,7 +186,8 @@ class ReceiveConnector(KVConnector):
             self._emit([TokenEvent(request_id, [], "error", error, self.instance_id)])
             return []
         request = incoming.request
-        self.arrivals[request_id] = (time.perf_counter(), time.time())
+        landed_at = time.time()
+        self.arrivals[request_id] = (time.perf_counter(), landed_at)
         return [
             Request(
                 request_id,
@@ -194,5 +197,7 @@ class ReceiveConnector(KVConnector):
                 output_token_ids=[incoming.first_token_id],
                 block_table=list(ticket.block_ids),
                 num_computed_tokens=len(request.prompt_token_ids),
+                slo=request.slo,
+                first_token_at=incoming.first_token_at or landed_at,
             )
         ]

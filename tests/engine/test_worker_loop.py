@@ -99,3 +99,35 @@ def test_poll_events_waits_at_most_its_timeout() -> None:
         assert 0.15 < time.monotonic() - start < 2.0
     finally:
         worker.stop()
+
+
+class IdleCounter(Counter):
+    """A Counter that says when it has nothing in flight; counts its idle wake-ups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_steps = 0
+
+    def step(self) -> bool:
+        self.num_steps += 1
+        return super().step()
+
+    def busy(self) -> bool:
+        return bool(self.todo)
+
+
+def test_an_idle_loop_sleeps_until_a_command_or_its_liveness_check() -> None:
+    """Idle with nothing in flight, the loop wakes for its liveness checks (4 a second), not
+    every 5 ms; a command still runs at once, and work after it is stepped as before."""
+    worker = IdleCounter()
+    worker.start()
+    try:
+        time.sleep(1.0)
+        idle_steps = worker.call(lambda: worker.num_steps)
+        assert idle_steps <= 12, idle_steps  # polling every 5 ms would be about 200
+        started = time.monotonic()
+        worker.add("a", 3)
+        assert [e.token_ids[0] for e in collect(worker, 1)] == [2, 1, 0]
+        assert time.monotonic() - started < 0.2  # woken by the command, not the next check
+    finally:
+        worker.stop()

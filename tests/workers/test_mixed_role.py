@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from engine import SamplingParams
+from engine.slo import RequestSLO
 from tests.engine.test_llm import hf_greedy, make_prompts
 from tests.workers.switchboard import Switchboard
 from tests.workers.test_admission import NUM_BLOCKS, engine_config
@@ -97,13 +98,17 @@ def test_two_adaptive_instances_prefill_for_each_other_and_run_their_own(
     expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
     config = WorkerConfig.adaptive(engine_config(model_dir))
     assert config.role is Role.ADAPTIVE and config.sends_kv and config.receives_kv
+    assert config.engine.slo_scheduling  # its gate orders steps, never changes tokens
     workers = {i: start(board, model_dir, i, config) for i in ("A", "B")}
     routes = {  # request -> (prefill instance, decode instance)
         "a-for-b-0": ("A", "B"), "b-for-a-0": ("B", "A"), "a-own": ("A", "A"),
         "b-for-a-1": ("B", "A"), "a-for-b-1": ("A", "B"), "b-own": ("B", "B"),
     }  # fmt: skip
-    for (request_id, (prefill_id, decode_id)), prompt in zip(routes.items(), PROMPTS, strict=True):
-        request = WorkerRequest(request_id, prompt, GREEDY, time.time())
+    slos = [RequestSLO(60.0, 0.002), RequestSLO(60.0, 30.0)] * 3  # tight and loose TPOTs
+    for (request_id, (prefill_id, decode_id)), prompt, slo in zip(
+        routes.items(), PROMPTS, slos, strict=True
+    ):
+        request = WorkerRequest(request_id, prompt, GREEDY, time.time(), slo=slo)
         ticket = None
         if prefill_id != decode_id:
             ticket = workers[decode_id].reserve(request, prefill_id, 1)
@@ -125,3 +130,6 @@ def test_two_adaptive_instances_prefill_for_each_other_and_run_their_own(
             assert time.monotonic() < deadline, f"{instance_id} holds blocks"
             time.sleep(0.02)
         worker.call(worker.engine.block_pool.check_integrity)
+        extra = worker.load().extra  # what the router's placer and metrics read
+        assert extra["decode_step_s"] > 0 and extra["decode_batch"] >= 1
+        assert extra["num_held_chunks"] >= 0
