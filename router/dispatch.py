@@ -107,6 +107,7 @@ class Dispatcher:
                 arrival_time,
                 prefill_instance=prefill_id,
                 decode_instance=decode_id or "",
+                slo=request.slo or (self._default_slo if self.placer is not None else None),
             )
             failed_id, overloaded = await self._place(
                 worker_request, channel, prefill_id, decode_id
@@ -136,11 +137,6 @@ class Dispatcher:
         if self.placer is not None and dispatch.placement is not None:
             measured = timings.prefill_s if timings is not None and timings.prefill_s else None
             self.placer.prefilled(dispatch.key, dispatch.placement, measured)
-
-    def finished(self, dispatch: Dispatch, tpot_s: float) -> None:
-        """The request ended well, with this TPOT (an adaptive placer's model learns from it)."""
-        if self.placer is not None and dispatch.placement is not None and tpot_s > 0:
-            self.placer.finished(dispatch.placement, tpot_s)
 
     def progress(self, dispatch: Dispatch, num_tokens: int) -> None:
         """The request has `num_tokens` tokens out (the adaptive placer's slack reads it)."""

@@ -181,9 +181,6 @@ class GenerationRunner:
                         self._dispatcher.progress(dispatch, len(progress.sent_token_ids))
                         merged = chunk if merged is None else _concat(merged, chunk)
                         if chunk.finish_reason is not None:
-                            timings = chunk.timings
-                            if timings is not None and not timings.migrations:
-                                self._dispatcher.finished(dispatch, timings.per_token_s)
                             yield merged
                             return
             except GenerationFailed:

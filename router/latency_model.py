@@ -3,9 +3,9 @@ seconds, corrected online by what the workers measure (router/adaptive.py uses i
 
 Two factors, each an exponential average of measured over predicted: `speed`, from every first
 token's prefill compute against the profiled one (a profile taken on another day, or a machine
-whose speed moved, still predicts in the right units), and `decode_bias`, from every finished
-request's TPOT against its prediction, on the decode step: what the profile's step and the stall
-model miss under load.
+whose speed moved, still predicts in the right units), and `decode_bias`, from the decode steps
+the instances' engines measure (engine/step_costs.py, in their load reports) against the
+profile's at the same speed: what the profile's decode step misses on this machine.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ class LatencyModel:
         self.step = step
         self.chunk_size = chunk_size
         self.speed = 1.0  # measured over profiled prompt compute
-        # Measured TPOT over predicted, on top of `speed`: what the decode step and the stall
-        # model miss (a step that grows faster with the batch than profiled, lumpier stalls).
+        # Measured decode step over profiled, on top of `speed` (a decode step that grows faster
+        # with the batch than profiled, or a machine whose decode slowed more than its prefill).
         self.decode_bias = 1.0
 
     @classmethod
@@ -70,11 +70,12 @@ class LatencyModel:
         ratio = measured_s / profiled_s  # the speed that would have predicted it
         self.speed = _blend(self.speed, ratio)
 
-    def observe_tpot(self, predicted_s: float, bias: float, measured_s: float) -> None:
-        """A request's measured TPOT against the one predicted when it was placed (at `bias`)."""
-        if predicted_s <= 0 or measured_s <= 0:
+    def observe_decode_step(self, batch_size: int, sum_ctx: float, measured_s: float) -> None:
+        """A decode step an engine measured at `batch_size` against the profile's."""
+        profiled_s = self.speed * self.step.decode_stage_ms(batch_size, sum_ctx) / 1e3
+        if profiled_s <= 0 or measured_s <= 0:
             return
-        self.decode_bias = _blend(self.decode_bias, bias * measured_s / predicted_s)
+        self.decode_bias = _blend(self.decode_bias, measured_s / profiled_s)
 
 
 def _blend(old: float, measured: float) -> float:

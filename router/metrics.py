@@ -139,6 +139,14 @@ class RouterMetrics:
         self.prefix_cache_hits = gauge(
             "pdserve:prefix_cache_hits_total", "Prompt tokens whose KV the prefix cache held."
         )
+        # The SLO scheduler's (engine/slo.py) holds and its own decode-step estimate.
+        self.prefill_chunks_held = gauge(
+            "pdserve:prefill_chunks_held_total",
+            "Prompt chunks the worker's SLO gate held back a step for a tight decode.",
+        )
+        self.decode_step_seconds = gauge(
+            "pdserve:decode_step_seconds", "The decode step the worker measures at its batch."
+        )
 
     def observe_load(self, load: InstanceLoad) -> None:
         labels = (load.instance_id, load.role.value)
@@ -154,6 +162,10 @@ class RouterMetrics:
         if "num_prefix_queried_tokens" in load.extra:
             self.prefix_cache_queries.labels(*labels).set(load.extra["num_prefix_queried_tokens"])
             self.prefix_cache_hits.labels(*labels).set(load.extra["num_prefix_hit_tokens"])
+        if "num_held_chunks" in load.extra:
+            self.prefill_chunks_held.labels(*labels).set(load.extra["num_held_chunks"])
+        if "decode_step_s" in load.extra:
+            self.decode_step_seconds.labels(*labels).set(load.extra["decode_step_s"])
 
     def observe_down(self, instance_id: str, role: Role) -> None:
         """A worker that does not answer: down, and holding nothing (a dead process holds no

@@ -25,8 +25,8 @@ from worker.config import WorkerConfig
 
 PROFILE = Path(__file__).resolve().parents[2] / "benchmarks/results/placement/profile-2core.json"
 MAX_TOKENS = 8
-TIGHT = {"ttft_slo_s": 60.0, "tpot_slo_s": 1e-4}  # no colocated stall fits: decode apart
-LOOSE = {"ttft_slo_s": 60.0, "tpot_slo_s": 30.0}  # anything fits: run where it is prefilled
+TIGHT = {"ttft_slo_s": 60.0, "tpot_slo_s": 1e-4}  # nothing meets it
+LOOSE = {"ttft_slo_s": 60.0, "tpot_slo_s": 30.0}  # anything fits
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,19 @@ def generate(address: str, prompt: list[int], request_id: str, slo: dict[str, fl
         return list(client.generate(request, timeout_s=60))
 
 
-def test_local_and_remote_placements_are_token_identical_to_transformers(model_dir: str) -> None:
+def wait_for_pools(cluster: LocalCluster, num_blocks: int = NUM_BLOCKS) -> None:
+    deadline = time.monotonic() + 10.0
+    while any(load.num_free_blocks != num_blocks for load in cluster.status()):
+        assert time.monotonic() < deadline, [load.num_free_blocks for load in cluster.status()]
+        time.sleep(0.05)
+
+
+def test_greedy_outputs_are_token_identical_to_transformers_whichever_placement(
+    model_dir: str,
+) -> None:
+    """Concurrent requests with tight and loose SLOs: each is placed (local here; the remote
+    path's parity is tests/workers/test_mixed_role.py's, both directions between two adaptive
+    instances), its tokens equal transformers', its placement comes back on the last message."""
     prompts = make_prompts((30, 9, 41, 17, 25, 12, 36, 20), seed=23)
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     slos = [TIGHT, LOOSE] * 4
@@ -63,20 +75,18 @@ def test_local_and_remote_placements_are_token_identical_to_transformers(model_d
                 for i, (prompt, slo) in enumerate(zip(prompts, slos, strict=True))
             ]
             results = [future.result(timeout=120) for future in futures]
-        for responses, reference, slo in zip(results, expected, slos, strict=True):
+        for responses, reference in zip(results, expected, strict=True):
             assert [t for r in responses for t in r.token_ids] == reference
             last = responses[-1]
-            assert last.placement.kind == ("remote" if slo is TIGHT else "local")
+            assert last.placement.kind in ("local", "remote")
             assert last.placement.predicted_ttft_s > 0 and last.placement.predicted_tpot_s > 0
             if last.placement.kind == "remote":
                 assert last.decode_instance not in ("", last.prefill_instance)
-                assert last.placement.prefill_role_instances == 1
+                assert last.placement.prefill_role_instances >= 1
             else:
                 assert last.decode_instance == ""
-        deadline = time.monotonic() + 10.0
-        while any(load.num_free_blocks != NUM_BLOCKS for load in cluster.status()):
-            assert time.monotonic() < deadline, [load.num_free_blocks for load in cluster.status()]
-            time.sleep(0.05)
+        assert {last.prefill_instance for last in (r[-1] for r in results)} == set(cluster.workers)
+        wait_for_pools(cluster)
 
 
 def test_a_bad_slo_is_invalid_argument(model_dir: str) -> None:
@@ -91,36 +101,72 @@ def test_a_bad_slo_is_invalid_argument(model_dir: str) -> None:
             assert "slo_s must be a number of seconds > 0" in raised.value.details()
 
 
-def test_a_shift_from_tight_to_loose_traffic_moves_the_roles_and_fails_nothing(
-    model_dir: str,
+def held_chunks(cluster: LocalCluster) -> float:
+    return sum(load.extra.get("num_held_chunks", 0.0) for load in cluster.status())
+
+
+def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(
+    tmp_path: Path,
 ) -> None:
-    """The shift workload's two halves, as SLOs: long prompts held to a TPOT no colocated stall
-    fits, then short ones that fit anywhere. The roles move from one prefill instance to none
-    within the window (2 s here), with no restart, and every request of both halves ends well."""
-    window_s = 2.0
-    tight = make_prompts((40, 44, 38, 42, 46, 40), seed=5)
-    loose = make_prompts((8, 10, 12, 9, 11, 7, 10, 9, 12, 8, 11, 10), seed=6)
-    with LocalCluster(adaptive_spec(model_dir, window_s), restart_workers=False) as cluster:
+    """The shift workload's two halves, as SLOs, on a model whose prompt costs many decode
+    steps: long prompts held to a TPOT of about two decode steps, then the same prompts with a
+    TPOT that fits anything. In the first half the instances' gates hold prompt chunks back
+    while tight decodes run (what each admits beside its decodes moves with the traffic); in the
+    second they hold none. No restart, every request of both halves ends well, every pool is
+    back to its start."""
+    model = add_tiny_tokenizer(make_tiny_model(
+        tmp_path, "llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        max_position_embeddings=1024,
+    ))  # fmt: skip
+    router = RouterConfig(model_dir=model, port=0, block_size=8, latency_profile=str(PROFILE),
+                          adaptive_window_s=2.0)  # fmt: skip
+    engine = engine_config(model, dtype="float32", num_kv_blocks=512)
+    worker = WorkerConfig.adaptive(engine, KVTransferConfig(start_timeout_s=8.0))
+    spec = ClusterSpec(router=router, adaptive=worker, num_adaptive_instances=2, pin_cpus=False)
+    prompts = make_prompts([400 + 8 * i for i in range(12)], seed=7)
+
+    def send_all(slo: dict[str, float], tag: str, max_tokens: int = 12) -> list:
+        gap_s = 0.02
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = []
+            for i, prompt in enumerate(prompts):
+                request = pb.GenerateRequest(token_ids=prompt, max_tokens=max_tokens,
+                                             ignore_eos=True, request_id=f"{tag}{i}", **slo)
+                futures.append(pool.submit(_stream, address, request))
+                time.sleep(gap_s)
+            return [future.result(timeout=120)[-1] for future in futures]
+
+    with LocalCluster(spec, restart_workers=False) as cluster:
         address = cluster.start()
-        pids = {i: worker.pid for i, worker in cluster.workers.items()}
-        lasts = []
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(generate, address, p, f"t{i}", TIGHT)
-                       for i, p in enumerate(tight)]  # fmt: skip
-            lasts += [future.result(timeout=120)[-1] for future in futures]
-        began = time.monotonic()
-        for i, prompt in enumerate(loose):  # one every ~0.3 s, past the window
-            lasts.append(generate(address, prompt, f"l{i}", LOOSE)[-1])
-            time.sleep(max(0.0, began + 0.3 * (i + 1) - time.monotonic()))
-        assert time.monotonic() - began > window_s
+        pids = {i: w.pid for i, w in cluster.workers.items()}
+        for i in range(3):  # the engines learn their step costs; the router, their speed
+            _stream(address, pb.GenerateRequest(token_ids=prompts[i], max_tokens=12,
+                                                ignore_eos=True, request_id=f"w{i}"))
+        arrivals: list[float] = []
+        timed = _stream(address, pb.GenerateRequest(token_ids=prompts[0], max_tokens=12,
+                                                    ignore_eos=True, request_id="calibrate"),
+                        arrivals)  # fmt: skip
+        assert timed[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        tpot_s = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)  # one decode step, alone
+        tight = {"ttft_slo_s": 60.0, "tpot_slo_s": 1.6 * tpot_s}
+        lasts = send_all(tight, "t")
+        held_tight = held_chunks(cluster)
+        lasts += send_all(LOOSE, "l")
+        held_loose = held_chunks(cluster) - held_tight
         assert all(last.finish_reason == pb.FINISH_REASON_LENGTH for last in lasts)
-        roles = [last.placement.prefill_role_instances for last in lasts]
-        kinds = [last.placement.kind for last in lasts]
-        assert roles[: len(tight)] == [1] * len(tight) and kinds[: len(tight)] == ["remote"] * 6
-        assert roles[-3:] == [0, 0, 0] and kinds[-3:] == ["local"] * 3  # the roles moved
-        assert {last.prefill_instance for last in lasts[-6:]} == set(pids)  # both replicas serve
-        assert {i: worker.pid for i, worker in cluster.workers.items()} == pids  # no restart
-        deadline = time.monotonic() + 10.0
-        while any(load.num_free_blocks != NUM_BLOCKS for load in cluster.status()):
-            assert time.monotonic() < deadline, [load.num_free_blocks for load in cluster.status()]
-            time.sleep(0.05)
+        assert held_tight > 0 and held_loose == 0, (held_tight, held_loose)
+        assert {last.prefill_instance for last in lasts[-12:]} == set(pids)  # both serve
+        assert {i: w.pid for i, w in cluster.workers.items()} == pids  # no restart
+        wait_for_pools(cluster, 512)
+
+
+def _stream(address: str, request: pb.GenerateRequest, arrivals: list[float] | None = None
+            ) -> list:  # fmt: skip
+    """The responses; `arrivals` gets each one's arrival time (time.monotonic())."""
+    responses = []
+    with RouterClient(address) as client:
+        for response in client.generate(request, timeout_s=60):
+            responses.append(response)
+            if arrivals is not None:
+                arrivals.append(time.monotonic())
+    return responses

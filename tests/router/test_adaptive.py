@@ -1,6 +1,8 @@
-"""The adaptive placer's decisions (router/adaptive.py) on the bench model's profile, with a
-clock the test moves: roles follow the traffic's tightness and come back when it changes,
-placements follow the SLOs and the decodes' slack, and the model learns the machine's speed."""
+"""The adaptive placer's decisions (router/adaptive.py, router/placement_model.py) on the bench
+model's profile, with a clock the test moves: loose traffic runs where it is prefilled, a prompt
+avoids the instance whose gate would hold it, a request decodes away from the prompts that would
+be forced into its steps, roles follow the remote placements of the window, and the model learns
+the machine's speed and decode step."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from router.worker_api import InstanceLoad, Role
 
 PROFILE = Path(__file__).resolve().parents[2] / "benchmarks/results/placement/profile-2core.json"
 # The bench's calibrated classes (benchmarks/results/goodput-2core/mix-session11): summarization
-# holds TPOT to two decode steps, chatbot to three and code to five.
-SUMMARIZATION = RequestSLO(ttft_s=7.6, tpot_s=0.046)
+# holds TPOT to two decode steps, chatbot to three and code to five; code's TTFT is 2.5 prefills.
+SUMMARIZATION = RequestSLO(ttft_s=7.6, tpot_s=0.023)
 CHATBOT = RequestSLO(ttft_s=3.3, tpot_s=0.098)
+CODE = RequestSLO(ttft_s=0.3, tpot_s=0.06)
 
 
 class Clock:
@@ -38,18 +41,21 @@ def placer(clock: Clock) -> AdaptivePlacer:
     return AdaptivePlacer(LatencyModel.from_file(str(PROFILE)), clock=clock)
 
 
-def states(*ids: str) -> list[InstanceState]:
-    return [InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512)) for i in ids]
+def states(*ids: str, **extra: float) -> list[InstanceState]:
+    return [
+        InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512, extra=dict(extra)))
+        for i in ids
+    ]
 
 
-def place(placer: AdaptivePlacer, key: str, prompt: int, max_tokens: int, slo: RequestSLO
-          ) -> Placement:  # fmt: skip
-    placement = placer.choose(prompt, max_tokens, slo, states("a", "b"))
+def place(placer: AdaptivePlacer, key: str, prompt: int, max_tokens: int, slo: RequestSLO,
+          only: tuple[str, ...] = ("a", "b")) -> Placement:  # fmt: skip
+    placement = placer.choose(prompt, max_tokens, slo, states(*only))
     placer.placed(key, placement, prompt, max_tokens, slo)
     return placement
 
 
-def test_loose_traffic_runs_colocated_on_both_instances(placer: AdaptivePlacer, clock: Clock):
+def test_loose_traffic_runs_local_on_both_instances(placer: AdaptivePlacer, clock: Clock):
     placements = []
     for n in range(6):
         placements.append(place(placer, f"c{n}", 120, 200, CHATBOT))
@@ -60,52 +66,82 @@ def test_loose_traffic_runs_colocated_on_both_instances(placer: AdaptivePlacer, 
     assert placer.prefill_role == () and [k for _, k in placer.role_changes] == [0]
 
 
-def test_tight_traffic_splits_prefill_from_decode(placer: AdaptivePlacer, clock: Clock):
-    placements = [place(placer, f"s{n}", 650, 16, SUMMARIZATION) for n in range(4)]
-    assert len(placer.prefill_role) == 1
-    (prefill_id,) = placer.prefill_role
-    for placement in placements:
-        assert placement.kind == "remote"
-        assert (placement.prefill_id, placement.decode_id) == (prefill_id, "b" if prefill_id ==
-                                                                "a" else "a")  # fmt: skip
-        assert placement.prefill_role_instances == 1
-        assert placement.predicted_ttft_s > placer.model.prefill_s(650)  # the queue counts
+def test_a_prompt_avoids_the_instance_whose_gate_would_hold_it(placer: AdaptivePlacer):
+    summary = place(placer, "s", 650, 16, SUMMARIZATION, only=("a",))
+    placer.prefilled("s", summary, None)  # it decodes on a, with about 0.18 s of slack
+    chat = place(placer, "c", 600, 64, CHATBOT)
+    assert (chat.kind, chat.prefill_id) == ("local", "b")
+    # Had a been the only instance, the prompt would wait for the summary's 15 steps there.
+    held = placer.choose(600, 64, CHATBOT, states("a"))
+    compute_s = placer.model.prefill_s(600, 1, 651.0)
+    steps_s = 15 * placer.model.decode_step_s(1, 651.0)
+    assert held.predicted_ttft_s == pytest.approx(compute_s + steps_s, rel=1e-6)
+    assert chat.predicted_ttft_s == pytest.approx(placer.model.prefill_s(600), rel=1e-6)
 
 
-def test_roles_follow_a_shift_from_tight_to_loose_traffic(placer: AdaptivePlacer, clock: Clock):
-    for n in range(8):  # summarization for a while
-        placement = place(placer, f"s{n}", 650, 16, SUMMARIZATION)
-        assert placement.kind == "remote"
-        clock.now += 1.0
-        placer.prefilled(f"s{n}", placement, None)
-        placer.release(f"s{n}", placement)
-    shifted_at = clock.now
-    kinds = []
-    for n in range(30):  # then chatbot only
-        placement = place(placer, f"c{n}", 120, 200, CHATBOT)
-        kinds.append(placement.kind)
-        clock.now += 0.5
-        placer.prefilled(f"c{n}", placement, None)
-        placer.release(f"c{n}", placement)
-    changes = list(placer.role_changes)
-    assert [k for _, k in changes] == [1, 0]
-    assert changes[1][0] - shifted_at <= WINDOW_S + 0.5  # within one window of the last tight one
-    assert placer.prefill_role == ()
-    assert kinds[-5:] == ["local"] * 5
-    assert placer.num_tracked() == 0
+def test_a_prompt_that_cannot_wait_is_forced_and_counts_the_decodes_it_breaks(
+    placer: AdaptivePlacer,
+):
+    summary = place(placer, "s", 650, 16, SUMMARIZATION, only=("a",))
+    placer.prefilled("s", summary, None)
+    # A 300-token code prompt (TTFT 0.3 s) cannot wait out the summary's 15 steps on a: its
+    # gate would run it onto them; on b nothing holds it.
+    forced = placer.choose(300, 40, CODE, states("a"))
+    assert forced.predicted_ttft_s == pytest.approx(CODE.ttft_s, rel=1e-6)  # run at its deadline
+    code = place(placer, "c", 300, 40, CODE)
+    assert (code.kind, code.prefill_id) == ("local", "b")
+    assert code.predicted_ttft_s < 0.7 * CODE.ttft_s
 
 
-def test_a_loose_prefill_does_not_land_on_decodes_it_would_make_late(
+def test_a_request_decodes_away_from_prompts_that_would_be_forced_into_its_steps(
     placer: AdaptivePlacer, clock: Clock
 ):
-    # Summarization decodes on the decode-role instance, just started.
-    for n in range(3):
-        placement = place(placer, f"s{n}", 650, 16, SUMMARIZATION)
-        placer.prefilled(f"s{n}", placement, None)
-    decode_id = placement.decode_id
-    # A long chatbot prompt: on the decode instance its prefill would eat those decodes' slack.
-    chat = place(placer, "c", 600, 200, CHATBOT)
-    assert chat.prefill_id != decode_id
+    for n in range(40):  # a has been taking code prompts: they cannot wait a decode out
+        code = place(placer, f"c{n}", 200, 40, CODE, only=("a",))
+        placer.prefilled(f"c{n}", code, None)
+        placer.release(f"c{n}", code)
+        clock.now += 0.2
+    slo = RequestSLO(ttft_s=1.0, tpot_s=0.016)
+    on_a = placer.choose(300, 30, slo, states("a"))
+    assert on_a.predicted_tpot_s > slo.tpot_s  # the code prompts' share of its 30 steps
+    placement = place(placer, "r", 300, 30, slo)
+    assert (placement.kind, placement.prefill_id) == ("local", "b")
+
+
+def test_prefill_where_the_cache_is_and_decode_where_the_batch_is_light(
+    placer: AdaptivePlacer, clock: Clock
+):
+    for n in range(12):  # a decodes a large batch of long chat answers
+        chat = place(placer, f"c{n}", 500, 400, CHATBOT, only=("a",))
+        placer.prefilled(f"c{n}", chat, None)
+    # A follow-up turn whose 560-token prefix a's cache holds: prefilling it anywhere else
+    # breaks its TTFT, decoding it on a breaks its TPOT. Prefill on a, decode on b.
+    slo = RequestSLO(ttft_s=0.25, tpot_s=0.022)
+    placement = placer.choose(600, 64, slo, states("a", "b"), {"a": 560, "b": 0})
+    assert (placement.kind, placement.prefill_id, placement.decode_id) == ("remote", "a", "b")
+    assert placement.prefill_role_instances == 1 and placer.prefill_role == ("a",)
+    assert placement.predicted_ttft_s <= slo.ttft_s and placement.predicted_tpot_s <= slo.tpot_s
+    placer.placed("r", placement, 600, 64, slo)
+
+
+def test_roles_follow_the_window_of_remote_placements(placer: AdaptivePlacer, clock: Clock):
+    test_prefill_where_the_cache_is_and_decode_where_the_batch_is_light(placer, clock)
+    went_remote_at = clock.now
+    placer.release("r", Placement("a", "b", 0.0, 0.0, 1))
+    for n in range(12):
+        placer.release(f"c{n}", Placement("a", "a", 0.0, 0.0, 0))
+    kinds = []
+    for n in range(30):  # then chatbot traffic only, for longer than the window
+        placement = place(placer, f"l{n}", 120, 200, CHATBOT)
+        kinds.append(placement.kind)
+        clock.now += 0.5
+        placer.prefilled(f"l{n}", placement, None)
+        placer.release(f"l{n}", placement)
+    changes = list(placer.role_changes)
+    assert [k for _, k in changes] == [0, 1, 0]
+    assert changes[-1][0] - went_remote_at <= WINDOW_S + 0.5  # one window after the last remote
+    assert placer.prefill_role == () and set(kinds) == {"local"}
+    assert placer.num_tracked() == 0
 
 
 def test_the_model_learns_the_machine_speed(placer: AdaptivePlacer):
@@ -118,6 +154,17 @@ def test_the_model_learns_the_machine_speed(placer: AdaptivePlacer):
         placer.model.step.prefill_stage_ms(400, 400.0**2)), rel=0.02)  # fmt: skip
 
 
+def test_the_decode_bias_learns_from_the_steps_the_engines_report(placer: AdaptivePlacer):
+    profiled_s = placer.model.decode_step_s(4, 0.0)
+    for _ in range(40):  # each instance reports a 4-sequence step 1.5x the profile's
+        placer.choose(200, 50, CHATBOT, states("a", "b", decode_step_s=1.5 * profiled_s,
+                                               decode_batch=4.0))  # fmt: skip
+    assert placer.model.decode_bias == pytest.approx(1.5, rel=0.02)
+    after = place(placer, "s", 200, 50, CHATBOT)
+    assert after.decode_bias == pytest.approx(1.5, rel=0.02)
+    assert after.predicted_tpot_s == pytest.approx(placer.model.decode_step_s(1, 200.0), rel=1e-6)
+
+
 def test_a_cached_prefix_draws_the_prefill_and_shortens_its_predicted_ttft(
     placer: AdaptivePlacer,
 ):
@@ -126,26 +173,3 @@ def test_a_cached_prefix_draws_the_prefill_and_shortens_its_predicted_ttft(
     assert warm.kind == "local" and warm.prefill_id == "b"
     assert warm.predicted_ttft_s < 0.2 * cold.predicted_ttft_s
     assert warm.profiled_compute_s == pytest.approx(placer.model.profiled_prefill_s(40))
-
-
-def test_tpot_predictions_learn_from_the_measured_ones(placer: AdaptivePlacer):
-    before = place(placer, "r", 200, 50, CHATBOT)
-    for _ in range(30):  # every request decodes 1.5x slower than predicted
-        placer.finished(before, 1.5 * before.predicted_tpot_s)
-    assert placer.model.decode_bias == pytest.approx(1.5, rel=0.02)
-    placer.release("r", before)
-    after = place(placer, "s", 200, 50, CHATBOT)
-    assert after.predicted_tpot_s == pytest.approx(1.5 * before.predicted_tpot_s, rel=0.05)
-    assert after.decode_bias == pytest.approx(1.5, rel=0.02)
-
-
-def test_roles_stay_off_when_one_prefill_queue_would_break_the_tight_ttfts(
-    placer: AdaptivePlacer, clock: Clock
-):
-    # Short outputs (tight TPOT slack) but a TTFT of 1.2 prefills, arriving faster than one
-    # instance prefills them: a prefill instance's queue would break them, so both replicas stay.
-    code = RequestSLO(ttft_s=1.2 * placer.model.prefill_s(300), tpot_s=0.02)
-    for n in range(12):
-        placement = place(placer, f"c{n}", 300, 8, code)
-        clock.now += 0.8 * placer.model.prefill_s(300)
-    assert placer.prefill_role == () and placement.kind == "local"

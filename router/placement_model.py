@@ -1,0 +1,180 @@
+"""What one placement option of an adaptive request is predicted to give (router/adaptive.py
+chooses among them). Pure Python over the router's own view of each instance.
+
+An option is (A, B): prefill on A, decode on B (A == B: local). The instances' engines schedule
+by SLO (engine/slo.py): a prompt chunk waits while it would break a running decode's TPOT SLO,
+until its own TTFT SLO cannot wait. So, for a request of `n` prompt tokens and `m` output tokens:
+
+    own      its prompt's compute on A, beside A's decodes
+    hold     how long A's gate keeps it back: the longest remaining run of A's decodes whose
+             slack does not fit `own` (their slack: the time left before their TPOT SLO breaks,
+             less the steps they still need)
+    budget   ttft_slo - queued on A - own [- transfer]: past it the gate runs the prompt anyway,
+             onto those decodes, and each still running then counts as harmed
+    TTFT     queued on A + min(hold, budget) + own [+ transfer]
+    window   m x B's step: how long it decodes on B
+    forced   prompts that will run beside its decode on B although it is tight: B's queued ones
+             and the ones the last window placed on B, pro rata, whose TTFT cannot wait `window`
+    TPOT     B's step with it added + (forced [+ transfer + half a step, the hand-off's gap])
+             / (m - 1)
+    harm     + decodes on B its joining slows past their SLO
+    crowding the share of each B decode's slack its joining uses (its step's growth over the
+             steps they share, over that slack), summed: loose requests pack where the batch
+             can take them, and leave an instance with tight decodes a light batch
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.slo import MARGIN_FRACTION, TPOT_TARGET, RequestSLO
+from router.latency_model import LatencyModel
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A prompt placed on an instance whose first token is not in yet."""
+
+    compute_s: float
+    deadline: float  # the router's clock: when its TTFT SLO runs out
+
+
+@dataclass
+class Decoding:
+    """A request decoding (or about to) on an instance, as far as its slack goes."""
+
+    num_prompt_tokens: int
+    max_tokens: int
+    tpot_slo_s: float
+    first_token_at: float | None = None  # the router's clock
+    num_tokens: int = 0
+
+    def remaining(self) -> int:
+        """Decode steps still to run."""
+        return max(0, self.max_tokens - max(self.num_tokens, 1))
+
+    def slack_s(self, now: float, step_s: float) -> float:
+        """How long it may still be stalled before its TPOT breaks its SLO."""
+        target_s = TPOT_TARGET * self.tpot_slo_s  # what the gate protects (engine/slo.py)
+        if self.first_token_at is None:  # not decoding yet: its whole budget is ahead
+            return (target_s - step_s) * max(0, self.max_tokens - 1)
+        deadline = self.first_token_at + target_s * (self.max_tokens - 1)
+        return deadline - now - self.remaining() * step_s
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    at: float
+    compute_s: float
+    wait_s: float  # how long it could wait and still meet its TTFT SLO (ttft_slo - compute)
+
+
+@dataclass
+class InstanceView:
+    """The router's view of one instance: prompts queued, requests decoding, recent prompts."""
+
+    queued: dict[str, Queued] = field(default_factory=dict)
+    decoding: dict[str, Decoding] = field(default_factory=dict)
+    prompts: deque[_Prompt] = field(default_factory=deque)  # placed here, oldest first
+
+    def note_prompt(self, at: float, compute_s: float, wait_s: float) -> None:
+        self.prompts.append(_Prompt(at, compute_s, wait_s))
+
+    def forget_before(self, at: float) -> None:
+        while self.prompts and self.prompts[0].at < at:
+            self.prompts.popleft()
+
+    def decode_load(self) -> tuple[int, float]:
+        """(batch, sum of contexts) of the requests decoding there."""
+        batch = len(self.decoding)
+        sum_ctx = sum(d.num_prompt_tokens + d.num_tokens for d in self.decoding.values())
+        return batch, float(sum_ctx)
+
+
+@dataclass(frozen=True)
+class Option:
+    prefill_id: str
+    decode_id: str
+    ttft_s: float
+    tpot_s: float
+    harm: int
+    crowding: float = 0.0
+
+    @property
+    def remote(self) -> bool:
+        return self.prefill_id != self.decode_id
+
+    def score(self, slo: RequestSLO) -> tuple[int, bool, float]:
+        """Objectives broken, then local first (no KV moves), then the load it adds: to itself,
+        relative to what it allows, and to the decodes it joins, relative to their slack."""
+        misses = self.harm + int(self.ttft_s > slo.ttft_s) + int(self.tpot_s > slo.tpot_s)
+        load = self.ttft_s / slo.ttft_s + self.tpot_s / slo.tpot_s + self.crowding
+        return misses, self.remote, load
+
+
+class PlacementModel:
+    """Predicts options from the latency model and the instances' views."""
+
+    def __init__(self, model: LatencyModel, window_s: float) -> None:
+        self.model = model
+        self.window_s = window_s
+
+    def option(
+        self, prefill_id: str, prefill: InstanceView, decode_id: str, decode: InstanceView,
+        num_tokens: int, num_cached: int, max_tokens: int, slo: RequestSLO, now: float,
+    ) -> Option:  # fmt: skip
+        model = self.model
+        remote = prefill is not decode
+        own_s = model.prefill_s(num_tokens - num_cached, *prefill.decode_load())
+        queued_s = sum(q.compute_s for q in prefill.queued.values())
+        transfer_s = model.transfer_s(num_tokens) if remote else 0.0
+        hold_s, harm = self._hold(prefill, own_s, slo.ttft_s - queued_s - own_s - transfer_s, now)
+        ttft_s = queued_s + hold_s + own_s + transfer_s
+
+        batch, sum_ctx = decode.decode_load()
+        step_s = model.decode_step_s(batch + 1, sum_ctx + num_tokens)
+        window_s = max_tokens * step_s
+        forced_s = self._forced_s(decode, window_s, ttft_s, now, queue_ahead=not remote)
+        gap_s = transfer_s + step_s / 2 if remote else 0.0
+        tpot_s = step_s + (forced_s + gap_s) / max(1, max_tokens - 1)
+        current_s = model.decode_step_s(batch, sum_ctx)
+        slower_s = step_s - current_s  # each step of B's decodes, with it added
+        crowding = 0.0
+        for d in decode.decoding.values():
+            slack_s = d.slack_s(now, current_s)
+            if slack_s < 0:
+                continue  # late already: nothing left to protect
+            used_s = slower_s * min(d.remaining(), max_tokens)
+            if remote and slack_s < slower_s * d.remaining():
+                harm += 1  # (local: counted by the hold above, which protects them)
+            crowding += min(1.0, used_s / max(slack_s, 1e-6))
+        return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding)
+
+    def _hold(self, view: InstanceView, own_s: float, budget_s: float, now: float
+              ) -> tuple[float, int]:  # fmt: skip
+        """(how long the instance's gate holds the prompt, decodes it is forced onto)."""
+        step_s = self.model.decode_step_s(*view.decode_load())
+        runs = [
+            d.remaining() * step_s for d in view.decoding.values()
+            if 0 <= d.slack_s(now, step_s) < (1 + MARGIN_FRACTION) * own_s
+        ]  # fmt: skip
+        hold_s = max(runs, default=0.0)
+        if hold_s <= budget_s:
+            return hold_s, 0
+        forced_at = max(0.0, budget_s)
+        return forced_at, sum(1 for run_s in runs if run_s > forced_at)
+
+    def _forced_s(self, view: InstanceView, window_s: float, start_s: float, now: float,
+                  queue_ahead: bool) -> float:  # fmt: skip
+        """Prompt compute the gate will run beside a decode of `window_s` starting in `start_s`
+        on this instance: queued prompts that cannot wait until it ends (none when they are
+        ahead of it, prefilled before it starts), and the window's placements there, pro rata,
+        that could not wait that long either."""
+        forced_s = 0.0
+        if not queue_ahead:
+            end = now + start_s + window_s
+            forced_s += sum(q.compute_s for q in view.queued.values()
+                            if q.deadline - q.compute_s < end)  # fmt: skip
+        urgent_s = sum(p.compute_s for p in view.prompts if p.wait_s < window_s)
+        return forced_s + urgent_s * min(1.0, window_s / self.window_s)
