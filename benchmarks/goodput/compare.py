@@ -4,10 +4,10 @@ every SLO scale, plots.
 
     python -m benchmarks.goodput --compare --out runs/today [--quick]   (= pdserve bench ...)
 
-For each regime (a synthetic shape, or a ShareGPT file): make the requests, then for each layout
-(the colocated baseline first) start a local cluster (or use a running router, --target), warm it
-up, sweep the rate (sweep.py), shut it down. Every request carries its class's SLOs, which the
-adaptive layout places it by. The SLOs (unless given) are the shape's factors times
+For each regime (a synthetic shape, or a ShareGPT file): make the requests, start every layout's
+local cluster (or use a running router, --target) and warm each up, then sweep the rate
+(sweep.py) of all of them side by side, one point of each layout in turn, and shut them down.
+Every request carries its class's SLOs, which the adaptive layout places it by. The SLOs (unless given) are the shape's factors times
 the unloaded TTFT and TPOT measured through the first layout's router once it is warm
 (calibrate.py), so they include what the serving path costs (gRPC, router, worker process);
 `--calibrate engine` measures one engine alone in this process instead. Output in --out:
@@ -37,7 +37,7 @@ from benchmarks.goodput.options import QUICK_REGIME, parse_bench_args, parse_tar
 from benchmarks.goodput.plots import plot_regime
 from benchmarks.goodput.report import regime_summary, slos_of
 from benchmarks.goodput.sharegpt import read_sharegpt, resolve_sharegpt_path, sharegpt_prompts
-from benchmarks.goodput.sweep import RatePoint, RateSweep, SweepPolicy, warm_up
+from benchmarks.goodput.sweep import RatePoint, RateSweep, SweepPolicy, sweep_steps, warm_up
 from benchmarks.goodput.workloads import REAL_REGIMES, REAL_SOURCES, random_prompts
 from planner.traffic import MIXES, SHAPES, synthetic_lengths, unit_rate_gaps
 
@@ -158,43 +158,49 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, str | None, int]]:
     return [(layout, None, layouts.NUM_DEVICES[layout]) for layout in args.layouts]
 
 
-def _sweep_layout(
-    args, model_dir, regime, target, prompts, classes, gaps, slo, driver, bar
-) -> dict:
-    """Start the layout (unless it runs already), sweep it, stop it. `slo` None: calibrate
-    through this layout's router first (the local baseline, which runs first)."""
-    layout, address, num_devices = target
-    cluster = None
-    if address is None:
-        bar.set_description(f"{regime}: starting {layout}")
-        spec = layouts.cluster_spec(
-            layout, model_dir, pin_cpus=not args.no_pin, latency_profile=args.latency_profile,
-            chunk_size=args.chunk_size, max_num_batched_tokens=args.max_num_batched_tokens,
-        )  # fmt: skip
-        cluster = layouts.start_local_cluster(spec)
-        address = cluster.address
-    try:
+def _start_layouts(
+    args, model_dir, regime, prompts, classes, slo, driver, bar, clusters: list
+) -> tuple[list[tuple[str, str, int]], dict[str, Any]]:
+    """Start every layout that runs here (appending each to `clusters`, which the caller shuts
+    down) and warm each up; `slo` None: then calibrate through the first one (the local
+    baseline), with the others up and idle as they are between their points. Returns (layout,
+    router address, devices) of each, and the SLOs."""
+    started = []
+    for layout, address, num_devices in _targets(args):
+        if address is None:
+            bar.set_description(f"{regime}: starting {layout}")
+            spec = layouts.cluster_spec(
+                layout, model_dir, pin_cpus=not args.no_pin,
+                latency_profile=args.latency_profile, chunk_size=args.chunk_size,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )  # fmt: skip
+            cluster = layouts.start_local_cluster(spec)
+            clusters.append(cluster)
+            address = cluster.address
         warm_up(driver, address, prompts)
-        if slo is None:
-            bar.set_description(f"{regime}: calibrating through {layout}")
-            slo = _slo_and_start(args, model_dir, regime, prompts, classes, driver, address)
-        bar.set_description(f"{regime}: {layout}")
+        started.append((layout, address, num_devices))
+    if slo is None:
+        layout, address, _ = started[0]
+        bar.set_description(f"{regime}: calibrating through {layout}")
+        slo = _slo_and_start(args, model_dir, regime, prompts, classes, driver, address)
+    return started, slo
 
-        def on_point(point: RatePoint, attained: float) -> None:
-            bar.update(1)
-            bar.set_postfix(rate=f"{point.rate_per_device:.2f}/dev", attained=f"{attained:.0%}")
 
-        policy = SweepPolicy.of_run(vars(args), slo["start_rate"])
-        mix = MIXES.get(regime)
-        sweep = RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
-                          slos_of(slo), policy, on_point,
-                          classes=classes,
-                          pick=mix.point_indices if mix else None)  # fmt: skip
-        points = sweep.run()
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-    return {"num_devices": num_devices, "address": address, "points": points, "slo": slo}
+def _sweep_interleaved(sweeps: dict[str, RateSweep], policy: SweepPolicy, regime: str, bar
+                       ) -> None:  # fmt: skip
+    """Every layout's sweep, one point of each in turn (each sweep picks its own next rate):
+    a machine whose speed drifts over the regime then moves every layout alike, instead of
+    whichever ran last (on this 2-core machine two runs of one layout moved 20-40% apart)."""
+    steps = {layout: sweep_steps(policy) for layout in sweeps}
+    pending = {layout: next(gen) for layout, gen in steps.items()}
+    while pending:
+        for layout in list(pending):
+            bar.set_description(f"{regime}: {layout}")
+            point = sweeps[layout].run_rate(pending[layout])
+            try:
+                pending[layout] = steps[layout].send(sweeps[layout].attainment(point))
+            except StopIteration:
+                del pending[layout]
 
 
 def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any) -> dict:
@@ -207,12 +213,33 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
     slo = None
     if not _calibrates_through_baseline(args):
         slo = _slo_and_start(args, model_dir, regime, prompts, classes, driver)
-    runs = {}
-    for target in _targets(args):
-        runs[target[0]] = _sweep_layout(
-            args, model_dir, regime, target, prompts, classes, gaps, slo, driver, bar
+    clusters: list[Any] = []
+    try:
+        started, slo = _start_layouts(
+            args, model_dir, regime, prompts, classes, slo, driver, bar, clusters
         )
-        slo = runs[target[0]]["slo"]
+
+        def on_point(point: RatePoint, attained: float) -> None:
+            bar.update(1)
+            bar.set_postfix(rate=f"{point.rate_per_device:.2f}/dev", attained=f"{attained:.0%}")
+
+        policy = SweepPolicy.of_run(vars(args), slo["start_rate"])
+        mix = MIXES.get(regime)
+        sweeps = {
+            layout: RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
+                              slos_of(slo), policy, on_point, classes=classes,
+                              pick=mix.point_indices if mix else None)
+            for layout, address, num_devices in started
+        }  # fmt: skip
+        _sweep_interleaved(sweeps, policy, regime, bar)
+    finally:
+        for cluster in clusters:
+            cluster.shutdown()
+    runs = {
+        layout: {"num_devices": num_devices, "address": address,
+                 "points": sweeps[layout].points}
+        for layout, address, num_devices in started
+    }  # fmt: skip
     assert slo is not None
     points_by_layout = {layout: run["points"] for layout, run in runs.items()}
     summary = regime_summary(points_by_layout, slos_of(slo), args.slo_scales)

@@ -15,9 +15,11 @@ Layouts (each worker a process of its own, one core each when pinned):
                  SLOs (the client sends each request's own). The profile is a planner-format
                  latency profile (`pdserve profile`; DEFAULT_LATENCY_PROFILE is the bench
                  model's on the 2-core development machine); the router corrects its speed
-                 online.
-All get the same EngineConfig (token budget, chunk size, KV pool), and the two that move KV the
-same KVTransferConfig, so only the layout differs.
+                 online. Its engines schedule by SLO (engine/slo.py, the prefill gate).
+  colocated-slo  the colocated baseline with the adaptive layout's prefill gate and no
+                 placement: what the gate alone gives (an ablation; not run by default)
+All get the same EngineConfig (token budget, chunk size, KV pool), but for the gate, and the two
+that move KV the same KVTransferConfig, so only the layout differs.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-LAYOUTS = ("disaggregated", "colocated", "adaptive")
+LAYOUTS = ("disaggregated", "colocated", "adaptive", "colocated-slo")
+DEFAULT_LAYOUTS = ("colocated", "disaggregated", "adaptive")
 # cores (GPUs on a GPU cluster) per layout
-NUM_DEVICES = {"disaggregated": 2, "colocated": 2, "adaptive": 2}
+NUM_DEVICES = {"disaggregated": 2, "colocated": 2, "adaptive": 2, "colocated-slo": 2}
 KV_START_TIMEOUT_S = 600.0
 DEFAULT_LATENCY_PROFILE = (
     Path(__file__).resolve().parents[1] / "results" / "placement" / "profile-2core.json"
@@ -130,10 +133,11 @@ def cluster_spec(
         model_dir=str(model_dir), port=0, block_size=config.block_size,
         max_running_requests=1024, max_queued_requests=4096, worker_timeout_s=60.0,
     )  # fmt: skip
-    if layout == "colocated":
+    if layout in ("colocated", "colocated-slo"):
+        gated = layout == "colocated-slo"
         return ClusterSpec(
             router=router,
-            colocated=WorkerConfig(config),
+            colocated=WorkerConfig(dataclasses.replace(config, slo_scheduling=gated)),
             num_colocated_instances=2,
             pin_cpus=pin_cpus,
         )

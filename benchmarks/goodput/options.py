@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.goodput.layouts import DEFAULT_LATENCY_PROFILE, LAYOUTS
+from benchmarks.goodput.layouts import DEFAULT_LAYOUTS as _DEFAULT
 from benchmarks.goodput.report import DEFAULT_SLO_SCALES
 from benchmarks.goodput.sharegpt import PACKAGED
 from planner.traffic import ARRIVALS, MIXES, SHAPES
@@ -46,7 +47,7 @@ def _layouts(text: str) -> tuple[str, ...]:
     return tuple(sorted(names, key=lambda name: name != "colocated"))
 
 
-DEFAULT_LAYOUTS = _layouts(",".join(LAYOUTS))  # colocated, disaggregated, adaptive
+DEFAULT_LAYOUTS = _layouts(",".join(_DEFAULT))  # colocated, disaggregated, adaptive
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

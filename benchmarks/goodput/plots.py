@@ -21,7 +21,8 @@ from benchmarks.goodput.sweep import RatePoint
 from benchmarks.goodput.workloads import regime_label
 from planner.metrics import ATTAINMENT_TARGET, SLOs, attainment, breakdown, tpot, ttft
 
-COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange", "adaptive": "tab:green"}
+COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange", "adaptive": "tab:green",
+          "colocated-slo": "tab:purple"}
 KIND_COLORS = {"local": "tab:green", "remote": "tab:purple", "": "gray"}  # "": never placed
 CLASS_MARKERS = ("o", "^", "s", "D")
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill")

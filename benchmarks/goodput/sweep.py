@@ -15,7 +15,7 @@ low rates do not take minutes; every point still draws from the same request seq
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,34 +128,44 @@ class RateSweep:
 def sweep_rates(policy: SweepPolicy, attainment_at: Callable[[float], float]) -> list[float]:
     """The rates a sweep runs, in order, each chosen from the attainments before it:
     `attainment_at(rate)` runs the point (the benchmark's load, or a simulation of it)."""
+    steps = sweep_steps(policy)
+    rates: list[float] = []
+    try:
+        rate = next(steps)
+        while True:
+            rates.append(rate)
+            rate = steps.send(attainment_at(rate))
+    except StopIteration:
+        return rates
+
+
+def sweep_steps(policy: SweepPolicy) -> Generator[float, float, None]:
+    """The sweep as a generator: it yields the next rate to run and takes that point's
+    attainment back (`send`), so several sweeps can run side by side, a point of each in turn."""
     done: list[tuple[float, float]] = []  # (total rate, attainment) in the order run
-
-    def run(rate: float) -> float:
-        done.append((rate, attainment_at(rate)))
-        return done[-1][1]
-
     if policy.rates:
         for rate in policy.rates:
-            run(rate)
-        return [rate for rate, _ in done]
+            yield rate
+        return
     rate = policy.start_rate
     for _ in range(policy.max_halvings + 1):
-        if run(rate) >= ATTAINMENT_TARGET:
+        done.append((rate, (yield rate)))
+        if done[-1][1] >= ATTAINMENT_TARGET:
             break
         rate /= 2.0
     else:
-        return [r for r, _ in done]  # even the lowest rate missed 90%: goodput is below it
+        return  # even the lowest rate missed 90%: goodput is below it
     while _keep_climbing(policy, done):
         rate *= policy.growth
-        if run(rate) < policy.stop_below:
+        done.append((rate, (yield rate)))
+        if done[-1][1] < policy.stop_below:
             break
     if policy.refine:  # the geometric middle of the first crossing of 90% (going up in rate),
         ordered = sorted(done)  # so the interpolated goodput rests on two close points
         for (low, att_low), (high, att_high) in zip(ordered, ordered[1:], strict=False):
             if att_low >= ATTAINMENT_TARGET > att_high:
-                run((low * high) ** 0.5)
+                yield (low * high) ** 0.5
                 break
-    return [r for r, _ in done]
 
 
 def _keep_climbing(policy: SweepPolicy, done: list[tuple[float, float]]) -> bool:

@@ -78,11 +78,15 @@ class KVTransferSection:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits: running sequences, the token budget, and the prefill chunk size."""
+    """Per-step limits: running sequences, the token budget, and the prefill chunk size.
+    `slo_scheduling`: hold a prompt chunk back while it would make a running decode miss its
+    TPOT SLO, until the prompt's own TTFT SLO cannot wait (engine/slo.py); only requests that
+    carry SLOs take part. Always on in mode adaptive, whose router predicts with it."""
 
     chunk_size: int = knob(512, checks.integer(1))
     max_num_seqs: int = knob(64, checks.integer(1))
     max_num_batched_tokens: int = knob(2048, checks.integer(1))
+    slo_scheduling: bool = knob(False, checks.boolean)
 
 
 @dataclass(frozen=True)

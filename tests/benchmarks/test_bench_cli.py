@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -115,7 +116,11 @@ def test_the_adaptive_layout_gets_the_same_engine_and_kv_config_and_the_profile(
     assert adaptive.num_adaptive_instances == 2 and adaptive.pin_cpus
     assert adaptive.adaptive.role is Role.ADAPTIVE
     assert adaptive.adaptive.sends_kv and adaptive.adaptive.receives_kv
-    assert adaptive.adaptive.engine == split.prefill.engine
+    assert adaptive.adaptive.engine == replace(split.prefill.engine, slo_scheduling=True)
+    assert not split.prefill.engine.slo_scheduling and not split.decode.engine.slo_scheduling
+    gated = cluster_spec("colocated-slo", tmp_path, chunk_size=256)
+    assert gated.colocated.engine == adaptive.adaptive.engine  # the gate, without placement
+    assert not cluster_spec("colocated", tmp_path, chunk_size=256).colocated.engine.slo_scheduling
     assert adaptive.adaptive.kv_transfer == split.prefill.kv_transfer == split.decode.kv_transfer
     assert adaptive.adaptive.kv_transfer.start_timeout_s == KV_START_TIMEOUT_S
     assert adaptive.router.latency_profile == str(DEFAULT_LATENCY_PROFILE)

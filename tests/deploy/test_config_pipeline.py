@@ -166,6 +166,7 @@ def table(tmp: Path) -> dict[str, Row]:
         "scheduler.chunk_size": Row(64, engine("chunk_size")),
         "scheduler.max_num_seqs": Row(7, engine("max_num_seqs")),
         "scheduler.max_num_batched_tokens": Row(4096, engine("max_num_batched_tokens")),
+        "scheduler.slo_scheduling": Row(True, engine("slo_scheduling")),
         "router.host": Row("0.0.0.0", lambda v: (v.router.host, v.router.metrics_host),
                            ("0.0.0.0", "0.0.0.0")),
         "router.port": Row(6000, router("port")),
