@@ -47,6 +47,7 @@ class SchedulerStats:
     num_prefix_queried_tokens: int  # tokens looked up in the prefix cache at admission
     num_preemptions: int
     num_queued_prompt_tokens: int  # tokens of waiting requests still to compute
+    num_decoding: int = 0  # running requests past their first token
 
     @property
     def prefix_hit_rate(self) -> float:

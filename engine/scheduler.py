@@ -153,13 +153,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         self._schedule_running(plan, decodes=True)
-        if not plan.preempted:
-            self._admit_landed(plan)  # they decode: the gate protects them too
-        if self.gate is not None:
+        if self.gate is not None:  # this step's decodes, and the landed ones about to join
             decodes = [self.requests[i] for i in plan.num_new_tokens]
-            plan.window = self.gate.open(decodes)
+            plan.window = self.gate.open(decodes + list(self.landed))
         self._schedule_running(plan, decodes=False)
         if not plan.preempted:  # admitting right after preempting would only thrash
+            self._admit_landed(plan)
             self._admit_waiting(plan)
         return self._build_batch(plan)
 
@@ -398,4 +397,5 @@ class Scheduler:
             num_prefix_queried_tokens=self.prefix_cache.num_queried_tokens,
             num_preemptions=self.num_preemptions,
             num_queued_prompt_tokens=sum(r.num_tokens for r in self.waiting),
+            num_decoding=sum(1 for r in self.running if r.num_output_tokens),
         )

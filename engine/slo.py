@@ -8,12 +8,15 @@ A request's TPOT is a mean, (last token - first token) / (tokens - 1), so a deco
     deadline = first token at + TPOT_TARGET * tpot_slo * (max_tokens - 1)
     slack    = deadline - now - (tokens still to come) * decode step
 
-A chunk fits when its cost (engine/step_costs.py) stays inside the least slack of the decodes
-it would ride with, less a margin. A chunk that does not fit waits (decode-only steps go on,
-the slack comes back as tight decodes finish), until its own prompt would miss its TTFT SLO by
-waiting one more step: then it runs anyway. So a prompt waits at most until its deadline less
-its own compute, and nobody starves. A decode already past its deadline is not protected (it
-misses either way); a request without SLOs is neither held nor protected.
+A chunk fits when its cost (engine/step_costs.py) stays inside the slack of every decode it
+would ride with, less a margin. A chunk that does not fit waits (decode-only steps go on) while
+waiting saves one of the decodes it breaks: one that ends before the prompt must start to meet
+its own TTFT SLO. Past that, or when the decodes it breaks outlast that anyway, it runs: so a
+prompt waits at most until its deadline less its own compute, and nobody starves, and prompts
+held for nothing do not pile up into one long step. (A chatbot decode 100 tokens from its end
+is not saved by holding a prompt whose TTFT allows 1.2 s; a summary 10 tokens from its end is.)
+A decode already past its deadline is not protected (it misses either way); a request without
+SLOs is never held and its chunk still uses the decodes' slack.
 
 Compared with a per-step prefill token budget (SARATHI-Serve), holding a whole chunk keeps the
 prompt's compute in few large steps: on CPU a 703-token prompt took 1.7x longer in 24-token
@@ -65,50 +68,64 @@ class PrefillGate:
         """The window of one step whose decodes are `decodes`."""
         now = self._clock()
         step_s = self.costs.decode_step_s(max(1, len(decodes)))
-        slack_s = math.inf
+        protected: list[_Protected] = []
         if step_s is not None:
             for request in decodes:
                 slack = decode_slack_s(request, now, step_s)
                 if slack is not None and slack >= 0:  # a late decode is not protected
-                    slack_s = min(slack_s, slack)
-        return StepWindow(self, now, step_s or 0.0, slack_s)
+                    num_to_come = request.params.max_tokens - request.num_output_tokens
+                    protected.append(_Protected(slack, now + num_to_come * step_s))
+        return StepWindow(self, now, step_s or 0.0, protected)
+
+
+@dataclass
+class _Protected:
+    slack_s: float  # what is left of it this step
+    ends_at: float  # when its last token is due, at the current step
 
 
 class StepWindow:
     """The slack left in one step for prompt chunks."""
 
-    def __init__(self, gate: PrefillGate, now: float, step_s: float, slack_s: float) -> None:
+    def __init__(
+        self, gate: PrefillGate, now: float, step_s: float, protected: list[_Protected]
+    ) -> None:
         self._gate = gate
         self.now = now
         self.step_s = step_s
-        self.slack_s = slack_s
+        self._protected = protected
 
     def admits(self, request: Request, num_new: int) -> bool:
-        """Whether `num_new` prompt tokens of `request` run this step (True uses up slack)."""
-        if math.isinf(self.slack_s):
+        """Whether `num_new` prompt tokens of `request` run this step (True uses up slack).
+
+        A chunk waits only if waiting saves a decode: some decode it does not fit ends before
+        the prompt must start. When every decode it breaks would still be running then, waiting
+        only moves the stall later and bunches the prompts that waited into one long step."""
+        if not self._protected:
             return True
         costs = self._gate.costs
         cost_s = costs.prefill_s(num_new, request.num_computed_tokens)
         if cost_s is None:
             return True
         margin_s = MARGIN_STEPS * self.step_s + MARGIN_FRACTION * cost_s
-        if (
-            request.slo is None  # nothing to wait for: it runs, and uses the slack up
-            or cost_s + margin_s <= self.slack_s
-            or self._due(request, costs)
-        ):
-            self.slack_s -= cost_s
-            return True
-        self._gate.num_held += 1
-        return False
+        broken = [d for d in self._protected if d.slack_s < cost_s + margin_s]
+        if broken and request.slo is not None:
+            latest_start = self._latest_start(request, costs)
+            if any(d.ends_at <= latest_start for d in broken):
+                self._gate.num_held += 1
+                return False
+        for decode in self._protected:
+            decode.slack_s -= cost_s
+        self._protected = [d for d in self._protected if d.slack_s >= 0]
+        return True
 
-    def _due(self, request: Request, costs: StepCosts) -> bool:
-        """Waiting one more step would make the prompt miss its TTFT SLO."""
+    def _latest_start(self, request: Request, costs: StepCosts) -> float:
+        """When the prompt's chunks must start for its first token to meet its TTFT SLO."""
         assert request.slo is not None
         num_left = request.num_prompt_tokens - request.num_computed_tokens
         left_s = costs.prefill_s(num_left, request.num_computed_tokens) or 0.0
         deadline = request.arrival_time + request.slo.ttft_s
-        return self.now + 2 * self.step_s + (1 + MARGIN_FRACTION) * left_s >= deadline
+        return deadline - 2 * self.step_s - (1 + MARGIN_FRACTION) * left_s
 
 
 def decode_slack_s(request: Request, now: float, step_s: float) -> float | None:

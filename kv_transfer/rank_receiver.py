@@ -186,7 +186,7 @@ class _Lane:
         last = 1 + view.num_payload_messages
         self._trailer = (channel.irecv(trailer, view.tag(tid, last)), trailer)
 
-    def finish(self, staging: StagingPool) -> tuple[int, int]:
+    def finish(self, staging: StagingPool) -> Trailer:
         """Wait for the data (bounded by the deadline); returns the trailer."""
         if self._early_error is not None:
             self.channel.mark_broken()

@@ -16,8 +16,11 @@ instance or remote from any instance to any other (router/placement_model.py pre
     harm = decodes the prompt would be forced onto, or that its decode would slow past their SLO
 
 The request takes the option that breaks the fewest objectives (its own two, and each harmed
-decode), local before remote among equals (no KV moves), then the lowest TTFT/ttft_slo +
-TPOT/tpot_slo (the least loaded, relative to what the request allows).
+decode), then the lowest TTFT/ttft_slo + TPOT/tpot_slo + crowding (the least loaded, relative
+to what the request and the decodes it joins allow), a remote option paying REMOTE_COST for the
+KV it moves. Under load this splits the roles by itself: a prompt avoids an instance whose
+decodes it would break, so the instance with the most long decodes takes fewer prompts, and the
+decodes placed there from elsewhere see fewer prompts run beside them.
 
 Roles are what the placements make of the instances: `prefill_role` is the instances that
 prefilled for another one within the last `window_s`, and `role_changes` is when their number
@@ -85,6 +88,7 @@ class AdaptivePlacer:
         self._predict = PlacementModel(model, window_s)
         self._instances: dict[str, InstanceView] = {}
         self._remote_prefills: deque[tuple[float, str]] = deque()  # (at, prefill instance)
+        self._learned_from: dict[str, int] = {}  # instance -> id() of the load report learned
         self.prefill_role: tuple[str, ...] = ()
         self.role_changes: deque[tuple[float, int]] = deque(maxlen=MAX_ROLE_CHANGES)
 
@@ -135,11 +139,15 @@ class AdaptivePlacer:
         """The decode bias learns from the step the instance's engine measures (its load
         report's `decode_step_s` at `decode_batch`): a measured TPOT would not do, since the
         gate lets prompt chunks use each decode's slack on purpose."""
+        if self._learned_from.get(state.instance_id) == id(state.load):
+            return  # once per report, however many arrivals read it
+        self._learned_from[state.instance_id] = id(state.load)
         measured_s = state.load.extra.get("decode_step_s")
         batch = int(state.load.extra.get("decode_batch", 0))
         if measured_s and batch > 0:
-            tracked, sum_ctx = view.decode_load()
-            mean_ctx = sum_ctx / tracked if tracked else 0.0
+            contexts = [d.num_prompt_tokens + d.num_tokens for d in view.decoding.values()
+                        if d.first_token_at is not None]  # fmt: skip
+            mean_ctx = sum(contexts) / len(contexts) if contexts else 0.0
             self.model.observe_decode_step(batch, mean_ctx * batch, measured_s)
 
     def _update_roles(self, now: float) -> None:

@@ -6,21 +6,22 @@ by SLO (engine/slo.py): a prompt chunk waits while it would break a running deco
 until its own TTFT SLO cannot wait. So, for a request of `n` prompt tokens and `m` output tokens:
 
     own      its prompt's compute on A, beside A's decodes
-    hold     how long A's gate keeps it back: the longest remaining run of A's decodes whose
-             slack does not fit `own` (their slack: the time left before their TPOT SLO breaks,
-             less the steps they still need)
-    budget   ttft_slo - queued on A - own [- transfer]: past it the gate runs the prompt anyway,
-             onto those decodes, and each still running then counts as harmed
-    TTFT     queued on A + min(hold, budget) + own [+ transfer]
+    budget   ttft_slo - queued on A - own [- transfer]: how long the prompt may wait
+    hold     how long A's gate keeps it back: the longest remaining run, within the budget, of
+             A's decodes whose slack does not fit `own` (their slack: the time left before
+             their TPOT SLO breaks, less the steps they still need); those that run longer it
+             is run onto at once (holding would not save them), and each counts as harmed
+    TTFT     queued on A + hold + own [+ transfer]
     window   m x B's step: how long it decodes on B
     forced   prompts that will run beside its decode on B although it is tight: B's queued ones
              and the ones the last window placed on B, pro rata, whose TTFT cannot wait `window`
     TPOT     B's step with it added + (forced [+ transfer + half a step, the hand-off's gap])
              / (m - 1)
     harm     + decodes on B its joining slows past their SLO
-    crowding the share of each B decode's slack its joining uses (its step's growth over the
-             steps they share, over that slack), summed: loose requests pack where the batch
-             can take them, and leave an instance with tight decodes a light batch
+    crowding the share of each A decode's slack its prompt uses, and of each B decode's slack
+             its joining uses (its step's growth over the steps they share), summed: prompts go
+             where decodes can take them, loose requests pack where the batch can take them,
+             and an instance with tight decodes keeps a light batch
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from dataclasses import dataclass, field
 
 from engine.slo import MARGIN_FRACTION, TPOT_TARGET, RequestSLO
 from router.latency_model import LatencyModel
+
+# What moving the KV must win, in the score's units (TTFT and TPOT as shares of their SLOs):
+# a remote placement is taken over a local one that meets the same objectives only when it
+# predicts latencies lower by this much (the transfer costs both instances CPU on this machine,
+# which the prediction does not count).
+REMOTE_COST = 0.15
 
 
 @dataclass(frozen=True)
@@ -105,12 +112,12 @@ class Option:
     def remote(self) -> bool:
         return self.prefill_id != self.decode_id
 
-    def score(self, slo: RequestSLO) -> tuple[int, bool, float]:
-        """Objectives broken, then local first (no KV moves), then the load it adds: to itself,
-        relative to what it allows, and to the decodes it joins, relative to their slack."""
+    def score(self, slo: RequestSLO) -> tuple[int, float]:
+        """Objectives broken, then the load it adds: to itself, relative to what it allows, to
+        the decodes it joins, relative to their slack, and REMOTE_COST for moving the KV."""
         misses = self.harm + int(self.ttft_s > slo.ttft_s) + int(self.tpot_s > slo.tpot_s)
         load = self.ttft_s / slo.ttft_s + self.tpot_s / slo.tpot_s + self.crowding
-        return misses, self.remote, load
+        return misses, load + (REMOTE_COST if self.remote else 0.0)
 
 
 class PlacementModel:
@@ -131,6 +138,11 @@ class PlacementModel:
         transfer_s = model.transfer_s(num_tokens) if remote else 0.0
         hold_s, harm = self._hold(prefill, own_s, slo.ttft_s - queued_s - own_s - transfer_s, now)
         ttft_s = queued_s + hold_s + own_s + transfer_s
+        prefill_step_s = model.decode_step_s(*prefill.decode_load())
+        crowding = sum(  # the share of A's decodes' slack its prompt takes, where it fits
+            min(1.0, own_s / slack_s) for d in prefill.decoding.values()
+            if (slack_s := d.slack_s(now, prefill_step_s)) > 0
+        )  # fmt: skip
 
         batch, sum_ctx = decode.decode_load()
         step_s = model.decode_step_s(batch + 1, sum_ctx + num_tokens)
@@ -140,30 +152,26 @@ class PlacementModel:
         tpot_s = step_s + (forced_s + gap_s) / max(1, max_tokens - 1)
         current_s = model.decode_step_s(batch, sum_ctx)
         slower_s = step_s - current_s  # each step of B's decodes, with it added
-        crowding = 0.0
         for d in decode.decoding.values():
             slack_s = d.slack_s(now, current_s)
             if slack_s < 0:
                 continue  # late already: nothing left to protect
             used_s = slower_s * min(d.remaining(), max_tokens)
-            if remote and slack_s < slower_s * d.remaining():
-                harm += 1  # (local: counted by the hold above, which protects them)
+            if slack_s < used_s:
+                harm += 1  # its joining alone breaks this one
             crowding += min(1.0, used_s / max(slack_s, 1e-6))
         return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding)
 
     def _hold(self, view: InstanceView, own_s: float, budget_s: float, now: float
               ) -> tuple[float, int]:  # fmt: skip
-        """(how long the instance's gate holds the prompt, decodes it is forced onto)."""
+        """(how long the instance's gate holds the prompt, the decodes it is run onto)."""
         step_s = self.model.decode_step_s(*view.decode_load())
         runs = [
             d.remaining() * step_s for d in view.decoding.values()
             if 0 <= d.slack_s(now, step_s) < (1 + MARGIN_FRACTION) * own_s
         ]  # fmt: skip
-        hold_s = max(runs, default=0.0)
-        if hold_s <= budget_s:
-            return hold_s, 0
-        forced_at = max(0.0, budget_s)
-        return forced_at, sum(1 for run_s in runs if run_s > forced_at)
+        saved = [run_s for run_s in runs if run_s <= budget_s]  # the gate waits for these
+        return max(saved, default=0.0), len(runs) - len(saved)  # and runs onto the rest
 
     def _forced_s(self, view: InstanceView, window_s: float, start_s: float, now: float,
                   queue_ahead: bool) -> float:  # fmt: skip

@@ -241,9 +241,9 @@ class Worker(WorkerLoop):
             "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
             "chunk_size": float(self.config.engine.chunk_size),
         }
-        # The decode step this engine measures at its running batch (engine/step_costs.py),
+        # The decode step this engine measures at its decode batch (engine/step_costs.py),
         # which an adaptive router's latency model learns from; and its prefill gate's holds.
-        decode_batch = max(1, stats.num_running)
+        decode_batch = max(1, stats.num_decoding)
         decode_step_s = self.engine.step_costs.decode_step_s(decode_batch)
         if decode_step_s is not None:
             extra["decode_step_s"] = decode_step_s

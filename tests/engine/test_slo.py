@@ -112,20 +112,33 @@ def test_a_prompt_that_fits_the_slack_runs_beside_the_decode() -> None:
     assert _step(scheduler, store, clock, 0.030) == ["tight", "short"]
 
 
-def test_a_due_prompt_runs_even_though_it_breaks_the_decode() -> None:
+def test_a_prompt_that_cannot_wait_the_decode_out_runs_at_once() -> None:
     clock, costs = _Clock(1000.0), _trained_costs()
     scheduler = _gated(clock, costs)
     store = PagedTokenStore(64, 4)
     scheduler.add_request(_request("tight", 8, 11, RequestSLO(1.0, 0.015), clock.now))
     _step(scheduler, store, clock, 0.010)
-    # TTFT SLO 0.2 s for 100 ms of compute: it may wait while 2 steps + 125 ms still fit,
-    # i.e. until 55 ms after its arrival: the sixth step (the decode runs until the tenth)
-    arrived = clock.now
-    scheduler.add_request(_request("urgent", 100, 2, RequestSLO(0.2, 1.0), arrived))
+    # TTFT SLO 0.2 s for 100 ms of compute: it must start within 55 ms, the decode runs 100 ms
+    # more. Waiting would not save the decode, only stall it later: the prompt runs now.
+    scheduler.add_request(_request("urgent", 100, 2, RequestSLO(0.2, 1.0), clock.now))
+    assert _step(scheduler, store, clock, 0.110) == ["tight", "urgent"]
+    assert scheduler.gate is not None and scheduler.gate.num_held == 0
+
+
+def test_a_prompt_waits_for_the_decodes_it_can_save_and_no_longer() -> None:
+    clock, costs = _Clock(1000.0), _trained_costs()
+    scheduler = _gated(clock, costs)
+    store = PagedTokenStore(64, 4)
+    scheduler.add_request(_request("short", 8, 6, RequestSLO(1.0, 0.013), clock.now))
+    scheduler.add_request(_request("long", 8, 60, RequestSLO(1.0, 0.012), clock.now))
+    _step(scheduler, store, clock, 0.010)
+    # Both tight; "short" ends in 5 steps, well before the prompt must start (0.5 s TTFT),
+    # "long" outlasts that. The prompt waits for "short" to end, then runs onto "long".
+    scheduler.add_request(_request("p", 100, 2, RequestSLO(0.5, 1.0), clock.now))
     computed = [_step(scheduler, store, clock, 0.010) for _ in range(8)]
-    waited = next(i for i, ids in enumerate(computed) if "urgent" in ids)
-    assert waited == 6 and computed[waited] == ["tight", "urgent"], computed
-    assert arrived + 0.010 * waited + 0.100 <= arrived + 0.2  # its first token within the SLO
+    first = next(i for i, ids in enumerate(computed) if "p" in ids)
+    assert "short" not in scheduler.requests
+    assert first == 5 and computed[first] == ["long", "p"], computed
 
 
 def test_late_decodes_and_requests_without_slos_do_not_hold_prompts() -> None:

@@ -85,9 +85,12 @@ def test_a_prompt_that_cannot_wait_is_forced_and_counts_the_decodes_it_breaks(
     summary = place(placer, "s", 650, 16, SUMMARIZATION, only=("a",))
     placer.prefilled("s", summary, None)
     # A 300-token code prompt (TTFT 0.3 s) cannot wait out the summary's 15 steps on a: its
-    # gate would run it onto them; on b nothing holds it.
-    forced = placer.choose(300, 40, CODE, states("a"))
-    assert forced.predicted_ttft_s == pytest.approx(CODE.ttft_s, rel=1e-6)  # run at its deadline
+    # gate would run it onto them at once (holding would not save the summary); on b nothing
+    # holds it and nothing is harmed.
+    view = placer._instances["a"]
+    forced = placer._predict.option("a", view, "a", view, 300, 0, 40, CODE, placer._clock())
+    assert forced.harm == 1
+    assert forced.ttft_s == pytest.approx(placer.model.prefill_s(300, 1, 651.0), rel=1e-6)
     code = place(placer, "c", 300, 40, CODE)
     assert (code.kind, code.prefill_id) == ("local", "b")
     assert code.predicted_ttft_s < 0.7 * CODE.ttft_s
