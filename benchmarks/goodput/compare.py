@@ -235,13 +235,10 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
     finally:
         for cluster in clusters:
             cluster.shutdown()
-    runs = {
-        layout: {"num_devices": num_devices, "address": address,
-                 "points": sweeps[layout].points}
-        for layout, address, num_devices in started
-    }  # fmt: skip
     assert slo is not None
-    points_by_layout = {layout: run["points"] for layout, run in runs.items()}
+    points_by_layout = {layout: sweeps[layout].points for layout, _, _ in started}
+    devices = {layout: num_devices for layout, _, num_devices in started}
+    addresses = {layout: address for layout, address, _ in started}
     summary = regime_summary(points_by_layout, slos_of(slo), args.slo_scales)
     workload = {
         "regime": regime, "source": _source(regime),
@@ -252,16 +249,16 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
         "mean_output_len": statistics.mean(out for _, out in prompts),
     }  # fmt: skip
     summary.update(slo=slo, workload=workload, load_average_before=list(load_before))
-    summary["devices"] = {layout: run["num_devices"] for layout, run in runs.items()}
+    summary["devices"] = devices
     raw = {
         "schema": RAW_SCHEMA, "regime": regime, "config": _jsonable(vars(args)),
         "model_dir": str(model_dir), "slo": slo, "workload": workload,
         "requests": [{"prompt_len": len(ids), "output_len": out, "unit_gap_s": gap,
                       "slo_class": slo_class}
                      for (ids, out), gap, slo_class in zip(prompts, gaps, classes, strict=False)],
-        "layouts": {layout: {"num_devices": run["num_devices"], "address": run["address"],
-                             "points": [p.to_json() for p in run["points"]]}
-                    for layout, run in runs.items()},
+        "layouts": {layout: {"num_devices": devices[layout], "address": addresses[layout],
+                             "points": [p.to_json() for p in points]}
+                    for layout, points in points_by_layout.items()},
     }  # fmt: skip
     (args.out / "raw").mkdir(parents=True, exist_ok=True)
     (args.out / "raw" / f"{regime}.json").write_text(json.dumps(raw))
