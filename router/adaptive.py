@@ -89,6 +89,7 @@ class AdaptivePlacer:
         self._instances: dict[str, InstanceView] = {}
         self._remote_prefills: deque[tuple[float, str]] = deque()  # (at, prefill instance)
         self._learned_from: dict[str, int] = {}  # instance -> id() of the load report learned
+        self._last_chosen: dict[str, float] = {}  # instance -> when a placement last used it
         self.prefill_role: tuple[str, ...] = ()
         self.role_changes: deque[tuple[float, int]] = deque(maxlen=MAX_ROLE_CHANGES)
 
@@ -123,7 +124,12 @@ class AdaptivePlacer:
             for a in ids for b in ids
         ]  # fmt: skip
         fits = [o for o in options if free_blocks.get(o.decode_id, 1) > 0] or options
-        best = min(fits, key=lambda o: o.score(slo))
+        # An exact tie (an idle cluster: every instance predicts the same) goes to the instances
+        # chosen longest ago, so idle traffic spreads and every engine learns its step costs.
+        used = self._last_chosen
+        best = min(fits, key=lambda o: (o.score(slo), used.get(o.decode_id, -1.0),
+                                        used.get(o.prefill_id, -1.0)))  # fmt: skip
+        used[best.prefill_id] = used[best.decode_id] = now
         if best.remote:
             self._remote_prefills.append((now, best.prefill_id))
         self._update_roles(now)

@@ -5,6 +5,7 @@ start, and the placement with its predictions comes back on the last message."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import time
 from pathlib import Path
@@ -139,9 +140,18 @@ def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(
     with LocalCluster(spec, restart_workers=False) as cluster:
         address = cluster.start()
         pids = {i: w.pid for i, w in cluster.workers.items()}
-        for i in range(3):  # the engines learn their step costs; the router, their speed
-            _stream(address, pb.GenerateRequest(token_ids=prompts[i], max_tokens=12,
-                                                ignore_eos=True, request_id=f"w{i}"))
+        # The engines learn their step costs (a gate lets every chunk through until its
+        # instance has prefilled 3 prompts: engine/step_costs.py MIN_WEIGHT); the router, their
+        # speed. Where each warm-up prompt goes is the router's choice, so count them.
+        prefilled: collections.Counter[str] = collections.Counter()
+        for i in range(12):
+            if len(prefilled) == len(pids) and min(prefilled.values()) >= 3:
+                break
+            last = _stream(address, pb.GenerateRequest(
+                token_ids=prompts[i % len(prompts)], max_tokens=12, ignore_eos=True,
+                request_id=f"w{i}"))[-1]  # fmt: skip
+            prefilled[last.prefill_instance] += 1
+        assert min(prefilled.values()) >= 3 and len(prefilled) == len(pids), prefilled
         arrivals: list[float] = []
         timed = _stream(address, pb.GenerateRequest(token_ids=prompts[0], max_tokens=12,
                                                     ignore_eos=True, request_id="calibrate"),

@@ -66,6 +66,21 @@ def test_loose_traffic_runs_local_on_both_instances(placer: AdaptivePlacer, cloc
     assert placer.prefill_role == () and [k for _, k in placer.role_changes] == [0]
 
 
+def test_requests_one_at_a_time_on_an_idle_cluster_take_turns(
+    placer: AdaptivePlacer, clock: Clock
+):
+    """Each ends before the next arrives, so every instance predicts the same: the tie goes to
+    the instance chosen longest ago (else the first would take them all, and the other's gate
+    would never learn its step costs)."""
+    chosen = []
+    for n in range(4):
+        placement = place(placer, f"q{n}", 400, 12, CHATBOT)
+        placer.release(f"q{n}", placement)
+        chosen.append(placement.prefill_id)
+        clock.now += 1.0
+    assert chosen == ["a", "b", "a", "b"]
+
+
 def test_a_prompt_avoids_the_instance_whose_gate_would_hold_it(placer: AdaptivePlacer):
     summary = place(placer, "s", 650, 16, SUMMARIZATION, only=("a",))
     placer.prefilled("s", summary, None)  # it decodes on a, with about 0.18 s of slack
