@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from dataclasses import dataclass
 
@@ -159,6 +160,10 @@ class RouterConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        for name in ("default_ttft_slo_s", "default_tpot_slo_s"):  # as a request's own SLOs
+            value = getattr(self, name)
+            if not value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
         if not self.recovery_wait_s >= 0:
             raise ValueError(f"recovery_wait_s must be >= 0 seconds, got {self.recovery_wait_s!r}")
 

@@ -210,7 +210,8 @@ def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
 @pytest.mark.parametrize(
     ("key", "value"),
     [("max_running_requests", 0), ("max_queued_requests", -1), ("shutdown_grace_s", 0),
-     ("worker_timeout_s", "soon"), ("max_model_len", 1)],
+     ("worker_timeout_s", "soon"), ("max_model_len", 1), ("default_tpot_slo_s", float("inf")),
+     ("default_ttft_slo_s", -1.0)],
 )  # fmt: skip
 def test_router_limits_are_checked(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"router.{key} must be"):

@@ -2,8 +2,8 @@
 systemd and a terminal's Ctrl-C do), on a local Ray cluster and as plain processes: the stream in
 flight finishes within the drain, the process exits 0, and every process it started (Ray: GCS,
 raylet, agents, every actor, the TP rank actor, and Ray's temp dir; plain: every worker process
-and TP rank, which ignore the group's signal and obey their parent) is gone. A second signal
-ends the drain at once."""
+and TP rank, which ignore the group's signal and obey their parent) is gone; the same for mode
+adaptive, which runs as plain processes. A second signal ends the drain at once."""
 
 from __future__ import annotations
 
@@ -38,6 +38,23 @@ router:
   port: 0
   metrics_port: null
 """
+# Mode adaptive (plain processes only): two instances that each prefill and decode.
+ADAPTIVE_CONFIG = """\
+model: {model_dir}
+dtype: float64
+mode: adaptive
+adaptive:
+  instances: 2
+kv_cache:
+  block_size: 8
+  num_blocks: 128
+router:
+  host: 127.0.0.1
+  port: 0
+  metrics_port: null
+  latency_profile: {profile}
+"""
+PROFILE = REPO_ROOT / "benchmarks/results/placement/profile-2core.json"
 _PROMPT = [1, 7, 9, 30, 41]
 _MAX_TOKENS = 480
 
@@ -45,10 +62,10 @@ _MAX_TOKENS = 480
 class Serve:
     """`deploy.cli.main serve` in its own session (its pid is its process group), output collected."""
 
-    def __init__(self, tmp_path: Path, ray: bool = True) -> None:
+    def __init__(self, tmp_path: Path, ray: bool = True, template: str = CONFIG) -> None:
         model_dir = tiny_model_with_tokenizer(tmp_path)
         config = tmp_path / "serve.yaml"
-        config.write_text(CONFIG.format(model_dir=model_dir))
+        config.write_text(template.format(model_dir=model_dir, profile=PROFILE))
         env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli.main", "serve", "--config", str(config),
@@ -142,6 +159,27 @@ def test_signal_to_group_drains_and_leaves_no_process(
     finally:
         serve.kill()
     _assert_nothing_left(pids, temp_dir)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_adaptive_mode_drains_on_a_signal_to_the_group(tmp_path: Path, signum: int) -> None:
+    """Mode adaptive runs as plain processes: the same drain, exit 0, and both instances gone."""
+    serve = Serve(tmp_path, ray=False, template=ADAPTIVE_CONFIG)
+    pids: list[int] = []
+    try:
+        address = serve.wait_for("serving on ", 150).split()[0].rstrip(";,")
+        streamer, results = _start_stream(address)
+        pids = descendant_pids(serve.process.pid)
+        assert len(pids) >= 2, pids  # the two adaptive instances
+        serve.signal_group(signum)
+        assert serve.process.wait(60) == 0, serve.output()
+        streamer.join(30)
+        assert results[0].code == grpc.StatusCode.OK, (results[0], serve.output())
+        assert len(results[0].token_ids) == _MAX_TOKENS
+        assert "Traceback" not in serve.output()
+    finally:
+        serve.kill()
+    _assert_nothing_left(pids, None)
 
 
 def test_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
