@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,3 +85,17 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+    def stop_status(
+        self, token_id: int, eos_token_ids: Collection[int], max_model_len: int
+    ) -> RequestStatus | None:
+        """How the request ends with `token_id` just appended: stopped (EOS, unless ignored, or
+        a stop token), at its length (max_tokens or the model's), or not yet (None)."""
+        params = self.params
+        if (not params.ignore_eos and token_id in eos_token_ids) or (
+            token_id in params.stop_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -336,7 +336,7 @@ class Scheduler:
             request.output_token_ids.append(token_id)
             if request.first_token_at is None:
                 request.first_token_at = self._clock()
-            status = self._stop_status(request, token_id)
+            status = request.stop_status(token_id, self.eos_token_ids, self.max_model_len)
             if status is None and not request.decodes_here:
                 if self.connector.hand_off(request):  # it holds the blocks from here on
                     status = RequestStatus.FINISHED_HANDED_OFF
@@ -355,19 +355,6 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.params
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or (
-            token_id in params.stop_token_ids
-        ):
-            return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release its blocks; the caller takes it out of running/waiting."""

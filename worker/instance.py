@@ -20,9 +20,9 @@ The step loop is the engine's (`LLMEngine.step`; the connector hooks sit inside 
 turns its outputs into TokenEvents with their timings, and answers the calls between steps on
 its loop thread (worker/loop.py), so none of its state needs a lock.
 
-Timings: each stage measured here, once (worker/protocol.RequestTimings); the router adds its
-queue time and the transfer (from the hand-off and landing stamps), and the stages add up to the
-request's end-to-end time, less the router-to-worker call hops.
+Timings: each stage measured here, once (worker/timings.py, into worker/protocol.RequestTimings);
+the router adds its queue time and the transfer (from the hand-off and landing stamps), and the
+stages add up to the request's end-to-end time, less the router-to-worker call hops.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import contextlib
 import functools
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from decode_worker.rank import DecodeRank
 from engine.executor import Executor
@@ -40,7 +40,6 @@ from engine.llm import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import StepOutput
 from engine.ranks import RankCommand, RankLauncher
-from engine.request import Request
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
 from prefill_worker.rank import PrefillRank
 from worker.config import WorkerConfig
@@ -50,13 +49,13 @@ from worker.protocol import (
     InstanceLoad,
     Overloaded,
     PrefixReport,
-    RequestTimings,
     SendControl,
     TokenEvent,
     WorkerRequest,
 )
 from worker.receive import ReceiveConnector
 from worker.send import SendConnector
+from worker.timings import TrackedRequest
 
 
 class KVRankSides:
@@ -78,52 +77,6 @@ class KVRankSides:
     def close(self) -> None:
         for side in self._sides:
             side.close()
-
-
-@dataclass
-class _Tracked:
-    """A request's clocks (time.perf_counter) from its start here to its last event."""
-
-    start: float  # submit; for a request whose KV came from elsewhere, when the KV landed
-    landed_at_wall: float = 0.0  # received: time.time() when the KV landed
-    started_at: float | None = None  # the first step that computed it (prompt, or decode)
-    decode_from: float = 0.0  # received: its first decode step's start; else its first token
-    timings: RequestTimings | None = None  # set with its first token
-    error: str | None = None  # why it ended before its first token, when not a plain abort
-    num_cached_tokens: int = 0
-    # The engine's request, submitted here: a prompt handed off in its first step has left the
-    # scheduler by the time the step's end is seen, and its cache hits are read from it.
-    request: Request | None = None
-
-    def timings_for(self, output: StepOutput, now: float) -> RequestTimings | None:
-        """What the output's event carries: the stages so far on its first token, and on its
-        last event the decode time too (handed off: the first token's timings are the last)."""
-        started_at = self.started_at if self.started_at is not None else now
-        first = None
-        if self.timings is None and output.new_token_ids:
-            if self.landed_at_wall:
-                # KV that lands in a step's start hook is decoded in that same step: its queue
-                # is empty, not the few hundred microseconds before the landing (negative).
-                started_at = max(started_at, self.start)
-                self.decode_from = started_at
-                first = RequestTimings(
-                    landed_at=self.landed_at_wall, decode_queue_s=started_at - self.start
-                )
-            else:
-                self.decode_from = now
-                first = RequestTimings(
-                    prefill_queue_s=started_at - self.start,
-                    prefill_s=now - started_at,
-                    num_cached_tokens=self.num_cached_tokens,
-                )
-            if output.handed_off:
-                first.handed_off_at = time.time()
-            self.timings = first
-        if not output.finished or output.handed_off:
-            return first
-        if self.timings is None:  # ended before any token
-            return RequestTimings(prefill_queue_s=started_at - self.start)
-        return replace(self.timings, decode_s=now - self.decode_from)
 
 
 class Worker(WorkerLoop):
@@ -159,8 +112,8 @@ class Worker(WorkerLoop):
                 config.engine.seed, self._tell, self._emit,
             )  # fmt: skip
             sides.add(self.receiving)
-        self._tracked: dict[str, _Tracked] = {}  # loop thread only, like the engine
-        self._not_started: dict[str, _Tracked] = {}  # prompts no step has computed yet
+        self._tracked: dict[str, TrackedRequest] = {}  # loop thread only, like the engine
+        self._not_started: dict[str, TrackedRequest] = {}  # prompts no step has computed yet
         self.start()
 
     # ------------------------------------------------------------------ worker API
@@ -310,7 +263,7 @@ class Worker(WorkerLoop):
             raise
         if sending is not None and ticket is not None:
             sending.track(ticket)
-        tracked = _Tracked(submitted_at, request=engine_request)
+        tracked = TrackedRequest(submitted_at, request=engine_request)
         self._tracked[request_id] = self._not_started[request_id] = tracked
 
     def _check_queue(self, num_tokens: int) -> None:
@@ -359,7 +312,7 @@ class Worker(WorkerLoop):
         request_id = output.request_id
         landed = self.receiving.arrivals.pop(request_id, None) if self.receiving else None
         if landed is not None:  # its KV landed here: this step decoded it first (or ended it)
-            self._tracked[request_id] = _Tracked(
+            self._tracked[request_id] = TrackedRequest(
                 landed[0], landed_at_wall=landed[1], started_at=step_started_at
             )
         tracked = self._tracked.get(request_id)

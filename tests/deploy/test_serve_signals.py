@@ -22,6 +22,16 @@ import pytest
 from deploy.runtime.ray.node import REPO_ROOT, descendant_pids, process_is_running
 from tests.deploy.ray_support import StreamResult, stream, tiny_model_with_tokenizer
 
+# What both layouts share: a small KV pool and a router on loopback with a free port.
+_COMMON = """\
+kv_cache:
+  block_size: 8
+  num_blocks: 128
+router:
+  host: 127.0.0.1
+  port: 0
+  metrics_port: null
+"""
 CONFIG = """\
 model: {model_dir}
 dtype: float64
@@ -30,14 +40,7 @@ prefill:
   tensor_parallel_size: 2
 decode:
   instances: 1
-kv_cache:
-  block_size: 8
-  num_blocks: 128
-router:
-  host: 127.0.0.1
-  port: 0
-  metrics_port: null
-"""
+""" + _COMMON
 # Mode adaptive (plain processes only): two instances that each prefill and decode.
 ADAPTIVE_CONFIG = """\
 model: {model_dir}
@@ -45,15 +48,7 @@ dtype: float64
 mode: adaptive
 adaptive:
   instances: 2
-kv_cache:
-  block_size: 8
-  num_blocks: 128
-router:
-  host: 127.0.0.1
-  port: 0
-  metrics_port: null
-  latency_profile: {profile}
-"""
+""" + _COMMON + "  latency_profile: {profile}\n"
 PROFILE = REPO_ROOT / "benchmarks/results/placement/profile-2core.json"
 _PROMPT = [1, 7, 9, 30, 41]
 _MAX_TOKENS = 480
