@@ -31,6 +31,10 @@ traffic, with no restart.
 Model (router/latency_model.py): the planner's latency model (planner/latency.StepModel, from
 the profile file) times a speed factor the router learns from every first token, and a decode
 bias learned from the decode steps the instances report.
+
+With `layout_search` (experimental, off: RouterConfig.adaptive_layout_search) the options are
+first cut to the cluster's layout for the window's traffic (router/layout_model.py): when it is
+split, prefill on its prefill-only instances and decode on the others.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from dataclasses import dataclass
 from engine.slo import RequestSLO
 from router.config import RouterConfig
 from router.latency_model import LatencyModel
+from router.layout_model import Arrival, LayoutModel
 from router.metrics import RouterMetrics
-from router.placement_model import Decoding, InstanceView, PlacementModel, Queued
+from router.placement_model import Decoding, InstanceView, Option, PlacementModel, Queued
 from router.policies import InstanceState
 
 WINDOW_S = 10.0  # the placements roles follow, by default (router.adaptive_window_s)
@@ -80,12 +85,15 @@ class AdaptivePlacer:
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         window_s: float = WINDOW_S,
+        layout_search: bool = False,
     ) -> None:
         self.model = model
         self.window_s = window_s
         self._metrics = metrics
         self._clock = clock
         self._predict = PlacementModel(model, window_s)
+        self.layout = LayoutModel(model, window_s) if layout_search else None
+        self.split_prefill: tuple[str, ...] = ()  # the layout's prefill-only instances
         self._instances: dict[str, InstanceView] = {}
         self._remote_prefills: deque[tuple[float, str]] = deque()  # (at, prefill instance)
         self._learned_from: dict[str, int] = {}  # instance -> id() of the load report learned
@@ -123,6 +131,8 @@ class AdaptivePlacer:
                                  max_tokens, slo, now)
             for a in ids for b in ids
         ]  # fmt: skip
+        options = self._within_layout(options, ids, views, num_prompt_tokens, max_tokens, slo,
+                                      now)  # fmt: skip
         fits = [o for o in options if free_blocks.get(o.decode_id, 1) > 0] or options
         # An exact tie (an idle cluster: every instance predicts the same) goes to the instances
         # chosen longest ago, so idle traffic spreads and every engine learns its step costs.
@@ -140,6 +150,29 @@ class AdaptivePlacer:
             self.model.profiled_prefill_s(uncached, *prefill.decode_load()),
             self.model.decode_bias,
         )  # fmt: skip
+
+    def _within_layout(self, options: list[Option], ids: list[str],
+                       views: Mapping[str, InstanceView], num_prompt_tokens: int, max_tokens: int,
+                       slo: RequestSLO, now: float) -> list[Option]:  # fmt: skip
+        """The options the cluster's layout allows (router/layout_model.py): all of them when
+        it is not split, else prefill on a prefill-only instance and decode on another. The
+        prefill-only instances stay the same while their number does; new ones are those
+        with the fewest decodes."""
+        if self.layout is None:
+            return options
+        self.layout.note(Arrival(now, num_prompt_tokens, max_tokens, slo))
+        k = self.layout.update(len(ids), now)
+        kept = [i for i in self.split_prefill if i in views]
+        if k == 0:
+            self.split_prefill = ()
+            return options
+        if len(kept) != k:
+            spare = sorted((i for i in ids if i not in kept), key=lambda i: len(views[i].decoding))
+            kept = (kept + spare)[:k]
+        self.split_prefill = tuple(sorted(kept))
+        prefill = self.split_prefill
+        split = [o for o in options if o.prefill_id in prefill and o.decode_id not in prefill]
+        return split or options
 
     def _learn_decode_step(self, state: InstanceState, view: InstanceView) -> None:
         """The decode bias learns from the step the instance's engine measures (its load
@@ -223,5 +256,5 @@ def adaptive_placer(config: RouterConfig, metrics: RouterMetrics | None = None) 
             "to a file `pdserve profile` wrote for this model and device"
         )
     model = LatencyModel.from_file(config.latency_profile, config.latency_profile_model)
-    return AdaptivePlacer(model, metrics, window_s=config.adaptive_window_s)
-
+    return AdaptivePlacer(model, metrics, window_s=config.adaptive_window_s,
+                          layout_search=config.adaptive_layout_search)  # fmt: skip

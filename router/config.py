@@ -84,6 +84,10 @@ class RouterConfig:
     default_ttft_slo_s: float = 2.0
     default_tpot_slo_s: float = 0.1
     adaptive_window_s: float = 10.0
+    # Experimental, off: the cluster-level split of router/layout_model.py. Replayed over two
+    # bench runs (benchmarks/layout_replay.py) its mean-field model missed where splitting
+    # won and split where it lost, so no serve config turns it on.
+    adaptive_layout_search: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_dir):
