@@ -21,53 +21,42 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput.layouts import DEFAULT_LATENCY_PROFILE
+from benchmarks.goodput.report import slos_of
 from benchmarks.output import emit
 from engine.slo import RequestSLO
+from planner.metrics import RequestRecord, attainment
 from router.latency_model import LatencyModel
 from router.layout_model import Arrival, LayoutModel
 
 
-def slo_of(record: dict[str, Any], slo: dict[str, Any]) -> RequestSLO:
-    objectives = slo.get("classes", {}).get(record.get("slo_class") or "", slo)
-    return RequestSLO(objectives["ttft_s"], objectives["tpot_s"])
-
-
-def met(record: dict[str, Any], slo: RequestSLO) -> bool:
-    times = record["token_times"]
-    if record.get("error") or not times:
-        return False
-    tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return times[0] - record["send_time"] <= slo.ttft_s and tpot_s <= slo.tpot_s
-
-
-def attainment(point: dict[str, Any], slo: dict[str, Any]) -> float:
-    records = point["records"]
-    return sum(met(r, slo_of(r, slo)) for r in records) / len(records)
+def records_of(point: dict[str, Any]) -> list[RequestRecord]:
+    return [RequestRecord.from_json(r) for r in point["records"]]
 
 
 def replay(raw: dict[str, Any], profile: Path, window_s: float) -> list[dict[str, Any]]:
-    slo = raw["slo"]
+    slos = slos_of(raw["slo"])
     layouts = raw["layouts"]
     adaptive = sorted(layouts["adaptive"]["points"], key=lambda p: p["rate"])
+    num_instances = int(layouts["adaptive"].get("num_devices", 2))
     model = LatencyModel.from_file(str(profile))
-    lowest = adaptive[0]["records"]
-    measured = statistics.mean(r["timings"]["prefill_s"] for r in lowest)
-    model.speed = measured / statistics.mean(model.prefill_s(r["prompt_len"]) for r in lowest)
+    lowest = records_of(adaptive[0])
+    measured = statistics.mean(r.timings["prefill_s"] for r in lowest)
+    model.speed = measured / statistics.mean(model.prefill_s(r.prompt_len) for r in lowest)
     fixed = {
-        name: {round(p["rate"], 6): attainment(p, slo) for p in layouts[name]["points"]}
+        name: {round(p["rate"], 6): attainment(records_of(p), slos) for p in layouts[name]["points"]}
         for name in ("colocated", "disaggregated") if name in layouts
     }  # fmt: skip
     rows = []
     for point in adaptive:
         layout = LayoutModel(model, window_s)
-        records = point["records"]
-        start = records[0]["send_time"]
+        records = records_of(point)
+        start = records[0].send_time
         chosen = []
         for record in records:
-            at = record["send_time"] - start
-            layout.note(Arrival(at, record["prompt_len"], record["output_len"],
-                                slo_of(record, slo)))  # fmt: skip
-            chosen.append(layout.update(layout_instances(raw), at))
+            at = record.send_time - start
+            objectives = RequestSLO(*slos.of(record))
+            layout.note(Arrival(at, record.prompt_len, record.output_len, objectives))
+            chosen.append(layout.update(num_instances, at))
         rows.append({
             "rate_per_device": point["rate_per_device"],
             "split_share": sum(k > 0 for k in chosen) / len(chosen),
@@ -77,13 +66,9 @@ def replay(raw: dict[str, Any], profile: Path, window_s: float) -> list[dict[str
             ],
             "measured": {name: by_rate.get(round(point["rate"], 6))
                          for name, by_rate in fixed.items()},
-            "adaptive_measured": attainment(point, slo),
+            "adaptive_measured": attainment(records, slos),
         })  # fmt: skip
     return rows
-
-
-def layout_instances(raw: dict[str, Any]) -> int:
-    return int(raw["layouts"]["adaptive"].get("num_devices", 2))
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ from router.config import RouterConfig
 from router.latency_model import LatencyModel
 from router.layout_model import Arrival, LayoutModel
 from router.metrics import RouterMetrics
-from router.placement_model import Decoding, InstanceView, Option, PlacementModel, Queued
+from router.placement_model import Decoding, InstanceView, PlacementModel, Queued
 from router.policies import InstanceState
 
 WINDOW_S = 10.0  # the placements roles follow, by default (router.adaptive_window_s)
@@ -129,10 +129,8 @@ class AdaptivePlacer:
         options = [
             self._predict.option(a, views[a], b, views[b], num_prompt_tokens, cached.get(a, 0),
                                  max_tokens, slo, now)
-            for a in ids for b in ids
+            for a, b in self._pairs(ids, views, num_prompt_tokens, max_tokens, slo, now)
         ]  # fmt: skip
-        options = self._within_layout(options, ids, views, num_prompt_tokens, max_tokens, slo,
-                                      now)  # fmt: skip
         fits = [o for o in options if free_blocks.get(o.decode_id, 1) > 0] or options
         # An exact tie (an idle cluster: every instance predicts the same) goes to the instances
         # chosen longest ago, so idle traffic spreads and every engine learns its step costs.
@@ -151,28 +149,26 @@ class AdaptivePlacer:
             self.model.decode_bias,
         )  # fmt: skip
 
-    def _within_layout(self, options: list[Option], ids: list[str],
-                       views: Mapping[str, InstanceView], num_prompt_tokens: int, max_tokens: int,
-                       slo: RequestSLO, now: float) -> list[Option]:  # fmt: skip
-        """The options the cluster's layout allows (router/layout_model.py): all of them when
-        it is not split, else prefill on a prefill-only instance and decode on another. The
-        prefill-only instances stay the same while their number does; new ones are those
-        with the fewest decodes."""
+    def _pairs(self, ids: list[str], views: Mapping[str, InstanceView], num_prompt_tokens: int,
+               max_tokens: int, slo: RequestSLO, now: float) -> list[tuple[str, str]]:  # fmt: skip
+        """The (prefill, decode) pairs the cluster's layout allows (router/layout_model.py):
+        every pair when it is not split, else prefill on a prefill-only instance and decode on
+        another. The prefill-only instances stay the same while their number does; new ones
+        are those with the fewest decodes."""
+        every = [(a, b) for a in ids for b in ids]
         if self.layout is None:
-            return options
+            return every
         self.layout.note(Arrival(now, num_prompt_tokens, max_tokens, slo))
         k = self.layout.update(len(ids), now)
-        kept = [i for i in self.split_prefill if i in views]
         if k == 0:
             self.split_prefill = ()
-            return options
+            return every
+        kept = [i for i in self.split_prefill if i in views]
         if len(kept) != k:
             spare = sorted((i for i in ids if i not in kept), key=lambda i: len(views[i].decoding))
             kept = (kept + spare)[:k]
         self.split_prefill = tuple(sorted(kept))
-        prefill = self.split_prefill
-        split = [o for o in options if o.prefill_id in prefill and o.decode_id not in prefill]
-        return split or options
+        return [(a, b) for a, b in every if a in kept and b not in kept]
 
     def _learn_decode_step(self, state: InstanceState, view: InstanceView) -> None:
         """The decode bias learns from the step the instance's engine measures (its load

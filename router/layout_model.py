@@ -129,14 +129,14 @@ class LayoutModel:
         mean_out = sum(a.max_tokens for a in arrivals) / len(arrivals)
         mean_ctx = sum(a.num_tokens + a.max_tokens / 2 for a in arrivals) / len(arrivals)
         per_token_s = model.decode_step_s(1, mean_ctx)
-        batch = 1.0
         beside_s = [0.0] * len(arrivals)
+        by_batch: dict[int, list[float]] = {}  # the fixed point revisits a few batch sizes
         for _ in range(FIXED_POINT_STEPS):
-            batch = max(1.0, decode_rate * mean_out * per_token_s)
-            whole = int(round(batch))
+            whole = int(round(max(1.0, decode_rate * mean_out * per_token_s)))
             if k == 0:  # prompts run beside this instance's decodes
-                beside_s = [model.prefill_s(a.num_tokens, whole, whole * mean_ctx)
-                            for a in arrivals]  # fmt: skip
+                beside_s = by_batch.get(whole) or by_batch.setdefault(whole, [
+                    model.prefill_s(a.num_tokens, whole, whole * mean_ctx) for a in arrivals
+                ])  # fmt: skip
             busy = decode_rate * sum(beside_s) / len(arrivals) if k == 0 else 0.0
             if busy >= MAX_UTILISATION:
                 return Forecast(k, 1.0, float("inf"))
