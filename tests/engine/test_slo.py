@@ -159,6 +159,21 @@ def test_late_decodes_and_requests_without_slos_do_not_hold_prompts() -> None:
     assert "q" in _step(scheduler, store, clock, 0.100)
 
 
+def test_a_decode_past_its_target_keeps_what_its_slo_still_allows() -> None:
+    clock, costs = _Clock(1000.0), _trained_costs()  # decode step 10 ms, prompt token 1 ms
+    scheduler = _gated(clock, costs)
+    store = PagedTokenStore(64, 4)
+    scheduler.add_request(_request("slipped", 8, 11, RequestSLO(1.0, 0.015), clock.now))
+    _step(scheduler, store, clock, 0.010)  # its first token
+    _step(scheduler, store, clock, 0.040)  # one slow step: past 0.85 x its SLO, not past it
+    slipped = scheduler.requests["slipped"]
+    assert decode_slack_s(slipped, clock.now, 0.010) < 0
+    assert 0 < decode_slack_s(slipped, clock.now, 0.010, target=1.0) < 0.1
+    # A 0.1 s prompt would break it; it ends in 9 steps, long before the prompt must start.
+    scheduler.add_request(_request("p", 100, 2, RequestSLO(0.5, 1.0), clock.now))
+    assert _step(scheduler, store, clock, 0.010) == ["slipped"]
+
+
 def test_held_prompts_keep_their_queue_order_and_blocks_come_back() -> None:
     clock, costs = _Clock(1000.0), _trained_costs()
     scheduler = _gated(clock, costs)
