@@ -12,7 +12,7 @@ instance or remote from any instance to any other (router/placement_model.py pre
            [+ the KV transfer]
     TPOT = B's decode step with the request added, plus the prompts the gate will have to run
            beside it anyway (those that cannot wait out its decode) [+ the hand-off's gap],
-           over its tokens
+           over its tokens; at least the time between tokens B's decodes show now
     harm = decodes the prompt would be forced onto, or that its decode would slow past their SLO
 
 The request takes the option that breaks the fewest objectives (its own two, and each harmed
@@ -219,17 +219,17 @@ class AdaptivePlacer:
             prefill.queued.pop(key, None)
         decode = self._instances.get(placement.decode_id)
         decoding = None if decode is None else decode.decoding.get(key)
-        if decoding is not None:
+        if decoding is not None and decode is not None:
             decoding.first_token_at = self._clock()
-            decoding.num_tokens = max(decoding.num_tokens, 1)
+            decode.note_tokens(decoding, 1, decoding.first_token_at)
         if measured_s is not None:
             self.model.observe(placement.profiled_compute_s, measured_s)
 
     def progress(self, key: str, placement: Placement, num_tokens: int) -> None:
         decode = self._instances.get(placement.decode_id)
         decoding = None if decode is None else decode.decoding.get(key)
-        if decoding is not None:
-            decoding.num_tokens = num_tokens
+        if decoding is not None and decode is not None:
+            decode.note_tokens(decoding, num_tokens, self._clock())
 
     def release(self, key: str, placement: Placement) -> None:
         """The request ended (or was placed again): forget it on both instances."""

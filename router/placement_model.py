@@ -16,16 +16,21 @@ until its own TTFT SLO cannot wait. So, for a request of `n` prompt tokens and `
     forced   prompts that will run beside its decode on B although it is tight: B's queued ones
              and the ones the last window placed on B, pro rata, whose TTFT cannot wait `window`
     TPOT     B's step with it added + (forced [+ transfer + half a step, the hand-off's gap])
-             / (m - 1)
+             / (m - 1), and at least the time between tokens B's decodes show now, plus its
+             step's growth: the model extrapolates the last window's prompts, but this
+             placer's own next placements may pile onto B, and its decodes' tokens tell
     harm     + decodes on B its joining slows past their SLO
     crowding the share of each A decode's slack its prompt uses, and of each B decode's slack
              its joining uses (its step's growth over the steps they share), summed: prompts go
              where decodes can take them, loose requests pack where the batch can take them,
-             and an instance with tight decodes keeps a light batch
+             and an instance with tight decodes keeps a light batch. A decode past its SLO
+             counts whole: were it nothing (nothing left to protect), the instance whose
+             decodes are all late would look free and draw every request
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,6 +42,11 @@ from router.latency_model import LatencyModel
 # predicts latencies lower by this much (the transfer costs both instances CPU on this machine,
 # which the prediction does not count).
 REMOTE_COST = 0.15
+# The time between tokens an instance's decodes show is averaged over about this many tokens,
+# and trusted for this long after the last one (past that, its decodes have ended or stalled,
+# and the model alone predicts).
+ITL_TOKENS = 20
+ITL_FRESH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,14 +66,21 @@ class Decoding:
     tpot_slo_s: float
     first_token_at: float | None = None  # the router's clock
     num_tokens: int = 0
+    last_token_at: float | None = None  # when the router last saw its tokens grow
 
     def remaining(self) -> int:
         """Decode steps still to run."""
         return max(0, self.max_tokens - max(self.num_tokens, 1))
 
     def slack_s(self, now: float, step_s: float) -> float:
-        """How long it may still be stalled before its TPOT breaks its SLO."""
-        target_s = TPOT_TARGET * self.tpot_slo_s  # what the gate protects (engine/slo.py)
+        """How long it may still be stalled before its TPOT breaks its SLO, as the engine's gate
+        counts it: to TPOT_TARGET x its SLO, or, once past that, to the SLO itself (negative:
+        it misses either way, and the gate no longer protects it)."""
+        slack_s = self._slack_s(now, step_s, TPOT_TARGET)
+        return slack_s if slack_s >= 0 else self._slack_s(now, step_s, 1.0)
+
+    def _slack_s(self, now: float, step_s: float, target: float) -> float:
+        target_s = target * self.tpot_slo_s
         if self.first_token_at is None:  # not decoding yet: its whole budget is ahead
             return (target_s - step_s) * max(0, self.max_tokens - 1)
         deadline = self.first_token_at + target_s * (self.max_tokens - 1)
@@ -79,11 +96,14 @@ class _Prompt:
 
 @dataclass
 class InstanceView:
-    """The router's view of one instance: prompts queued, requests decoding, recent prompts."""
+    """The router's view of one instance: prompts queued, requests decoding, recent prompts,
+    and the time between tokens its decodes have shown lately."""
 
     queued: dict[str, Queued] = field(default_factory=dict)
     decoding: dict[str, Decoding] = field(default_factory=dict)
     prompts: deque[_Prompt] = field(default_factory=deque)  # placed here, oldest first
+    itl_s: float = 0.0  # average time between tokens, over the last ITL_TOKENS or so
+    itl_at: float = -math.inf  # when it was last measured
 
     def note_prompt(self, at: float, compute_s: float, wait_s: float) -> None:
         self.prompts.append(_Prompt(at, compute_s, wait_s))
@@ -97,6 +117,28 @@ class InstanceView:
         batch = len(self.decoding)
         sum_ctx = sum(d.num_prompt_tokens + d.num_tokens for d in self.decoding.values())
         return batch, float(sum_ctx)
+
+    def note_tokens(self, decoding: Decoding, num_tokens: int, now: float) -> None:
+        """`decoding` has `num_tokens` tokens at `now`: the time since its last ones, per
+        token, joins the instance's average (stalls included: it is what its TPOT is made of)."""
+        last_at, num_new = decoding.last_token_at, num_tokens - decoding.num_tokens
+        decoding.num_tokens = max(decoding.num_tokens, num_tokens)
+        if num_new <= 0:
+            return
+        decoding.last_token_at = now
+        if last_at is None:
+            return
+        gap_s = (now - last_at) / num_new
+        if self.itl_at < now - ITL_FRESH_S:
+            self.itl_s = gap_s  # nothing recent to average with
+        else:
+            weight = 1.0 - (1.0 - 1.0 / ITL_TOKENS) ** num_new
+            self.itl_s += weight * (gap_s - self.itl_s)
+        self.itl_at = now
+
+    def observed_itl_s(self, now: float) -> float | None:
+        """The recent time between tokens, if its decodes have shown one lately."""
+        return self.itl_s if self.itl_at >= now - ITL_FRESH_S else None
 
 
 @dataclass(frozen=True)
@@ -139,9 +181,8 @@ class PlacementModel:
         hold_s, harm = self._hold(prefill, own_s, slo.ttft_s - queued_s - own_s - transfer_s, now)
         ttft_s = queued_s + hold_s + own_s + transfer_s
         prefill_step_s = model.decode_step_s(*prefill.decode_load())
-        crowding = sum(  # the share of A's decodes' slack its prompt takes, where it fits
-            min(1.0, own_s / slack_s) for d in prefill.decoding.values()
-            if (slack_s := d.slack_s(now, prefill_step_s)) > 0
+        crowding = sum(  # the share of A's decodes' slack its prompt takes
+            _share(own_s, d.slack_s(now, prefill_step_s)) for d in prefill.decoding.values()
         )  # fmt: skip
 
         batch, sum_ctx = decode.decode_load()
@@ -152,14 +193,15 @@ class PlacementModel:
         tpot_s = step_s + (forced_s + gap_s) / max(1, max_tokens - 1)
         current_s = model.decode_step_s(batch, sum_ctx)
         slower_s = step_s - current_s  # each step of B's decodes, with it added
+        observed_s = decode.observed_itl_s(now) if batch else None
+        if observed_s is not None:  # what B's decodes see now, with its own step added
+            tpot_s = max(tpot_s, observed_s + slower_s)
         for d in decode.decoding.values():
             slack_s = d.slack_s(now, current_s)
-            if slack_s < 0:
-                continue  # late already: nothing left to protect
             used_s = slower_s * min(d.remaining(), max_tokens)
-            if slack_s < used_s:
+            if 0 <= slack_s < used_s:
                 harm += 1  # its joining alone breaks this one
-            crowding += min(1.0, used_s / max(slack_s, 1e-6))
+            crowding += _share(used_s, slack_s)
         return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding)
 
     def _hold(self, view: InstanceView, own_s: float, budget_s: float, now: float
@@ -186,3 +228,11 @@ class PlacementModel:
                             if q.deadline - q.compute_s < end)  # fmt: skip
         urgent_s = sum(p.compute_s for p in view.prompts if p.wait_s < window_s)
         return forced_s + urgent_s * min(1.0, window_s / self.window_s)
+
+
+def _share(used_s: float, slack_s: float) -> float:
+    """The share of a decode's slack that `used_s` takes; a decode past its SLO counts whole
+    (it is lost, and an instance whose decodes are late is no place to add more)."""
+    if slack_s < 0:
+        return 1.0
+    return min(1.0, used_s / max(slack_s, 1e-6))

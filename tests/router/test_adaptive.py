@@ -191,3 +191,50 @@ def test_a_cached_prefix_draws_the_prefill_and_shortens_its_predicted_ttft(
     assert warm.kind == "local" and warm.prefill_id == "b"
     assert warm.predicted_ttft_s < 0.2 * cold.predicted_ttft_s
     assert warm.profiled_compute_s == pytest.approx(placer.model.profiled_prefill_s(40))
+
+
+def test_an_instance_whose_decodes_are_past_their_slo_draws_no_more(
+    placer: AdaptivePlacer, clock: Clock
+):
+    """Lost decodes have nothing left to protect, but they count whole: counted as nothing, the
+    instance whose decodes are all late looked free and drew every request (the bench's chatbot
+    run, session 13)."""
+    for n in range(3):  # b's three 20-token answers, stalled 3 s after their first token
+        late = place(placer, f"late{n}", 300, 20, CHATBOT, only=("b",))
+        placer.prefilled(f"late{n}", late, None)
+    clock.now += 3.0
+    view_b = placer._instances["b"]
+    step_s = placer.model.decode_step_s(*view_b.decode_load())
+    assert all(d.slack_s(clock.now, step_s) < 0 for d in view_b.decoding.values())
+    for n in range(4):  # a's four on time, one step heavier than b's batch
+        chat = place(placer, f"chat{n}", 300, 200, CHATBOT, only=("a",))
+        placer.prefilled(f"chat{n}", chat, None)
+    placement = place(placer, "r", 300, 200, CHATBOT)
+    assert (placement.kind, placement.decode_id) == ("local", "a")
+
+
+def test_the_predicted_tpot_is_at_least_the_time_between_tokens_an_instance_shows(
+    placer: AdaptivePlacer, clock: Clock
+):
+    """b's one decode gets a token every 0.15 s (prompts the model did not foresee run beside
+    it), a's two every decode step: a request whose TPOT SLO is 0.098 s decodes on a, though
+    b's batch is lighter."""
+    chats = {}
+    for key, where in (("a0", "a"), ("a1", "a"), ("b0", "b")):
+        chats[key] = place(placer, key, 300, 200, CHATBOT, only=(where,))
+        placer.prefilled(key, chats[key], None)
+    tokens = dict.fromkeys(chats, 1)
+    for tick in range(1, 61):  # 1.8 s of 30 ms ticks
+        clock.now += 0.03
+        for key, placement in chats.items():
+            if key.startswith("a") or tick % 5 == 0:
+                tokens[key] += 1
+                placer.progress(key, placement, tokens[key])
+    assert placer._instances["b"].observed_itl_s(clock.now) == pytest.approx(0.15, rel=1e-6)
+    on_b = placer.choose(300, 200, CHATBOT, states("b"))
+    assert on_b.predicted_tpot_s > 0.15
+    placement = place(placer, "r", 300, 200, CHATBOT)
+    assert placement.decode_id == "a" and placement.predicted_tpot_s < CHATBOT.tpot_s
+    clock.now += 1.5  # b's decode stalls past what its average is trusted for: the model alone
+    stale = placer.choose(300, 200, CHATBOT, states("b"))
+    assert stale.predicted_tpot_s < 0.1
