@@ -218,8 +218,7 @@ class AdaptivePlacer:
         if prefill is not None:
             prefill.queued.pop(key, None)
         decode = self._instances.get(placement.decode_id)
-        decoding = None if decode is None else decode.decoding.get(key)
-        if decoding is not None and decode is not None:
+        if decode is not None and (decoding := decode.decoding.get(key)) is not None:
             decoding.first_token_at = self._clock()
             decode.note_tokens(decoding, 1, decoding.first_token_at)
         if measured_s is not None:
@@ -227,8 +226,7 @@ class AdaptivePlacer:
 
     def progress(self, key: str, placement: Placement, num_tokens: int) -> None:
         decode = self._instances.get(placement.decode_id)
-        decoding = None if decode is None else decode.decoding.get(key)
-        if decoding is not None and decode is not None:
+        if decode is not None and (decoding := decode.decoding.get(key)) is not None:
             decode.note_tokens(decoding, num_tokens, self._clock())
 
     def release(self, key: str, placement: Placement) -> None:
