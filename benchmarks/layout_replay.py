@@ -1,14 +1,18 @@
-"""Replays a `pdserve bench --compare` run's recorded arrivals through the cluster-level layout
+"""Replays a `pdserve bench --compare` run's recorded traffic through the cluster-level layout
 search (router/layout_model.py) and sets what it would have chosen beside what each fixed
 layout measured at the same point: where the search would split, disaggregated should attain
 more than colocated there, and where it stays local, not less.
 
     python3 -m benchmarks.layout_replay benchmarks/results/goodput-2core/adaptive-session13-A
 
-The model's speed is the one the router would have learned: the adaptive layout's measured
-prefill compute over the profile's at the run's lowest rate. Per regime and point: the share of
-arrivals at which the search chose a split, its last forecast of each layout (share at risk,
-mean worst objective over its SLO), and the measured attainment of colocated and disaggregated.
+The search sees what the router would: each arrival, and each local decode's TPOT when it ends
+(`--source`: the local decodes of the adaptive layout's records, or every request of the
+colocated layout's, which is the local layout without the prefill gate). The model's speed and
+decode bias are the run's calibration's (its unloaded prefill and decode step) over the
+profile's. Per regime and point: the share of arrivals at which the search chose a split, its
+last forecast of each split (share at risk, mean worst objective over its SLO), and the
+measured attainment of colocated and disaggregated. A replay is open-loop: once the search
+splits, the records that follow are still those of the layout that did not.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ from benchmarks.goodput.layouts import DEFAULT_LATENCY_PROFILE
 from benchmarks.goodput.report import slos_of
 from benchmarks.output import emit
 from engine.slo import RequestSLO
-from planner.metrics import RequestRecord, attainment
+from planner.metrics import RequestRecord, SLOs, attainment
 from router.latency_model import LatencyModel
 from router.layout_model import Arrival, LayoutModel
 
@@ -33,30 +36,63 @@ def records_of(point: dict[str, Any]) -> list[RequestRecord]:
     return [RequestRecord.from_json(r) for r in point["records"]]
 
 
-def replay(raw: dict[str, Any], profile: Path, window_s: float) -> list[dict[str, Any]]:
+def calibrated_model(raw: dict[str, Any], profile: Path) -> LatencyModel:
+    """The profile's model at the speeds of the run's unloaded calibration."""
+    model = LatencyModel.from_file(str(profile))
+    slo = raw["slo"]
+    classes = slo.get("classes", {})  # a mix: the class whose calibration prompt is longest
+    calibration = slo["calibration"] if "calibration" in slo else max(
+        (c["calibration"] for c in classes.values()), key=lambda c: c["prompt_len"])
+    n = int(calibration["prompt_len"])
+    model.speed = calibration["prefill_s"] / model.prefill_s(n)
+    model.decode_bias = calibration["decode_step_s"] / model.decode_step_s(1, n)
+    return model
+
+
+ARRIVAL, END = 0, 1
+
+
+def _events(records: list[RequestRecord], slos: SLOs, start: float
+            ) -> list[tuple[float, int, RequestRecord, float]]:  # fmt: skip
+    """What the router sees, in order: (at, ARRIVAL, record, 0), and when it ends (at, END,
+    record, its worst objective: TTFT or TPOT over its SLO)."""
+    events = []
+    for record in records:
+        events.append((record.send_time - start, ARRIVAL, record, 0.0))
+        times = record.token_times
+        if times:
+            ttft_slo_s, tpot_slo_s = slos.of(record)
+            worst = (times[0] - record.send_time) / ttft_slo_s
+            if len(times) > 1:
+                worst = max(worst, (times[-1] - times[0]) / (len(times) - 1) / tpot_slo_s)
+            events.append((times[-1] - start, END, record, worst))
+    return sorted(events, key=lambda e: (e[0], e[1]))
+
+
+def replay(raw: dict[str, Any], profile: Path, window_s: float, source: str = "adaptive"
+           ) -> list[dict[str, Any]]:  # fmt: skip
     slos = slos_of(raw["slo"])
     layouts = raw["layouts"]
-    adaptive = sorted(layouts["adaptive"]["points"], key=lambda p: p["rate"])
     num_instances = int(layouts["adaptive"].get("num_devices", 2))
-    model = LatencyModel.from_file(str(profile))
-    lowest = records_of(adaptive[0])
-    measured = statistics.mean(r.timings["prefill_s"] for r in lowest)
-    model.speed = measured / statistics.mean(model.prefill_s(r.prompt_len) for r in lowest)
+    model = calibrated_model(raw, profile)
     fixed = {
         name: {round(p["rate"], 6): attainment(records_of(p), slos) for p in layouts[name]["points"]}
-        for name in ("colocated", "disaggregated") if name in layouts
+        for name in ("colocated", "disaggregated", "adaptive") if name in layouts
     }  # fmt: skip
     rows = []
-    for point in adaptive:
+    for point in sorted(layouts[source]["points"], key=lambda p: p["rate"]):
         layout = LayoutModel(model, window_s)
         records = records_of(point)
         start = records[0].send_time
         chosen = []
-        for record in records:
-            at = record.send_time - start
-            objectives = RequestSLO(*slos.of(record))
-            layout.note(Arrival(at, record.prompt_len, record.output_len, objectives))
-            chosen.append(layout.update(num_instances, at))
+        for at, kind, record, value in _events(records, slos, start):
+            if kind == END:
+                local = source == "colocated" or record.placement_kind == "local"
+                layout.note_ended(at, local, record.send_time - start, value)
+            else:
+                objectives = RequestSLO(*slos.of(record))
+                layout.note(Arrival(at, record.prompt_len, record.output_len, objectives))
+                chosen.append(layout.update(num_instances, at))
         rows.append({
             "rate_per_device": point["rate_per_device"],
             "split_share": sum(k > 0 for k in chosen) / len(chosen),
@@ -66,7 +102,6 @@ def replay(raw: dict[str, Any], profile: Path, window_s: float) -> list[dict[str
             ],
             "measured": {name: by_rate.get(round(point["rate"], 6))
                          for name, by_rate in fixed.items()},
-            "adaptive_measured": attainment(records, slos),
         })  # fmt: skip
     return rows
 
@@ -76,12 +111,14 @@ def main() -> None:
     parser.add_argument("run", type=Path, help="a bench --compare output folder (raw/*.json.gz)")
     parser.add_argument("--profile", type=Path, default=DEFAULT_LATENCY_PROFILE)
     parser.add_argument("--window-s", type=float, default=10.0)
+    parser.add_argument("--source", choices=("adaptive", "colocated"), default="adaptive",
+                        help="whose records give the local decodes' TPOT")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     result: dict[str, Any] = {"run": str(args.run), "regimes": {}}
     for path in sorted((args.run / "raw").glob("*.json.gz")):
         raw = json.loads(gzip.open(path).read())
-        rows = replay(raw, args.profile, args.window_s)
+        rows = replay(raw, args.profile, args.window_s, args.source)
         result["regimes"][raw["regime"]] = rows
         for row in rows:
             measured = " ".join(f"{k} {v:.2f}" for k, v in row["measured"].items() if v is not None)

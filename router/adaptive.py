@@ -32,9 +32,12 @@ Model (router/latency_model.py): the planner's latency model (planner/latency.St
 the profile file) times a speed factor the router learns from every first token, and a decode
 bias learned from the decode steps the instances report.
 
-With `layout_search` (experimental, off: RouterConfig.adaptive_layout_search) the options are
-first cut to the cluster's layout for the window's traffic (router/layout_model.py): when it is
-split, prefill on its prefill-only instances and decode on the others.
+With `layout_search` (RouterConfig.adaptive_layout_search, on by default) the options are first
+cut to the cluster's layout for the window's traffic (router/layout_model.py): while it is
+split, prefill on its prefill-only instances and decode on the others. The search splits when
+the local layout's requests end at risk and the split predicts them safe, which a placer that
+weighs one request at a time sees only once its own options force it; every request that ends
+(its worst objective, from the first token and token times the router relays) feeds it.
 """
 
 from __future__ import annotations
@@ -205,7 +208,8 @@ class AdaptivePlacer:
         compute_s = self.model.speed * placement.profiled_compute_s
         prefill.queued[key] = Queued(compute_s, now + slo.ttft_s)
         prefill.note_prompt(now, compute_s, slo.ttft_s - compute_s)
-        decode.decoding[key] = Decoding(num_prompt, max_tokens, slo.tpot_s)
+        decode.decoding[key] = Decoding(num_prompt, max_tokens, slo.tpot_s, placed_at=now,
+                                        ttft_slo_s=slo.ttft_s)  # fmt: skip
         if self._metrics is not None:
             self._metrics.observe_placement(
                 placement.kind, placement.predicted_ttft_s, placement.predicted_tpot_s,
@@ -230,7 +234,13 @@ class AdaptivePlacer:
             decode.note_tokens(decoding, num_tokens, self._clock())
 
     def release(self, key: str, placement: Placement) -> None:
-        """The request ended (or was placed again): forget it on both instances."""
+        """The request ended (or was placed again): forget it on both instances. Its
+        worst objective tells the layout search how the layout it ran in does."""
+        decode = self._instances.get(placement.decode_id)
+        decoding = decode.decoding.get(key) if decode is not None else None
+        if self.layout is not None and decoding is not None and decoding.first_token_at is not None:
+            self.layout.note_ended(self._clock(), placement.kind == "local", decoding.placed_at,
+                                   decoding.worst_objective())  # fmt: skip
         for instance_id in (placement.prefill_id, placement.decode_id):
             instance = self._instances.get(instance_id)
             if instance is not None:

@@ -84,10 +84,10 @@ class RouterConfig:
     default_ttft_slo_s: float = 2.0
     default_tpot_slo_s: float = 0.1
     adaptive_window_s: float = 10.0
-    # Experimental, off: the cluster-level split of router/layout_model.py. Replayed over two
-    # bench runs (benchmarks/layout_replay.py) its mean-field model missed where splitting
-    # won and split where it lost, so no serve config turns it on.
-    adaptive_layout_search: bool = False
+    # The cluster-level split of router/layout_model.py: the adaptive instances split into
+    # prefill-only and decode-only ones while the local layout's requests end at risk and the
+    # split predicts them safe (off: every request chooses its own placement, always).
+    adaptive_layout_search: bool = True
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_dir):

@@ -9,48 +9,63 @@ time goes to the split only after the TPOT tail has crossed, and then half-way (
 chatbot at 2.07 req/s per core: 18 requests split and met their SLOs, 29 stayed local on the
 prefilling instance, predicted and measured past their TPOT SLO).
 
-For the window's arrivals (rate lambda, each with its prompt n, output m and SLOs) and N
-instances, a layout of k prefill instances is predicted in steady state from the latency model:
+The local layout is judged by what it does, the split by what it is predicted to do:
 
-    decode instance   lambda_d = lambda / (N - k) requests per second decode on it;
-                      per token: step(B) / (1 - u), where B = lambda_d * E[m] * (per token)
-                      (Little's law, a fixed point) and u = the prompt compute run beside its
-                      decodes, per second (lambda_d * E[prompt compute] when k = 0, else 0);
-                      a split adds the hand-off's gap (transfer + half a step) over m - 1 tokens
-    prefill instance  lambda_p = lambda / k (k = 0: the same instance, lambda_d); utilisation
-                      rho = lambda_p * E[c]; TTFT = c + the M/G/1 wait lambda_p E[c^2] /
-                      (2 (1 - rho)) [+ the transfer]
+    local (k = 0)   measured: the worst objective (TTFT or TPOT over its SLO) of each request
+                    that ran local and ended in the window (the router relays every token).
+                    Its tail is what a prediction misses: two models of it were tried and both
+                    put chatbot's local TPOT at 0.35-0.5 of its SLO where the runs measured
+                    0.7-0.8 and crossed it (a mean-field one, and the planner's discrete-event
+                    simulator with the engines' chunking at the speeds the run's calibration
+                    measured): the steps slow down as both cores fill and the router and the
+                    client take their share (the median time between tokens went from 10 to 19
+                    ms as the rate rose), which neither model has.
+    split (k > 0)   predicted in steady state from the latency model, for the window's
+                    arrivals (rate lambda, each with its prompt n, output m and SLOs):
+      decode instance   lambda_d = lambda / (N - k) requests per second decode on it; per
+                        token step(B), B = lambda_d * E[m] * step (Little's law, a fixed
+                        point), plus the hand-off's gap (transfer + half a step) over m - 1
+      prefill instance  lambda_p = lambda / k, utilisation rho = lambda_p * E[c]; TTFT = c +
+                        the M/G/1 wait lambda_p E[c^2] / (2 (1 - rho)) + the transfer
+                    A split's decodes see no prompts, so there is no tail of stalls for a mean
+                    to miss; what it does miss (a busier prefill core) is why a split must
+                    predict its requests safe with room (RISK, MAX_PREFILL_UTILISATION), and
+                    why the split is then judged by what it does, too.
+    the split, run  measured: the worst objective of each request placed after the split.
 
-A request is at risk in a layout when its predicted TTFT or TPOT passes RISK of its SLO. The
-split with the fewest requests at risk is taken over k = 0 when it puts at least SWITCH_GAIN
-fewer of them at risk; the cluster goes back to k = 0 once k = 0 puts no more at risk than the
-split and its worst objective is BACK_LOAD of its SLO or less. A change waits DWELL of the
-window after the last one (the window's arrivals must be the new ones). The mean prediction
-ignores the prefill gate, which protects tight decodes where they run: so k = 0, where the gate
-works, is the default, and a split must win clearly.
+The cluster splits when at least TAIL of the window's local requests (MIN_DECODES of them or
+more) ended past RISK of an SLO, and the split with the fewest requests at risk predicts at
+most SAFE of them at risk. It goes back to k = 0 when the rate falls under BACK_RATE of the rate
+it split at, when the split no longer predicts safe (a rate or a mix that its prefill instances
+cannot keep up with), or when more of the split's own requests end at risk than the local
+layout's did when it split (and then it does not split again for REFUSE_WINDOWS windows). A
+change waits DWELL of the window after the last one (the window's arrivals and ended requests
+must be the new ones).
 
-Status: experimental, off (RouterConfig.adaptive_layout_search). Replayed over the arrivals of
-two bench runs (benchmarks/layout_replay.py, benchmarks/results/goodput-2core/layout-replay-*),
-it did not split at chatbot 1.48/core (colocated attained 0.83, disaggregated 0.97) nor in shift
-where disaggregated led, and split for code at 6.0/core where colocated attained 0.97 and
-disaggregated 0.87: the mean of a request's stalls is not their tail, which sets attainment.
+On by default (RouterConfig.adaptive_layout_search).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from engine.slo import RequestSLO
 from router.latency_model import LatencyModel
 
-RISK = 0.8  # a predicted latency past this share of its SLO puts the request at risk
-SWITCH_GAIN = 0.15  # a split must put this share of the window's requests fewer at risk
-BACK_LOAD = 0.7  # k = 0 again when its worst objective, on average, is under this share
+RISK = 0.85  # a latency past this share of its SLO puts the request at risk
+TAIL = 0.1  # the share of local requests ending at risk that calls for a split
+SAFE = 0.05  # the most of the window's requests a split may predict at risk
+BACK_RATE = 0.6  # k = 0 again once the rate falls under this share of the rate split at
 DWELL = 0.5  # of the window: no layout change sooner than this after the last one
+REFUSE_WINDOWS = 3.0  # a split that did worse than the local layout: none for this many windows
 MIN_ARRIVALS = 20  # a rate from fewer arrivals is noise (8 Poisson arrivals: +-35%)
-MAX_UTILISATION = 0.95  # an instance busier than this is predicted to fall behind
+MIN_DECODES = 8  # a tail from fewer ended requests is noise
+MAX_PREFILL_UTILISATION = 0.8  # a prefill instance busier than this falls behind a burst
 FIXED_POINT_STEPS = 25
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,7 @@ class Arrival:
 
 @dataclass(frozen=True)
 class Forecast:
-    """A layout's prediction for the window: the share of its requests at risk, and their
+    """A split's prediction for the window: the share of its requests at risk, and their
     mean worst objective (TTFT or TPOT over its SLO)."""
 
     prefill_instances: int
@@ -72,20 +87,44 @@ class Forecast:
 
 
 class LayoutModel:
-    """Keeps the window's arrivals and the layout it chose (`prefill_instances`)."""
+    """Keeps the window's arrivals, how its ended requests did, and the layout it chose
+    (`prefill_instances`)."""
 
     def __init__(self, model: LatencyModel, window_s: float) -> None:
         self.model = model
         self.window_s = window_s
         self.arrivals: deque[Arrival] = deque()
+        # (ended at, its worst objective: TTFT or TPOT over its SLO), for the requests that
+        # ran local, and for those that ran split and began after the split
+        self.local: deque[tuple[float, float]] = deque()
+        self.split: deque[tuple[float, float]] = deque()
         self.prefill_instances = 0
         self.changed_at = float("-inf")
-        self.last: tuple[Forecast, ...] = ()  # every layout's forecast at the last decision
+        self.split_rate = 0.0  # the rate the cluster split at
+        self.split_tail = 0.0  # the local tail it split at
+        self.refused_until = float("-inf")  # a split that did worse: none again until then
+        self.last: tuple[Forecast, ...] = ()  # every split's forecast at the last decision
 
     def note(self, arrival: Arrival) -> None:
         self.arrivals.append(arrival)
-        while self.arrivals and self.arrivals[0].at < arrival.at - self.window_s:
+        self._forget(arrival.at)
+
+    def note_ended(self, at: float, local: bool, placed_at: float, worst: float) -> None:
+        """A request placed at `placed_at` ended at `at`, local or remote, its worst objective
+        (TTFT or TPOT over its SLO) `worst`. A remote one counts for the split only if it was
+        placed after the split (a remote placement of the local layout is not the split's)."""
+        if local:
+            self.local.append((at, worst))
+        elif self.prefill_instances and placed_at >= self.changed_at:
+            self.split.append((at, worst))
+        self._forget(at)
+
+    def _forget(self, now: float) -> None:
+        while self.arrivals and self.arrivals[0].at < now - self.window_s:
             self.arrivals.popleft()
+        for ended in (self.local, self.split):
+            while ended and ended[0][0] < now - self.window_s:
+                ended.popleft()
 
     def rate(self) -> float | None:
         """Arrivals per second over the window (None: too few to tell)."""
@@ -94,75 +133,90 @@ class LayoutModel:
         span = self.arrivals[-1].at - self.arrivals[0].at
         return (len(self.arrivals) - 1) / span if span > 0 else None
 
+    @staticmethod
+    def tail(ended: deque[tuple[float, float]]) -> float | None:
+        """The share of the window's ended requests past RISK of an SLO (None: too few)."""
+        if len(ended) < MIN_DECODES:
+            return None
+        return sum(worst > RISK for _, worst in ended) / len(ended)
+
     def update(self, num_instances: int, now: float) -> int:
         """The layout for the window's traffic on `num_instances` instances (k prefill-only)."""
-        if num_instances < 2:
-            self.prefill_instances = 0
-            return 0
-        current = min(self.prefill_instances, num_instances - 1)
+        self._forget(now)
         rate = self.rate()
-        if rate is None or now - self.changed_at < DWELL * self.window_s:
-            self.prefill_instances = current
-            return current
-        forecasts = tuple(self.forecast(num_instances, k, rate) for k in range(num_instances))
-        self.last = forecasts
-        local = forecasts[0]
-        split = min(forecasts[1:], key=lambda f: (f.at_risk, f.load))
+        if self.prefill_instances >= num_instances:  # instances left: split fewer, or none
+            self._change(max(0, num_instances - 1) if num_instances > 1 else 0, now, rate,
+                         f"{num_instances} instances left")  # fmt: skip
+        if num_instances < 2 or now - self.changed_at < DWELL * self.window_s:
+            return self.prefill_instances
+        current = self.prefill_instances
+        if rate is None:  # too few arrivals to time: fewer than MIN_ARRIVALS a window
+            if current and len(self.arrivals) / self.window_s < BACK_RATE * self.split_rate:
+                self._change(0, now, rate, f"{len(self.arrivals)} arrivals in the window")
+            return self.prefill_instances
+        self.last = tuple(self.forecast(num_instances, k, rate) for k in range(1, num_instances))
+        split = min(self.last, key=lambda f: (f.at_risk, f.load))
+        safe = split.at_risk <= SAFE
         if current == 0:
-            chosen = split.prefill_instances if local.at_risk - split.at_risk >= SWITCH_GAIN else 0
-        elif local.at_risk <= split.at_risk and local.load <= BACK_LOAD:
-            chosen = 0
-        elif forecasts[current].at_risk - split.at_risk >= SWITCH_GAIN:
-            chosen = split.prefill_instances
-        else:
-            chosen = current
-        if chosen != self.prefill_instances:
-            self.changed_at = now
-        self.prefill_instances = chosen
-        return chosen
+            tail = self.tail(self.local)
+            if safe and tail is not None and tail >= TAIL and now >= self.refused_until:
+                self.split_tail = tail
+                self._change(split.prefill_instances, now, rate,
+                             f"{tail:.0%} of local requests ended at risk, the split predicts "
+                             f"{split.at_risk:.0%}")  # fmt: skip
+            return self.prefill_instances
+        split_tail = self.tail(self.split)
+        if split_tail is not None and split_tail > max(TAIL, self.split_tail):
+            self.refused_until = now + REFUSE_WINDOWS * self.window_s  # it did worse: back
+            self._change(0, now, rate, f"{split_tail:.0%} of the split's requests ended at "
+                         f"risk, against {self.split_tail:.0%} local")  # fmt: skip
+        elif not safe:
+            self._change(0, now, rate, f"the split predicts {split.at_risk:.0%} at risk")
+        elif rate < BACK_RATE * self.split_rate:
+            self._change(0, now, rate, f"the rate fell from {self.split_rate:.2f}/s")
+        elif split.prefill_instances != current and split.at_risk < self.last[current - 1].at_risk:
+            self._change(split.prefill_instances, now, rate,
+                         f"{split.prefill_instances} prefill instances predict fewer at risk")
+        return self.prefill_instances
+
+    def _change(self, k: int, now: float, rate: float | None, reason: str) -> None:
+        if k == self.prefill_instances:
+            return
+        logger.info("layout: %d prefill-only instances (was %d) at %.2f requests/s: %s (model "
+                    "speed %.2f, decode bias %.2f)", k, self.prefill_instances, rate or 0.0,
+                    reason, self.model.speed, self.model.decode_bias)  # fmt: skip
+        self.prefill_instances = k
+        self.changed_at = now
+        self.split.clear()
+        if k:
+            self.split_rate = rate or 0.0
+            self.local.clear()  # what the next split needs is new local decodes
 
     def forecast(self, num_instances: int, k: int, rate: float) -> Forecast:
-        """Layout k's prediction for the window's arrivals at `rate` per second."""
+        """Split k's (1 <= k < num_instances) prediction for the window's arrivals at `rate`
+        per second."""
         arrivals = self.arrivals
         model = self.model
         decode_rate = rate / (num_instances - k)
         mean_out = sum(a.max_tokens for a in arrivals) / len(arrivals)
         mean_ctx = sum(a.num_tokens + a.max_tokens / 2 for a in arrivals) / len(arrivals)
-        per_token_s = model.decode_step_s(1, mean_ctx)
-        beside_s = [0.0] * len(arrivals)
-        by_batch: dict[int, list[float]] = {}  # the fixed point revisits a few batch sizes
+        step_s = model.decode_step_s(1, mean_ctx)
         for _ in range(FIXED_POINT_STEPS):
-            whole = int(round(max(1.0, decode_rate * mean_out * per_token_s)))
-            if k == 0:  # prompts run beside this instance's decodes
-                beside_s = by_batch.get(whole) or by_batch.setdefault(whole, [
-                    model.prefill_s(a.num_tokens, whole, whole * mean_ctx) for a in arrivals
-                ])  # fmt: skip
-            busy = decode_rate * sum(beside_s) / len(arrivals) if k == 0 else 0.0
-            if busy >= MAX_UTILISATION:
-                return Forecast(k, 1.0, float("inf"))
-            per_token_s = model.decode_step_s(whole, whole * mean_ctx) / (1 - busy)
-        step_s = per_token_s * (1 - busy)
-        if k == 0:
-            compute_s, prefill_rate = beside_s, decode_rate
-        else:
-            compute_s, prefill_rate = [model.prefill_s(a.num_tokens) for a in arrivals], rate / k
+            batch = int(round(max(1.0, decode_rate * mean_out * step_s)))
+            step_s = model.decode_step_s(batch, batch * mean_ctx)
+        compute_s = [model.prefill_s(a.num_tokens) for a in arrivals]
+        prefill_rate = rate / k
         mean_c = sum(compute_s) / len(compute_s)
         rho = prefill_rate * mean_c
-        if rho >= MAX_UTILISATION:
+        if rho >= MAX_PREFILL_UTILISATION:
             return Forecast(k, 1.0, float("inf"))
         wait_s = prefill_rate * sum(c * c for c in compute_s) / len(compute_s) / (2 * (1 - rho))
-        # k = 0: the gate holds a prompt while that saves a decode ending before the prompt's
-        # latest start; a decode shorter than the typical prompt's wait sees no stall.
-        waits = sorted(a.slo.ttft_s - wait_s - c for a, c in zip(arrivals, compute_s, strict=True))
-        may_wait_s = waits[len(waits) // 2]
         at_risk = 0
         load = 0.0
         for arrival, c in zip(arrivals, compute_s, strict=True):
-            transfer_s = model.transfer_s(arrival.num_tokens) if k else 0.0
+            transfer_s = model.transfer_s(arrival.num_tokens)
             ttft_s = wait_s + c + transfer_s
-            gap_s = transfer_s + step_s / 2 if k else 0.0
-            protected = k == 0 and arrival.max_tokens * step_s <= may_wait_s
-            tpot_s = (step_s if protected else per_token_s) + gap_s / max(1, arrival.max_tokens - 1)
+            tpot_s = step_s + (transfer_s + step_s / 2) / max(1, arrival.max_tokens - 1)
             worst = max(ttft_s / arrival.slo.ttft_s, tpot_s / arrival.slo.tpot_s)
             at_risk += worst > RISK
             load += worst

@@ -67,6 +67,19 @@ class Decoding:
     first_token_at: float | None = None  # the router's clock
     num_tokens: int = 0
     last_token_at: float | None = None  # when the router last saw its tokens grow
+    placed_at: float = 0.0  # the router's clock
+    ttft_slo_s: float = math.inf
+
+    def worst_objective(self) -> float:
+        """Its TTFT or TPOT so far, whichever is the larger share of its SLO (0 before its
+        first token)."""
+        if self.first_token_at is None:
+            return 0.0
+        worst = (self.first_token_at - self.placed_at) / self.ttft_slo_s
+        if self.last_token_at is not None and self.num_tokens > 1:
+            tpot_s = (self.last_token_at - self.first_token_at) / (self.num_tokens - 1)
+            worst = max(worst, tpot_s / self.tpot_slo_s)
+        return worst
 
     def remaining(self) -> int:
         """Decode steps still to run."""

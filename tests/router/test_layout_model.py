@@ -1,17 +1,19 @@
 """The cluster-level layout search (router/layout_model.py) on the bench model's profile, at the
-speed run A's chatbot calibration measured (1.45x the profile): chatbot traffic stays local
-until its decodes' TPOT is at risk beside the prompts, then splits, and comes back when the rate
-falls; summaries, whose short decodes the prefill gate protects, stay local; and a placer with
-the search on prefills on one instance and decodes on the other while the layout is split."""
+speed run A's chatbot calibration measured (1.45x the profile): the cluster splits when its
+local requests end at risk and the split predicts them safe, not before; it comes back when the
+rate falls, when the split cannot keep up, or when the split's own requests did worse than the
+local ones did (and refuses to split again for a while); and a placer with the search on
+prefills on one instance and decodes on the other while split."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from engine.slo import RequestSLO
-from router.adaptive import AdaptivePlacer
+from router import layout_model
+from router.adaptive import AdaptivePlacer, Placement
 from router.latency_model import LatencyModel
-from router.layout_model import DWELL, MIN_ARRIVALS, Arrival, LayoutModel
+from router.layout_model import Arrival, LayoutModel
 from router.policies import InstanceState
 from router.worker_api import InstanceLoad, Role
 
@@ -20,6 +22,8 @@ PROFILE = Path(__file__).resolve().parents[2] / "benchmarks/results/placement/pr
 CHATBOT = RequestSLO(ttft_s=1.98, tpot_s=0.048)
 SUMMARIZATION = RequestSLO(ttft_s=6.7, tpot_s=0.0346)
 WINDOW_S = 10.0
+CHAT_OUTPUTS = [30, 60, 87, 120, 150]
+RISK, MIN_DECODES = layout_model.RISK, layout_model.MIN_DECODES
 
 
 def latency_model() -> LatencyModel:
@@ -29,50 +33,98 @@ def latency_model() -> LatencyModel:
 
 
 def drive(layout: LayoutModel, rate: float, seconds: float, prompt: int, outputs: list[int],
-          slo: RequestSLO, start: float = 0.0) -> list[int]:  # fmt: skip
-    """Arrivals at `rate` for `seconds`; the layout chosen at each."""
+          slo: RequestSLO, start: float = 0.0, worst: float | list[float] | None = None,
+          local: bool = True) -> list[int]:  # fmt: skip
+    """Arrivals at `rate` for `seconds`, each also ending a request placed a second before
+    with `worst` as its worst objective (in turn, from a list; None: none ends); the layout
+    chosen at each."""
     chosen = []
+    worsts = worst if isinstance(worst, list) else [worst]
     for i in range(int(rate * seconds)):
         at = start + i / rate
+        if (ended := worsts[i % len(worsts)]) is not None:
+            layout.note_ended(at, local, at - 1.0, ended)
         layout.note(Arrival(at, prompt, outputs[i % len(outputs)], slo))
         chosen.append(layout.update(2, at))
     return chosen
 
 
-CHAT_OUTPUTS = [30, 60, 87, 120, 150]
-
-
-def test_chatbot_splits_only_once_local_decodes_are_at_risk():
-    for rate in (1.0, 2.0, 3.0):
-        assert set(drive(LayoutModel(latency_model(), WINDOW_S), rate, 20, 179, CHAT_OUTPUTS,
-                         CHATBOT)) == {0}, rate  # fmt: skip
+def test_chatbot_splits_once_its_local_requests_end_at_risk_and_not_before():
+    for rate in (1.0, 3.0, 4.5):  # however busy, local requests that end well keep it local
+        layout = LayoutModel(latency_model(), WINDOW_S)
+        assert set(drive(layout, rate, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=0.6)) == {0}, rate
     layout = LayoutModel(latency_model(), WINDOW_S)
-    chosen = drive(layout, 4.5, 10, 179, CHAT_OUTPUTS, CHATBOT)
-    assert chosen[: MIN_ARRIVALS - 1] == [0] * (MIN_ARRIVALS - 1)  # no rate from a handful
+    chosen = drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=RISK + 0.05)
+    handful = layout_model.MIN_ARRIVALS - 1  # no rate from fewer arrivals
+    assert chosen[:handful] == [0] * handful
     assert chosen[-1] == 1
-    local, split = layout.last
-    assert local.at_risk > split.at_risk and local.load > split.load
+    (split,) = layout.last
+    assert split.at_risk == 0.0 and split.load < RISK
+
+
+def test_a_split_whose_requests_do_well_stays_split():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=RISK + 0.05)[-1] == 1
+    later = drive(layout, 3.0, 30, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=0.5,
+                  local=False)  # fmt: skip
+    assert set(later) == {1} and len(layout.split) >= MIN_DECODES
+
+
+def test_a_few_ended_requests_are_not_a_tail():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    for i in range(layout_model.MIN_ARRIVALS + 5):
+        at = i / 3.0
+        if i < MIN_DECODES - 1:
+            layout.note_ended(at, True, at - 1.0, 2.0)
+        layout.note(Arrival(at, 179, 87, CHATBOT))
+        assert layout.update(2, at) == 0
 
 
 def test_the_layout_comes_back_to_local_when_the_rate_falls():
     layout = LayoutModel(latency_model(), WINDOW_S)
-    assert drive(layout, 4.5, 10, 179, CHAT_OUTPUTS, CHATBOT)[-1] == 1
+    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=1.2)[-1] == 1
     changed_at = layout.changed_at
-    later = drive(layout, 1.5, 30, 179, CHAT_OUTPUTS, CHATBOT, start=10.0)
+    later = drive(layout, 1.0, 40, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=0.5,
+                  local=False)  # fmt: skip
     assert later[-1] == 0
-    assert layout.changed_at >= changed_at + DWELL * WINDOW_S  # no flip sooner than the dwell
+    # no change sooner than the dwell after the last
+    assert layout.changed_at >= changed_at + layout_model.DWELL * WINDOW_S
 
 
-def test_summaries_whose_decodes_the_gate_protects_stay_local():
-    for rate in (0.5, 1.0, 2.0):
-        chosen = drive(LayoutModel(latency_model(), WINDOW_S), rate, 20, 450, [10, 19, 30],
-                       SUMMARIZATION)  # fmt: skip
-        assert set(chosen) == {0}, rate
+def test_a_split_that_does_worse_goes_back_and_is_refused_for_a_while():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    local_worsts = [RISK + 0.05, 0.5, 0.5, 0.5]  # a quarter of the local requests at risk
+    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=local_worsts)[-1] == 1
+    assert layout.split_tail == 0.25
+    split_at = layout.changed_at
+    # half of the split's own requests end past their SLO: more than the local ones did
+    later = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=[1.5, 0.5],
+                  local=False)  # fmt: skip
+    assert later[-1] == 0 and layout.changed_at > split_at
+    back_at = layout.changed_at
+    assert layout.refused_until == back_at + layout_model.REFUSE_WINDOWS * WINDOW_S
+    # local requests at risk again: no split until the refusal runs out, then one
+    seconds = layout_model.REFUSE_WINDOWS * WINDOW_S + 10
+    again = drive(layout, 3.0, seconds, 179, CHAT_OUTPUTS, CHATBOT, start=30.0, worst=1.2)
+    times = [30.0 + i / 3.0 for i in range(len(again))]
+    assert all(k == 0 for k, at in zip(again, times, strict=True) if at < layout.refused_until)
+    assert again[-1] == 1
+
+
+def test_a_split_whose_prefill_instance_cannot_keep_up_is_not_taken():
+    # long summaries at a rate one prefill core cannot carry: local requests at risk or not,
+    # the split predicts worse, so the cluster stays local
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    chosen = drive(layout, 3.0, 20, 1500, [10, 19, 30], SUMMARIZATION, worst=1.3)
+    assert set(chosen) == {0}
+    (split,) = layout.last
+    assert split.at_risk == 1.0
 
 
 def test_a_single_instance_is_never_split():
     layout = LayoutModel(latency_model(), WINDOW_S)
     for i in range(60):
+        layout.note_ended(i / 6.0, True, i / 6.0 - 1, 2.0)
         layout.note(Arrival(i / 6.0, 179, 87, CHATBOT))
         assert layout.update(1, i / 6.0) == 0
 
@@ -84,16 +136,26 @@ def test_a_placer_with_the_search_on_prefills_on_one_instance_while_split():
     candidates = [
         InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512)) for i in "ab"
     ]
-    kinds = []
-    for n in range(45):
-        now[0] = n / 4.5
-        placement = placer.choose(179, CHAT_OUTPUTS[n % 5], CHATBOT, candidates)
-        placer.placed(f"r{n}", placement, 179, CHAT_OUTPUTS[n % 5], CHATBOT)
+    rate, kinds = 3.0, []
+    running: dict[str, tuple[Placement, float]] = {}  # key -> (placement, placed at)
+    for n in range(90):
+        now[0] = n / rate
+        # a request has its first token a second after it was placed, and ends a second
+        # later with 10 more tokens: TPOT 0.1 s, past RISK of its SLO
+        for key, (placement, placed_at) in list(running.items()):
+            if placed_at + 1.0 <= now[0] < placed_at + 1.0 + 1 / rate:
+                placer.prefilled(key, placement, None)
+            elif now[0] >= placed_at + 2.0:
+                placer.progress(key, placement, 11)
+                placer.release(key, placement)
+                del running[key]
+        output = CHAT_OUTPUTS[n % 5]
+        placement = placer.choose(179, output, CHATBOT, candidates)
+        placer.placed(f"r{n}", placement, 179, output, CHATBOT)
+        running[f"r{n}"] = (placement, now[0])
         kinds.append((placement.prefill_id, placement.decode_id))
-        if n % 3 == 0:  # some finish, so the views do not only grow
-            placer.release(f"r{n}", placement)
+    assert kinds[0][0] == kinds[0][1]  # before the window knew anything: local
     assert placer.split_prefill != ()
     (prefill,) = placer.split_prefill
     tail = kinds[-10:]
     assert all(p == prefill and d != prefill for p, d in tail), tail
-    assert kinds[0][0] == kinds[0][1]  # before the window knew the rate: local
