@@ -16,6 +16,10 @@ from planner.latency import StepModel, transfer_ms
 from planner.profile import load_profile
 
 SPEED_ALPHA = 0.2  # weight of each new measurement
+# The unloaded speed: the lowest the first tokens show lately. Each one lets it rise by this
+# share at most (it forgets a faster past in about a hundred prompts) and pulls it half-way
+# down to a lower one.
+BASE_SPEED_RISE = 0.01
 SPEED_BOUNDS = (0.25, 8.0)
 
 
@@ -26,6 +30,10 @@ class LatencyModel:
         self.step = step
         self.chunk_size = chunk_size
         self.speed = 1.0  # measured over profiled prompt compute
+        # The same without the load: a prompt measured beside decodes, on a core the router and
+        # the other instance share, takes longer than one on an instance that only prefills;
+        # the speed of the fastest lately is what a prefill-only instance would see.
+        self.base_speed: float | None = None
         # Measured decode step over profiled, on top of `speed` (a decode step that grows faster
         # with the batch than profiled, or a machine whose decode slowed more than its prefill).
         self.decode_bias = 1.0
@@ -43,6 +51,11 @@ class LatencyModel:
     def prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0) -> float:
         """A prompt's compute: its chunks, each in a step beside `batch_size` decodes."""
         return self.speed * self.profiled_prefill_s(num_tokens, batch_size, sum_ctx)
+
+    def unloaded_prefill_s(self, num_tokens: int) -> float:
+        """A prompt's compute alone on an instance that only prefills, at the base speed."""
+        speed = self.speed if self.base_speed is None else min(self.base_speed, self.speed)
+        return speed * self.profiled_prefill_s(num_tokens)
 
     def profiled_prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0
                            ) -> float:  # fmt: skip
@@ -69,6 +82,12 @@ class LatencyModel:
             return
         ratio = measured_s / profiled_s  # the speed that would have predicted it
         self.speed = _blend(self.speed, ratio)
+        base = self.base_speed
+        if base is None or ratio < base:
+            base = ratio if base is None else (base + ratio) / 2
+        else:
+            base = min(base * (1 + BASE_SPEED_RISE), ratio)
+        self.base_speed = min(max(base, SPEED_BOUNDS[0]), SPEED_BOUNDS[1])
 
     def observe_decode_step(self, batch_size: int, sum_ctx: float, measured_s: float) -> None:
         """A decode step an engine measured at `batch_size` against the profile's."""

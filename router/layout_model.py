@@ -26,7 +26,12 @@ The local layout is judged by what it does, the split by what it is predicted to
                         token step(B), B = lambda_d * E[m] * step (Little's law, a fixed
                         point), plus the hand-off's gap (transfer + half a step) over m - 1
       prefill instance  lambda_p = lambda / k, utilisation rho = lambda_p * E[c]; TTFT = c +
-                        the M/G/1 wait lambda_p E[c^2] / (2 (1 - rho)) + the transfer
+                        the M/G/1 wait lambda_p E[c^2] / (2 (1 - rho)) + the transfer, c at
+                        the base speed (the fastest the first tokens show lately: the prompt
+                        compute the workers measured beside decodes, on cores the router and
+                        the other instance share, rose 1.7x with the load, 0.13 to 0.22 s, in
+                        a chatbot run where one prefill-only core kept up with 3.16 req/s per
+                        core)
                     A split's decodes see no prompts, so there is no tail of stalls for a mean
                     to miss; what it does miss (a busier prefill core) is why a split must
                     predict its requests safe with room (RISK, MAX_PREFILL_UTILISATION), and
@@ -183,8 +188,9 @@ class LayoutModel:
         if k == self.prefill_instances:
             return
         logger.info("layout: %d prefill-only instances (was %d) at %.2f requests/s: %s (model "
-                    "speed %.2f, decode bias %.2f)", k, self.prefill_instances, rate or 0.0,
-                    reason, self.model.speed, self.model.decode_bias)  # fmt: skip
+                    "speed %.2f, base %.2f, decode bias %.2f)", k, self.prefill_instances,
+                    rate or 0.0, reason, self.model.speed, self.model.base_speed or 0.0,
+                    self.model.decode_bias)  # fmt: skip
         self.prefill_instances = k
         self.changed_at = now
         self.split.clear()
@@ -204,7 +210,7 @@ class LayoutModel:
         for _ in range(FIXED_POINT_STEPS):
             batch = int(round(max(1.0, decode_rate * mean_out * step_s)))
             step_s = model.decode_step_s(batch, batch * mean_ctx)
-        compute_s = [model.prefill_s(a.num_tokens) for a in arrivals]
+        compute_s = [model.unloaded_prefill_s(a.num_tokens) for a in arrivals]
         prefill_rate = rate / k
         mean_c = sum(compute_s) / len(compute_s)
         rho = prefill_rate * mean_c

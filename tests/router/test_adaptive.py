@@ -172,6 +172,21 @@ def test_the_model_learns_the_machine_speed(placer: AdaptivePlacer):
         placer.model.step.prefill_stage_ms(400, 400.0**2)), rel=0.02)  # fmt: skip
 
 
+def test_the_base_speed_is_the_fastest_lately_and_forgets_a_faster_past(placer: AdaptivePlacer):
+    model = placer.model
+    profiled_s = model.profiled_prefill_s(400)
+    for ratio in [1.0] * 5 + [2.0] * 30:  # unloaded, then each prompt twice as slow (load)
+        model.observe(profiled_s, ratio * profiled_s)
+    assert model.speed == pytest.approx(2.0, rel=0.02)
+    assert model.base_speed == pytest.approx(1.01**30, rel=1e-6)  # rising 1% a prompt at most
+    assert model.unloaded_prefill_s(400) == pytest.approx(1.01**30 * profiled_s, rel=1e-6)
+    model.observe(profiled_s, 1.0 * profiled_s)  # a fast one pulls it half-way down
+    assert model.base_speed == pytest.approx((1.01**30 + 1.0) / 2, rel=1e-6)
+    for _ in range(200):
+        model.observe(profiled_s, 2.0 * profiled_s)
+    assert model.base_speed == pytest.approx(2.0)  # it never passes what it is shown
+
+
 def test_the_decode_bias_learns_from_the_steps_the_engines_report(placer: AdaptivePlacer):
     profiled_s = placer.model.decode_step_s(4, 0.0)
     for _ in range(40):  # each instance reports a 4-sequence step 1.5x the profile's
