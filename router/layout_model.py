@@ -41,11 +41,12 @@ The local layout is judged by what it does, the split by what it is predicted to
 The cluster splits when at least TAIL of the window's local requests (MIN_DECODES of them or
 more) ended past RISK of an SLO, and the split with the fewest requests at risk predicts at
 most SAFE of them at risk. It goes back to k = 0 when the rate falls under BACK_RATE of the rate
-it split at, when the split no longer predicts safe (a rate or a mix that its prefill instances
-cannot keep up with), or when more of the split's own requests end at risk than the local
-layout's did when it split (and then it does not split again for REFUSE_WINDOWS windows). A
-change waits DWELL of the window after the last one (the window's arrivals and ended requests
-must be the new ones).
+it split at (an idle spell alone does not: traffic that comes back after one finds the layout
+it left, and the window judges it once it holds enough arrivals), when the split no longer
+predicts safe (a rate or a mix that its prefill instances cannot keep up with), or when more of
+the split's own requests end at risk than the local layout's did when it split (and then it
+does not split again for REFUSE_WINDOWS windows). A change waits DWELL of the window after the
+last one (the window's arrivals and ended requests must be the new ones).
 
 On by default (RouterConfig.adaptive_layout_search).
 """
@@ -156,8 +157,14 @@ class LayoutModel:
             return self.prefill_instances
         current = self.prefill_instances
         if rate is None:  # too few arrivals to time: fewer than MIN_ARRIVALS a window
-            if current and len(self.arrivals) / self.window_s < BACK_RATE * self.split_rate:
-                self._change(0, now, rate, f"{len(self.arrivals)} arrivals in the window")
+            # Sparse traffic for half a window is a low rate; an idle cluster whose traffic has
+            # just come back is not, and it stays as it was until the window can tell.
+            arrivals = self.arrivals
+            seen_s = arrivals[-1].at - arrivals[0].at if arrivals else 0.0
+            if current and seen_s >= self.window_s / 2:
+                sparse_rate = (len(arrivals) - 1) / seen_s
+                if sparse_rate < BACK_RATE * self.split_rate:
+                    self._change(0, now, rate, f"{len(arrivals)} arrivals in {seen_s:.1f} s")
             return self.prefill_instances
         self.last = tuple(self.forecast(num_instances, k, rate) for k in range(1, num_instances))
         split = min(self.last, key=lambda f: (f.at_risk, f.load))

@@ -91,6 +91,15 @@ def test_the_layout_comes_back_to_local_when_the_rate_falls():
     assert layout.changed_at >= changed_at + layout_model.DWELL * WINDOW_S
 
 
+def test_an_idle_spell_alone_does_not_undo_the_split():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=RISK + 0.05)[-1] == 1
+    # nothing for 30 s (three windows), then the same traffic: split from its first arrival on
+    after = drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, start=50.0, worst=0.5,
+                  local=False)  # fmt: skip
+    assert set(after) == {1}
+
+
 def test_a_split_that_does_worse_goes_back_and_is_refused_for_a_while():
     layout = LayoutModel(latency_model(), WINDOW_S)
     local_worsts = [RISK + 0.05, 0.5, 0.5, 0.5]  # a quarter of the local requests at risk
