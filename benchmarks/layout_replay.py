@@ -45,7 +45,7 @@ def calibrated_model(raw: dict[str, Any], profile: Path) -> LatencyModel:
         (c["calibration"] for c in classes.values()), key=lambda c: c["prompt_len"])
     n = int(calibration["prompt_len"])
     model.speed = calibration["prefill_s"] / model.prefill_s(n)
-    model.decode_bias = calibration["decode_step_s"] / model.decode_step_s(1, n)
+    model.decode_speed = 1e3 * calibration["decode_step_s"] / model.step.decode_stage_ms(1, n)
     return model
 
 

@@ -30,7 +30,7 @@ traffic, with no restart.
 
 Model (router/latency_model.py): the planner's latency model (planner/latency.StepModel, from
 the profile file) times a speed factor the router learns from every first token, and a decode
-bias learned from the decode steps the instances report.
+speed learned apart, from the decode steps the instances report.
 
 With `layout_search` (RouterConfig.adaptive_layout_search, on by default) the options are first
 cut to the cluster's layout for the window's traffic (router/layout_model.py): while it is
@@ -71,7 +71,7 @@ class Placement:
     predicted_tpot_s: float
     prefill_role_instances: int  # instances that prefilled for another in the window, with it
     profiled_compute_s: float = 0.0  # the prompt's compute at the profile's speed
-    decode_bias: float = 1.0  # the model's decode bias when it predicted predicted_tpot_s
+    decode_bias: float = 1.0  # the model's decode over prefill speed when it predicted
 
     @property
     def kind(self) -> str:
@@ -174,7 +174,7 @@ class AdaptivePlacer:
         return [(a, b) for a, b in every if a in kept and b not in kept]
 
     def _learn_decode_step(self, state: InstanceState, view: InstanceView) -> None:
-        """The decode bias learns from the step the instance's engine measures (its load
+        """The decode speed learns from the step the instance's engine measures (its load
         report's `decode_step_s` at `decode_batch`): a measured TPOT would not do, since the
         gate lets prompt chunks use each decode's slack on purpose."""
         if self._learned_from.get(state.instance_id) == id(state.load):

@@ -1,11 +1,15 @@
 """The adaptive placer's latency model: the planner's StepModel (from a profile file) in
 seconds, corrected online by what the workers measure (router/adaptive.py uses it).
 
-Two factors, each an exponential average of measured over predicted: `speed`, from every first
+Two factors, each an exponential average of measured over profiled: `speed`, from every first
 token's prefill compute against the profiled one (a profile taken on another day, or a machine
-whose speed moved, still predicts in the right units), and `decode_bias`, from the decode steps
-the instances' engines measure (engine/step_costs.py, in their load reports) against the
-profile's at the same speed: what the profile's decode step misses on this machine.
+whose speed moved, still predicts in the right units), and `decode_speed`, from the decode
+steps the instances' engines measure (engine/step_costs.py, in their load reports) against the
+profile's; until an engine has reported one, the decode step goes at `speed`. They are learned
+apart: tied (a decode bias on top of the prefill speed), every jump of the prefill speed moved
+the decode prediction until the next reports brought the bias back, and a split's prefill-only
+instance, whose prompts are measured in batches, took the prefill speed from 1.5 to 3.0 within
+seconds (session 17).
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ class LatencyModel:
         # the other instance share, takes longer than one on an instance that only prefills;
         # the speed of the fastest lately is what a prefill-only instance would see.
         self.base_speed: float | None = None
-        # Measured decode step over profiled, on top of `speed` (a decode step that grows faster
-        # with the batch than profiled, or a machine whose decode slowed more than its prefill).
-        self.decode_bias = 1.0
+        # Measured decode step over profiled (None: none measured yet, the decode goes at
+        # `speed`).
+        self.decode_speed: float | None = None
 
     @classmethod
     def from_file(cls, path: str, model: str | None = None) -> LatencyModel:
@@ -46,7 +50,14 @@ class LatencyModel:
     def decode_step_s(self, batch_size: int, sum_ctx: float) -> float:
         if batch_size <= 0:
             return 0.0
-        return self.speed * self.decode_bias * self.step.decode_stage_ms(batch_size, sum_ctx) / 1e3
+        speed = self.speed if self.decode_speed is None else self.decode_speed
+        return speed * self.step.decode_stage_ms(batch_size, sum_ctx) / 1e3
+
+    @property
+    def decode_bias(self) -> float:
+        """The decode speed over the prefill speed: what the profile's decode step misses on
+        this machine beyond its prompts'."""
+        return 1.0 if self.decode_speed is None else self.decode_speed / self.speed
 
     def prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0) -> float:
         """A prompt's compute: its chunks, each in a step beside `batch_size` decodes."""
@@ -91,10 +102,11 @@ class LatencyModel:
 
     def observe_decode_step(self, batch_size: int, sum_ctx: float, measured_s: float) -> None:
         """A decode step an engine measured at `batch_size` against the profile's."""
-        profiled_s = self.speed * self.step.decode_stage_ms(batch_size, sum_ctx) / 1e3
+        profiled_s = self.step.decode_stage_ms(batch_size, sum_ctx) / 1e3
         if profiled_s <= 0 or measured_s <= 0:
             return
-        self.decode_bias = _blend(self.decode_bias, measured_s / profiled_s)
+        current = self.speed if self.decode_speed is None else self.decode_speed
+        self.decode_speed = _blend(current, measured_s / profiled_s)
 
 
 def _blend(old: float, measured: float) -> float:

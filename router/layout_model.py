@@ -195,9 +195,9 @@ class LayoutModel:
         if k == self.prefill_instances:
             return
         logger.info("layout: %d prefill-only instances (was %d) at %.2f requests/s: %s (model "
-                    "speed %.2f, base %.2f, decode bias %.2f)", k, self.prefill_instances,
+                    "speed %.2f, base %.2f, decode %.2f)", k, self.prefill_instances,
                     rate or 0.0, reason, self.model.speed, self.model.base_speed or 0.0,
-                    self.model.decode_bias)  # fmt: skip
+                    self.model.decode_speed or self.model.speed)  # fmt: skip
         self.prefill_instances = k
         self.changed_at = now
         self.split.clear()

@@ -196,6 +196,14 @@ def test_the_decode_bias_learns_from_the_steps_the_engines_report(placer: Adapti
     after = place(placer, "s", 200, 50, CHATBOT)
     assert after.decode_bias == pytest.approx(1.5, rel=0.02)
     assert after.predicted_tpot_s == pytest.approx(placer.model.decode_step_s(1, 200.0), rel=1e-6)
+    # the prefill speed jumps (prompts measured in batches on a prefill-only instance): the
+    # decode step the engines measure is what the decode prediction stays at
+    decode_s = placer.model.decode_step_s(4, 0.0)
+    placement = place(placer, "t", 400, 10, CHATBOT)
+    for _ in range(30):
+        placer.model.observe(placement.profiled_compute_s, 3.0 * placement.profiled_compute_s)
+    assert placer.model.speed == pytest.approx(3.0, rel=0.02)
+    assert placer.model.decode_step_s(4, 0.0) == decode_s
 
 
 def test_a_cached_prefix_draws_the_prefill_and_shortens_its_predicted_ttft(
