@@ -151,6 +151,7 @@ def test_signal_to_group_drains_and_leaves_no_process(
         assert len(results[0].token_ids) == _MAX_TOKENS
         assert time.monotonic() - began < 45
         assert "Traceback" not in serve.output()
+        assert "Task was destroyed" not in serve.output()  # the router loop closed under a task
     finally:
         serve.kill()
     _assert_nothing_left(pids, temp_dir)
@@ -172,6 +173,7 @@ def test_adaptive_mode_drains_on_a_signal_to_the_group(tmp_path: Path, signum: i
         assert results[0].code == grpc.StatusCode.OK, (results[0], serve.output())
         assert len(results[0].token_ids) == _MAX_TOKENS
         assert "Traceback" not in serve.output()
+        assert "Task was destroyed" not in serve.output()  # the router loop closed under a task
     finally:
         serve.kill()
     _assert_nothing_left(pids, None)
