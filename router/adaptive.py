@@ -72,6 +72,7 @@ class Placement:
     prefill_role_instances: int  # instances that prefilled for another in the window, with it
     profiled_compute_s: float = 0.0  # the prompt's compute at the profile's speed
     decode_bias: float = 1.0  # the model's decode over prefill speed when it predicted
+    predicted_handoff_s: float = 0.0  # remote: first token to second, by the model alone
 
     @property
     def kind(self) -> str:
@@ -149,7 +150,7 @@ class AdaptivePlacer:
         return Placement(
             best.prefill_id, best.decode_id, best.ttft_s, best.tpot_s, len(self.prefill_role),
             self.model.profiled_prefill_s(uncached, *prefill.decode_load()),
-            self.model.decode_bias,
+            self.model.decode_bias, best.handoff_s,
         )  # fmt: skip
 
     def _pairs(self, ids: list[str], views: Mapping[str, InstanceView], num_prompt_tokens: int,
@@ -229,9 +230,17 @@ class AdaptivePlacer:
             self.model.observe(placement.profiled_compute_s, measured_s)
 
     def progress(self, key: str, placement: Placement, num_tokens: int) -> None:
+        """The request has `num_tokens` tokens out. A remote one's second token measures its
+        hand-off: the time since its first, which the model's gap learns from."""
         decode = self._instances.get(placement.decode_id)
-        if decode is not None and (decoding := decode.decoding.get(key)) is not None:
-            decode.note_tokens(decoding, num_tokens, self._clock())
+        if decode is None or (decoding := decode.decoding.get(key)) is None:
+            return
+        now = self._clock()
+        first_at = decoding.first_token_at
+        if (placement.kind == "remote" and first_at is not None and decoding.num_tokens < 2
+                and num_tokens == 2):  # fmt: skip
+            self._predict.observe_handoff(placement.predicted_handoff_s, now - first_at, now)
+        decode.note_tokens(decoding, num_tokens, now)
 
     def release(self, key: str, placement: Placement) -> None:
         """The request ended (or was placed again): forget it on both instances. Its

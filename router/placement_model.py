@@ -15,10 +15,16 @@ until its own TTFT SLO cannot wait. So, for a request of `n` prompt tokens and `
     window   m x B's step: how long it decodes on B
     forced   prompts that will run beside its decode on B although it is tight: B's queued ones
              and the ones the last window placed on B, pro rata, whose TTFT cannot wait `window`
-    TPOT     B's step with it added + (forced [+ transfer + half a step, the hand-off's gap])
-             / (m - 1), and at least the time between tokens B's decodes show now, plus its
-             step's growth: the model extrapolates the last window's prompts, but this
-             placer's own next placements may pile onto B, and its decodes' tokens tell
+    TPOT     B's step with it added + (forced [+ the hand-off's gap]) / (m - 1), and at
+             least the time between tokens B's decodes show now, plus its step's growth: the
+             model extrapolates the last window's prompts, but this placer's own next
+             placements may pile onto B, and its decodes' tokens tell
+    gap      the transfer + half a step, plus what the last hand-offs took beyond that: the
+             time from a remote request's first token to its second, as the router saw it.
+             The transfer waits for both engines to be between steps, and under load that
+             dominates: the bench's summaries, 20 tokens at a 24 ms TPOT SLO, waited 0.74 s
+             on average for their second token where the model gave 0.04 s (session 18's
+             run D, 2.58 requests/s per core), and 18 of 20 missed their TPOT
     harm     + decodes on B its joining slows past their SLO
     crowding the share of each A decode's slack its prompt uses, and of each B decode's slack
              its joining uses (its step's growth over the steps they share), summed: prompts go
@@ -47,6 +53,7 @@ REMOTE_COST = 0.15
 # and the model alone predicts).
 ITL_TOKENS = 20
 ITL_FRESH_S = 1.0
+HANDOFF_ALPHA = 0.3  # weight of each hand-off measured, in the gap's average excess
 
 
 @dataclass(frozen=True)
@@ -162,17 +169,26 @@ class Option:
     tpot_s: float
     harm: int
     crowding: float = 0.0
+    handoff_s: float = 0.0  # remote: its first token to its second, as the model alone predicts
 
     @property
     def remote(self) -> bool:
         return self.prefill_id != self.decode_id
 
-    def score(self, slo: RequestSLO) -> tuple[int, float]:
-        """Objectives broken, then the load it adds: to itself, relative to what it allows, to
-        the decodes it joins, relative to their slack, and REMOTE_COST for moving the KV."""
-        misses = self.harm + int(self.ttft_s > slo.ttft_s) + int(self.tpot_s > slo.tpot_s)
+    def score(self, slo: RequestSLO) -> tuple[int, int, float]:
+        """Objectives broken; then whether it moves the KV of a request that misses anyway;
+        then the load it adds: to itself, relative to what it allows, to the decodes it joins,
+        relative to their slack, and REMOTE_COST for moving the KV.
+
+        A remote option that breaks the request's own objective loses a tie on objectives to
+        a local one: the transfer costs both instances CPU, and when the request is lost
+        either way it buys nothing. In session 18's code runs, the remote placements taken at
+        the top rates predicted TTFTs past the SLO (0.54 s and 0.61 s against 0.29 s), and
+        measured 0.50 s and 0.32 s, against 0.26 s and 0.18 s for the local ones beside them."""
+        own_misses = int(self.ttft_s > slo.ttft_s) + int(self.tpot_s > slo.tpot_s)
         load = self.ttft_s / slo.ttft_s + self.tpot_s / slo.tpot_s + self.crowding
-        return misses, load + (REMOTE_COST if self.remote else 0.0)
+        lost_transfer = int(self.remote and own_misses > 0)
+        return self.harm + own_misses, lost_transfer, load + (REMOTE_COST if self.remote else 0.0)
 
 
 class PlacementModel:
@@ -181,6 +197,24 @@ class PlacementModel:
     def __init__(self, model: LatencyModel, window_s: float) -> None:
         self.model = model
         self.window_s = window_s
+        # What the hand-offs measured lately took beyond the model's gap (averaged), and when
+        # the last was measured: past a window it is forgotten (the load it came from is gone,
+        # and a gap no remote placement tries again would never be measured again).
+        self.handoff_excess_s = 0.0
+        self.handoff_at = -math.inf
+
+    def observe_handoff(self, predicted_s: float, measured_s: float, now: float) -> None:
+        """A remote request's first token to its second: `predicted_s` by the model alone
+        (its option's `handoff_s`), `measured_s` as the router saw it."""
+        excess_s = measured_s - predicted_s
+        if self.handoff_at < now - self.window_s:
+            self.handoff_excess_s = excess_s
+        else:
+            self.handoff_excess_s += HANDOFF_ALPHA * (excess_s - self.handoff_excess_s)
+        self.handoff_at = now
+
+    def _handoff_excess_s(self, now: float) -> float:
+        return self.handoff_excess_s if self.handoff_at >= now - self.window_s else 0.0
 
     def option(
         self, prefill_id: str, prefill: InstanceView, decode_id: str, decode: InstanceView,
@@ -203,6 +237,8 @@ class PlacementModel:
         window_s = max_tokens * step_s
         forced_s = self._forced_s(decode, window_s, ttft_s, now, queue_ahead=not remote)
         gap_s = transfer_s + step_s / 2 if remote else 0.0
+        if remote:
+            gap_s = max(0.0, gap_s + self._handoff_excess_s(now))
         tpot_s = step_s + (forced_s + gap_s) / max(1, max_tokens - 1)
         current_s = model.decode_step_s(batch, sum_ctx)
         slower_s = step_s - current_s  # each step of B's decodes, with it added
@@ -215,7 +251,8 @@ class PlacementModel:
             if 0 <= slack_s < used_s:
                 harm += 1  # its joining alone breaks this one
             crowding += _share(used_s, slack_s)
-        return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding)
+        handoff_s = transfer_s + step_s / 2 + step_s if remote else 0.0
+        return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding, handoff_s)
 
     def _hold(self, view: InstanceView, own_s: float, budget_s: float, now: float
               ) -> tuple[float, int]:  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 
 from router.adaptive import WINDOW_S, AdaptivePlacer, Placement, RequestSLO
 from router.latency_model import LatencyModel
+from router.placement_model import InstanceView, Option, PlacementModel
 from router.policies import InstanceState
 from router.worker_api import InstanceLoad, Role
 
@@ -261,3 +262,50 @@ def test_the_predicted_tpot_is_at_least_the_time_between_tokens_an_instance_show
     clock.now += 1.5  # b's decode stalls past what its average is trusted for: the model alone
     stale = placer.choose(300, 200, CHATBOT, states("b"))
     assert stale.predicted_tpot_s < 0.1
+
+
+def test_a_slow_hand_off_raises_the_remote_tpot_until_it_is_a_window_old(
+    placer: AdaptivePlacer, clock: Clock
+):
+    """The router times each remote request's first token to its second: what that took
+    beyond the model's gap (transfer + a step and a half) joins every remote option's TPOT,
+    and is forgotten a window after the last one measured (session 18's summaries waited
+    0.74 s for their second token where the model gave 0.04 s)."""
+    test_prefill_where_the_cache_is_and_decode_where_the_batch_is_light(placer, clock)
+    remote = placer.choose(600, 64, RequestSLO(ttft_s=0.25, tpot_s=0.022), states("a", "b"),
+                           {"a": 560, "b": 0})  # fmt: skip
+    assert remote.kind == "remote" and remote.predicted_handoff_s > 0
+    placement = Placement("a", "b", 0.1, 0.02, 1, predicted_handoff_s=remote.predicted_handoff_s)
+    placer.placed("h", placement, 600, 64, CHATBOT)
+    placer.prefilled("h", placement, None)
+    placer.progress("h", placement, 1)
+    clock.now += remote.predicted_handoff_s + 0.6
+    placer.progress("h", placement, 2)
+    assert placer._predict.handoff_excess_s == pytest.approx(0.6, rel=1e-6)
+    # On an instance with nothing decoding (so no time between tokens it shows), the remote
+    # option's TPOT is the model's plus the excess, spread over the tokens after the first.
+    empty, unlearned = InstanceView(), PlacementModel(placer.model, WINDOW_S)
+    view_a = placer._instances["a"]
+    slow = placer._predict.option("a", view_a, "c", empty, 600, 560, 64, CHATBOT, clock.now)
+    model = unlearned.option("a", view_a, "c", empty, 600, 560, 64, CHATBOT, clock.now)
+    assert slow.tpot_s - model.tpot_s == pytest.approx(0.6 / 63, rel=1e-6)
+    clock.now += WINDOW_S + 0.1
+    fresh = placer._predict.option("a", view_a, "c", empty, 600, 560, 64, CHATBOT, clock.now)
+    assert fresh.tpot_s == pytest.approx(
+        unlearned.option("a", view_a, "c", empty, 600, 560, 64, CHATBOT, clock.now).tpot_s)
+    placer.release("h", placement)
+
+
+def test_a_remote_option_that_misses_anyway_loses_a_tie_to_a_local_one():
+    """Equal objectives broken: a request that misses its own SLO either way does not move
+    its KV (the transfer costs both instances CPU and buys nothing), however the load reads."""
+    slo = RequestSLO(ttft_s=0.3, tpot_s=0.06)
+    local = Option("a", "a", ttft_s=0.5, tpot_s=0.05, harm=0, crowding=2.0)
+    remote = Option("a", "b", ttft_s=0.5, tpot_s=0.01, harm=0, crowding=0.0)
+    assert remote.score(slo)[0] == local.score(slo)[0] == 1
+    assert remote.score(slo)[2] < local.score(slo)[2]  # lighter by the load alone
+    assert min([remote, local], key=lambda o: o.score(slo)) is local
+    # Meeting its own SLO where the local one breaks a decode, it still goes remote.
+    harming = Option("a", "a", ttft_s=0.1, tpot_s=0.05, harm=1)
+    meeting = Option("a", "b", ttft_s=0.2, tpot_s=0.05, harm=0)
+    assert min([harming, meeting], key=lambda o: o.score(slo)) is meeting
