@@ -6,7 +6,8 @@ by SLO (engine/slo.py): a prompt chunk waits while it would break a running deco
 until its own TTFT SLO cannot wait. So, for a request of `n` prompt tokens and `m` output tokens:
 
     own      its prompt's compute on A, beside A's decodes
-    budget   ttft_slo - queued on A - own [- transfer]: how long the prompt may wait
+    budget   TTFT_TARGET x ttft_slo - queued on A - own [- transfer]: how long the gate lets
+             the prompt wait
     hold     how long A's gate keeps it back: the longest remaining run, within the budget, of
              A's decodes whose slack does not fit `own` (their slack: the time left before
              their TPOT SLO breaks, less the steps they still need); those that run longer it
@@ -40,7 +41,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.slo import MARGIN_FRACTION, TPOT_TARGET, RequestSLO
+from engine.slo import MARGIN_FRACTION, TPOT_TARGET, TTFT_TARGET, RequestSLO
 from router.latency_model import LatencyModel
 
 # What moving the KV must win, in the score's units (TTFT and TPOT as shares of their SLOs):
@@ -225,7 +226,8 @@ class PlacementModel:
         own_s = model.prefill_s(num_tokens - num_cached, *prefill.decode_load())
         queued_s = sum(q.compute_s for q in prefill.queued.values())
         transfer_s = model.transfer_s(num_tokens) if remote else 0.0
-        hold_s, harm = self._hold(prefill, own_s, slo.ttft_s - queued_s - own_s - transfer_s, now)
+        budget_s = TTFT_TARGET * slo.ttft_s - queued_s - own_s - transfer_s  # as the gate's
+        hold_s, harm = self._hold(prefill, own_s, budget_s, now)
         ttft_s = queued_s + hold_s + own_s + transfer_s
         prefill_step_s = model.decode_step_s(*prefill.decode_load())
         crowding = sum(  # the share of A's decodes' slack its prompt takes
