@@ -207,7 +207,7 @@ class AdaptivePlacer:
         prefill = self._instances.setdefault(placement.prefill_id, InstanceView())
         decode = self._instances.setdefault(placement.decode_id, InstanceView())
         compute_s = self.model.speed * placement.profiled_compute_s
-        prefill.queued[key] = Queued(compute_s, now + slo.ttft_s)
+        prefill.queued[key] = Queued(compute_s, now + slo.ttft_s, now, placement.predicted_ttft_s)
         prefill.note_prompt(now, compute_s, slo.ttft_s - compute_s)
         decode.decoding[key] = Decoding(num_prompt, max_tokens, slo.tpot_s, placed_at=now,
                                         ttft_slo_s=slo.ttft_s)  # fmt: skip
@@ -220,8 +220,8 @@ class AdaptivePlacer:
     def prefilled(self, key: str, placement: Placement, measured_s: float | None) -> None:
         """The first token is in (`measured_s`: the worker's prefill compute, when told)."""
         prefill = self._instances.get(placement.prefill_id)
-        if prefill is not None:
-            prefill.queued.pop(key, None)
+        if prefill is not None and (queued := prefill.queued.pop(key, None)) is not None:
+            prefill.note_first_token(queued, self._clock())
         decode = self._instances.get(placement.decode_id)
         if decode is not None and (decoding := decode.decoding.get(key)) is not None:
             decoding.first_token_at = self._clock()

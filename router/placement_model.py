@@ -12,7 +12,11 @@ until its own TTFT SLO cannot wait. So, for a request of `n` prompt tokens and `
              A's decodes whose slack does not fit `own` (their slack: the time left before
              their TPOT SLO breaks, less the steps they still need); those that run longer it
              is run onto at once (holding would not save them), and each counts as harmed
-    TTFT     queued on A + hold + own [+ transfer]
+    TTFT     queued on A + hold + own [+ transfer] + lag, how much later than predicted A's
+             first tokens have come lately: an instance that fell behind (a burst of slow
+             steps, hand-offs it received) is seen behind, as its decodes' time between
+             tokens shows it for TPOT. Without it, session 19's code run kept placing on the
+             instance whose prompts were missing their TTFT while the other met every one
     window   m x B's step: how long it decodes on B
     forced   prompts that will run beside its decode on B although it is tight: B's queued ones
              and the ones the last window placed on B, pro rata, whose TTFT cannot wait `window`
@@ -54,6 +58,10 @@ REMOTE_COST = 0.15
 # and the model alone predicts).
 ITL_TOKENS = 20
 ITL_FRESH_S = 1.0
+# The same for the first tokens an instance's prompts show: what they took beyond their
+# predicted TTFT, averaged over about this many prompts, trusted for this long after the last.
+LAG_PROMPTS = 4
+LAG_FRESH_S = 2.0
 HANDOFF_ALPHA = 0.3  # weight of each hand-off measured, in the gap's average excess
 
 
@@ -63,6 +71,8 @@ class Queued:
 
     compute_s: float
     deadline: float  # the router's clock: when its TTFT SLO runs out
+    placed_at: float = 0.0  # the router's clock
+    predicted_ttft_s: float = 0.0
 
 
 @dataclass
@@ -125,6 +135,8 @@ class InstanceView:
     prompts: deque[_Prompt] = field(default_factory=deque)  # placed here, oldest first
     itl_s: float = 0.0  # average time between tokens, over the last ITL_TOKENS or so
     itl_at: float = -math.inf  # when it was last measured
+    lag_s: float = 0.0  # average first token past its predicted TTFT, over LAG_PROMPTS or so
+    lag_at: float = -math.inf
 
     def note_prompt(self, at: float, compute_s: float, wait_s: float) -> None:
         self.prompts.append(_Prompt(at, compute_s, wait_s))
@@ -156,6 +168,21 @@ class InstanceView:
             weight = 1.0 - (1.0 - 1.0 / ITL_TOKENS) ** num_new
             self.itl_s += weight * (gap_s - self.itl_s)
         self.itl_at = now
+
+    def note_first_token(self, queued: Queued, now: float) -> None:
+        """A prompt placed here has its first token: how late it came against its prediction
+        joins the instance's average (early counts too, as a negative lag)."""
+        lag_s = (now - queued.placed_at) - queued.predicted_ttft_s
+        if self.lag_at < now - LAG_FRESH_S:
+            self.lag_s = lag_s
+        else:
+            self.lag_s += (lag_s - self.lag_s) / LAG_PROMPTS
+        self.lag_at = now
+
+    def observed_lag_s(self, now: float) -> float:
+        """How much later than predicted its first tokens have come lately (0: none lately, or
+        on time)."""
+        return max(0.0, self.lag_s) if self.lag_at >= now - LAG_FRESH_S else 0.0
 
     def observed_itl_s(self, now: float) -> float | None:
         """The recent time between tokens, if its decodes have shown one lately."""
@@ -228,7 +255,7 @@ class PlacementModel:
         transfer_s = model.transfer_s(num_tokens) if remote else 0.0
         budget_s = TTFT_TARGET * slo.ttft_s - queued_s - own_s - transfer_s  # as the gate's
         hold_s, harm = self._hold(prefill, own_s, budget_s, now)
-        ttft_s = queued_s + hold_s + own_s + transfer_s
+        ttft_s = queued_s + hold_s + own_s + transfer_s + prefill.observed_lag_s(now)
         prefill_step_s = model.decode_step_s(*prefill.decode_load())
         crowding = sum(  # the share of A's decodes' slack its prompt takes
             _share(own_s, d.slack_s(now, prefill_step_s)) for d in prefill.decoding.values()

@@ -309,3 +309,28 @@ def test_a_remote_option_that_misses_anyway_loses_a_tie_to_a_local_one():
     harming = Option("a", "a", ttft_s=0.1, tpot_s=0.05, harm=1)
     meeting = Option("a", "b", ttft_s=0.2, tpot_s=0.05, harm=0)
     assert min([harming, meeting], key=lambda o: o.score(slo)) is meeting
+
+
+def test_an_instance_whose_first_tokens_come_late_is_seen_behind(
+    placer: AdaptivePlacer, clock: Clock
+):
+    """a's prompts have been getting their first token 0.3 s later than predicted (it fell
+    behind): its TTFT prediction carries that lag, so a code prompt goes to b, and the lag is
+    forgotten once a's first tokens are no longer fresh (session 19's code run kept placing
+    on the instance that was missing every TTFT while the other met them all)."""
+    for n in range(4):
+        late = place(placer, f"late{n}", 100, 2, CODE, only=("a",))
+        clock.now += late.predicted_ttft_s + 0.3
+        placer.prefilled(f"late{n}", late, None)
+        placer.release(f"late{n}", late)
+        clock.now += 0.05
+    view_a = placer._instances["a"]
+    assert view_a.observed_lag_s(clock.now) == pytest.approx(0.3, rel=1e-6)
+    on_a = placer.choose(100, 60, CODE, states("a"))
+    on_b = placer.choose(100, 60, CODE, states("b"))
+    assert on_a.predicted_ttft_s == pytest.approx(on_b.predicted_ttft_s + 0.3, rel=1e-6)
+    assert place(placer, "next", 100, 60, CODE).prefill_id == "b"
+    clock.now += 2.5  # no first token from a for longer than its lag is trusted
+    assert view_a.observed_lag_s(clock.now) == 0.0
+    assert placer.choose(100, 60, CODE, states("a")).predicted_ttft_s == pytest.approx(
+        on_b.predicted_ttft_s, rel=1e-6)
