@@ -73,6 +73,7 @@ class Placement:
     profiled_compute_s: float = 0.0  # the prompt's compute at the profile's speed
     decode_bias: float = 1.0  # the model's decode over prefill speed when it predicted
     predicted_handoff_s: float = 0.0  # remote: first token to second, by the model alone
+    predicted_lag_s: float = 0.0  # the prefill instance's first-token lag in predicted_ttft_s
 
     @property
     def kind(self) -> str:
@@ -150,7 +151,7 @@ class AdaptivePlacer:
         return Placement(
             best.prefill_id, best.decode_id, best.ttft_s, best.tpot_s, len(self.prefill_role),
             self.model.profiled_prefill_s(uncached, *prefill.decode_load()),
-            self.model.decode_bias, best.handoff_s,
+            self.model.decode_bias, best.handoff_s, best.lag_s,
         )  # fmt: skip
 
     def _pairs(self, ids: list[str], views: Mapping[str, InstanceView], num_prompt_tokens: int,
@@ -207,7 +208,8 @@ class AdaptivePlacer:
         prefill = self._instances.setdefault(placement.prefill_id, InstanceView())
         decode = self._instances.setdefault(placement.decode_id, InstanceView())
         compute_s = self.model.speed * placement.profiled_compute_s
-        prefill.queued[key] = Queued(compute_s, now + slo.ttft_s, now, placement.predicted_ttft_s)
+        model_ttft_s = placement.predicted_ttft_s - placement.predicted_lag_s
+        prefill.queued[key] = Queued(compute_s, now + slo.ttft_s, now, model_ttft_s)
         prefill.note_prompt(now, compute_s, slo.ttft_s - compute_s)
         decode.decoding[key] = Decoding(num_prompt, max_tokens, slo.tpot_s, placed_at=now,
                                         ttft_slo_s=slo.ttft_s)  # fmt: skip

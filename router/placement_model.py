@@ -72,7 +72,10 @@ class Queued:
     compute_s: float
     deadline: float  # the router's clock: when its TTFT SLO runs out
     placed_at: float = 0.0  # the router's clock
-    predicted_ttft_s: float = 0.0
+    # The model's TTFT without the instance's lag: the lag learns what the model misses, so it
+    # is measured against the model alone (against a prediction that already carried it, it
+    # would learn the error of its own correction, and fall to 0 while the instance is behind).
+    model_ttft_s: float = 0.0
 
 
 @dataclass
@@ -172,7 +175,7 @@ class InstanceView:
     def note_first_token(self, queued: Queued, now: float) -> None:
         """A prompt placed here has its first token: how late it came against its prediction
         joins the instance's average (early counts too, as a negative lag)."""
-        lag_s = (now - queued.placed_at) - queued.predicted_ttft_s
+        lag_s = (now - queued.placed_at) - queued.model_ttft_s
         if self.lag_at < now - LAG_FRESH_S:
             self.lag_s = lag_s
         else:
@@ -198,6 +201,7 @@ class Option:
     harm: int
     crowding: float = 0.0
     handoff_s: float = 0.0  # remote: its first token to its second, as the model alone predicts
+    lag_s: float = 0.0  # the prefill instance's first-token lag its TTFT carries
 
     @property
     def remote(self) -> bool:
@@ -255,7 +259,8 @@ class PlacementModel:
         transfer_s = model.transfer_s(num_tokens) if remote else 0.0
         budget_s = TTFT_TARGET * slo.ttft_s - queued_s - own_s - transfer_s  # as the gate's
         hold_s, harm = self._hold(prefill, own_s, budget_s, now)
-        ttft_s = queued_s + hold_s + own_s + transfer_s + prefill.observed_lag_s(now)
+        lag_s = prefill.observed_lag_s(now)
+        ttft_s = queued_s + hold_s + own_s + transfer_s + lag_s
         prefill_step_s = model.decode_step_s(*prefill.decode_load())
         crowding = sum(  # the share of A's decodes' slack its prompt takes
             _share(own_s, d.slack_s(now, prefill_step_s)) for d in prefill.decoding.values()
@@ -281,7 +286,7 @@ class PlacementModel:
                 harm += 1  # its joining alone breaks this one
             crowding += _share(used_s, slack_s)
         handoff_s = transfer_s + step_s / 2 + step_s if remote else 0.0
-        return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding, handoff_s)
+        return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding, handoff_s, lag_s)
 
     def _hold(self, view: InstanceView, own_s: float, budget_s: float, now: float
               ) -> tuple[float, int]:  # fmt: skip

@@ -320,7 +320,7 @@ def test_an_instance_whose_first_tokens_come_late_is_seen_behind(
     on the instance that was missing every TTFT while the other met them all)."""
     for n in range(4):
         late = place(placer, f"late{n}", 100, 2, CODE, only=("a",))
-        clock.now += late.predicted_ttft_s + 0.3
+        clock.now += late.predicted_ttft_s - late.predicted_lag_s + 0.3  # the model's, + 0.3 s
         placer.prefilled(f"late{n}", late, None)
         placer.release(f"late{n}", late)
         clock.now += 0.05
@@ -330,6 +330,14 @@ def test_an_instance_whose_first_tokens_come_late_is_seen_behind(
     on_b = placer.choose(100, 60, CODE, states("b"))
     assert on_a.predicted_ttft_s == pytest.approx(on_b.predicted_ttft_s + 0.3, rel=1e-6)
     assert place(placer, "next", 100, 60, CODE).prefill_id == "b"
+    # Still behind by 0.3 s: a prompt that comes as late as the lag said keeps the lag, it does
+    # not read as on time (the lag is measured against the model, not against itself).
+    behind = place(placer, "behind", 100, 2, CODE, only=("a",))
+    assert behind.predicted_lag_s == pytest.approx(0.3, rel=1e-6)
+    clock.now += behind.predicted_ttft_s
+    placer.prefilled("behind", behind, None)
+    placer.release("behind", behind)
+    assert view_a.observed_lag_s(clock.now) == pytest.approx(0.3, rel=1e-6)
     clock.now += 2.5  # no first token from a for longer than its lag is trusted
     assert view_a.observed_lag_s(clock.now) == 0.0
     assert placer.choose(100, 60, CODE, states("a")).predicted_ttft_s == pytest.approx(
