@@ -96,11 +96,15 @@ class Decoding:
         first token)."""
         if self.first_token_at is None:
             return 0.0
-        worst = (self.first_token_at - self.placed_at) / self.ttft_slo_s
-        if self.last_token_at is not None and self.num_tokens > 1:
-            tpot_s = (self.last_token_at - self.first_token_at) / (self.num_tokens - 1)
-            worst = max(worst, tpot_s / self.tpot_slo_s)
-        return worst
+        return max((self.first_token_at - self.placed_at) / self.ttft_slo_s,
+                   self.tpot_objective())  # fmt: skip
+
+    def tpot_objective(self) -> float:
+        """Its TPOT so far over its SLO (0 before its second token)."""
+        if self.first_token_at is None or self.last_token_at is None or self.num_tokens < 2:
+            return 0.0
+        tpot_s = (self.last_token_at - self.first_token_at) / (self.num_tokens - 1)
+        return tpot_s / self.tpot_slo_s
 
     def remaining(self) -> int:
         """Decode steps still to run."""

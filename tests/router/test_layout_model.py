@@ -1,6 +1,7 @@
 """The cluster-level layout search (router/layout_model.py) on the bench model's profile, at the
 speed run A's chatbot calibration measured (1.45x the profile): the cluster splits when its
-local requests end at risk and the split predicts them safe, not before; it comes back when the
+local requests miss their TPOT SLO and the split predicts them safe, not before (not on local
+requests that only came near their SLOs, nor on local TTFT misses, which a split worsens); it comes back when the
 rate falls, when the split cannot keep up, or when the split's own requests did worse than the
 local ones did (and refuses to split again for a while); and a placer with the search on
 prefills on one instance and decodes on the other while split."""
@@ -24,6 +25,9 @@ SUMMARIZATION = RequestSLO(ttft_s=6.7, tpot_s=0.0346)
 WINDOW_S = 10.0
 CHAT_OUTPUTS = [30, 60, 87, 120, 150]
 RISK, MIN_DECODES = layout_model.RISK, layout_model.MIN_DECODES
+MISSED = 1.05  # a latency past its SLO
+# Run I's calibrated code SLOs (benchmarks/results/goodput-2core/adaptive-session19-I)
+CODE = RequestSLO(ttft_s=0.253, tpot_s=0.050)
 
 
 def latency_model() -> LatencyModel:
@@ -34,27 +38,29 @@ def latency_model() -> LatencyModel:
 
 def drive(layout: LayoutModel, rate: float, seconds: float, prompt: int, outputs: list[int],
           slo: RequestSLO, start: float = 0.0, worst: float | list[float] | None = None,
-          local: bool = True) -> list[int]:  # fmt: skip
+          local: bool = True, tpot: bool = True) -> list[int]:  # fmt: skip
     """Arrivals at `rate` for `seconds`, each also ending a request placed a second before
-    with `worst` as its worst objective (in turn, from a list; None: none ends); the layout
-    chosen at each."""
+    with `worst` as its worst objective (in turn, from a list; None: none ends), its TPOT
+    (`tpot`) or else its TTFT; the layout chosen at each."""
     chosen = []
     worsts = worst if isinstance(worst, list) else [worst]
     for i in range(int(rate * seconds)):
         at = start + i / rate
         if (ended := worsts[i % len(worsts)]) is not None:
-            layout.note_ended(at, local, at - 1.0, ended)
+            layout.note_ended(at, local, at - 1.0, ended, ended if tpot else 0.5)
         layout.note(Arrival(at, prompt, outputs[i % len(outputs)], slo))
         chosen.append(layout.update(2, at))
     return chosen
 
 
-def test_chatbot_splits_once_its_local_requests_end_at_risk_and_not_before():
-    for rate in (1.0, 3.0, 4.5):  # however busy, local requests that end well keep it local
-        layout = LayoutModel(latency_model(), WINDOW_S)
-        assert set(drive(layout, rate, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=0.6)) == {0}, rate
+def test_chatbot_splits_once_its_local_requests_miss_their_tpot_and_not_before():
+    for rate in (1.0, 3.0, 4.5):  # however busy, local requests that meet their SLOs, even
+        for worst in (0.6, RISK + 0.1):  # near them, keep it local
+            layout = LayoutModel(latency_model(), WINDOW_S)
+            chosen = drive(layout, rate, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=worst)
+            assert set(chosen) == {0}, (rate, worst)
     layout = LayoutModel(latency_model(), WINDOW_S)
-    chosen = drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=RISK + 0.05)
+    chosen = drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=MISSED)
     handful = layout_model.MIN_ARRIVALS - 1  # no rate from fewer arrivals
     assert chosen[:handful] == [0] * handful
     assert chosen[-1] == 1
@@ -62,9 +68,17 @@ def test_chatbot_splits_once_its_local_requests_end_at_risk_and_not_before():
     assert split.at_risk == 0.0 and split.load < RISK
 
 
+def test_local_requests_late_to_their_first_token_do_not_split():
+    # code completion's tail: TTFT misses, which fewer prefill cores would only make worse
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    chosen = drive(layout, 3.0, 20, 97, [62], CODE, worst=MISSED, tpot=False)
+    assert set(chosen) == {0}
+    assert layout.missed(layout.local) == 1.0 and layout.missed(layout.local, True) == 0.0
+
+
 def test_a_split_whose_requests_do_well_stays_split():
     layout = LayoutModel(latency_model(), WINDOW_S)
-    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=RISK + 0.05)[-1] == 1
+    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=MISSED)[-1] == 1
     later = drive(layout, 3.0, 30, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=0.5,
                   local=False)  # fmt: skip
     assert set(later) == {1} and len(layout.split) >= MIN_DECODES
@@ -75,7 +89,7 @@ def test_a_few_ended_requests_are_not_a_tail():
     for i in range(layout_model.MIN_ARRIVALS + 5):
         at = i / 3.0
         if i < MIN_DECODES - 1:
-            layout.note_ended(at, True, at - 1.0, 2.0)
+            layout.note_ended(at, True, at - 1.0, 2.0, 2.0)
         layout.note(Arrival(at, 179, 87, CHATBOT))
         assert layout.update(2, at) == 0
 
@@ -93,7 +107,7 @@ def test_the_layout_comes_back_to_local_when_the_rate_falls():
 
 def test_an_idle_spell_alone_does_not_undo_the_split():
     layout = LayoutModel(latency_model(), WINDOW_S)
-    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=RISK + 0.05)[-1] == 1
+    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=MISSED)[-1] == 1
     # nothing for 30 s (three windows), then the same traffic: split from its first arrival on
     after = drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, start=50.0, worst=0.5,
                   local=False)  # fmt: skip
@@ -102,7 +116,7 @@ def test_an_idle_spell_alone_does_not_undo_the_split():
 
 def test_a_split_that_does_worse_goes_back_and_is_refused_for_a_while():
     layout = LayoutModel(latency_model(), WINDOW_S)
-    local_worsts = [RISK + 0.05, 0.5, 0.5, 0.5]  # a quarter of the local requests at risk
+    local_worsts = [MISSED, 0.5, 0.5, 0.5]  # a quarter of the local requests missed
     assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=local_worsts)[-1] == 1
     assert layout.split_tail == 0.25
     split_at = layout.changed_at
@@ -133,7 +147,7 @@ def test_a_split_whose_prefill_instance_cannot_keep_up_is_not_taken():
 def test_a_single_instance_is_never_split():
     layout = LayoutModel(latency_model(), WINDOW_S)
     for i in range(60):
-        layout.note_ended(i / 6.0, True, i / 6.0 - 1, 2.0)
+        layout.note_ended(i / 6.0, True, i / 6.0 - 1, 2.0, 2.0)
         layout.note(Arrival(i / 6.0, 179, 87, CHATBOT))
         assert layout.update(1, i / 6.0) == 0
 
