@@ -144,6 +144,46 @@ def test_a_split_whose_prefill_instance_cannot_keep_up_is_not_taken():
     assert split.at_risk == 1.0
 
 
+def k_model() -> LatencyModel:
+    """The profile at the speeds run K's chatbot calibration measured (session 20)."""
+    model = LatencyModel.from_file(str(PROFILE))
+    model.speed = 1.03
+    model.decode_speed = 1.31
+    return model
+
+
+K_CHATBOT = RequestSLO(ttft_s=1.415, tpot_s=0.0454)
+
+
+def test_a_prefill_only_core_is_forecast_with_its_batched_steps():
+    # Run K: one prefill-only core carried chatbot's 179-token prompts at 5.08 req/s per core
+    # (100%) and 7.12 (93%); one prompt at a time, it would be past the core from 4.1 on
+    for rate in (5.08, 7.12):
+        layout = LayoutModel(k_model(), WINDOW_S)
+        drive(layout, 2 * rate, 10, 179, CHAT_OUTPUTS, K_CHATBOT)
+        assert layout.last[0].utilisation < 1.0, rate
+    # and a rate past what batching buys is still past it (run K's 9.96: 34 of 60 TTFTs missed)
+    layout = LayoutModel(k_model(), WINDOW_S)
+    drive(layout, 2 * 9.96, 10, 179, CHAT_OUTPUTS, K_CHATBOT)
+    assert layout.last[0].utilisation >= 1.0 and layout.last[0].at_risk == 1.0
+
+
+def test_a_split_taken_is_judged_by_its_requests_until_its_prefill_core_cannot_carry_them():
+    layout = LayoutModel(k_model(), WINDOW_S)
+    # local requests miss their TPOT at a rate whose steady state the forecast puts at risk:
+    # the split is taken, since the local layout is failing them
+    assert drive(layout, 10.0, 20, 179, CHAT_OUTPUTS, K_CHATBOT, worst=MISSED)[-1] == 1
+    assert layout.last[0].at_risk > 0.5
+    # the rate rises, its requests do well: it stays
+    later = drive(layout, 13.0, 20, 179, CHAT_OUTPUTS, K_CHATBOT, start=20.0, worst=0.6,
+                  local=False)  # fmt: skip
+    assert set(later) == {1} and layout.last[0].utilisation < 1.0
+    # past what its prefill core can carry at all: back
+    after = drive(layout, 20.0, 10, 179, CHAT_OUTPUTS, K_CHATBOT, start=40.0, worst=0.6,
+                  local=False)  # fmt: skip
+    assert after[-1] == 0 and layout.refused_until == float("-inf")
+
+
 def test_a_single_instance_is_never_split():
     layout = LayoutModel(latency_model(), WINDOW_S)
     for i in range(60):
