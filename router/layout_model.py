@@ -66,10 +66,16 @@ colocated, which the prefill gate alone beat by 1.34x). It goes back to k = 0 wh
 falls under BACK_RATE of the rate it split at (an idle spell alone does not: traffic that comes
 back after one finds the layout it left, and the window judges it once it holds enough
 arrivals), when its prefill instances are predicted past what they can carry (a rate or a mix
-of prompts that would only queue up), or when more of the split's own requests miss an SLO than TAIL and than
-the local layout's did when it split (and then it does not split again for REFUSE_WINDOWS
-windows). A change waits DWELL of the window after the last one (the window's arrivals and
-ended requests must be the new ones).
+of prompts that would only queue up), or when more of the split's own requests miss an SLO than
+TAIL and than the local layout's did when it split. Then it does not split again for
+REFUSE_WINDOWS windows, twice that after a second such split in a row, and so on (a split that
+went back for the rate resets it): in session 20's run L, chatbot, a split tried at 2.53 req/s
+per core did worse and went back, its refusal ran out at the next point, 2.14, the window's
+local requests still those the 2.53 overload had left, and the split tried again there, 17 of
+its 42 requests past their TPOT where colocated missed 2 of 60. For the same reason a layout
+is judged only by the requests placed under it: local requests placed before a split went
+back do not count toward the next one. A change waits DWELL of the window after the last one
+(the window's arrivals and ended requests must be the new ones).
 
 On by default (RouterConfig.adaptive_layout_search).
 """
@@ -88,6 +94,7 @@ TAIL = 0.1  # the share of local requests missing their TPOT SLO that calls for 
 BACK_RATE = 0.6  # k = 0 again once the rate falls under this share of the rate split at
 DWELL = 0.5  # of the window: no layout change sooner than this after the last one
 REFUSE_WINDOWS = 3.0  # a split that did worse than the local layout: none for this many windows
+# (doubled for each further one in a row)
 MIN_ARRIVALS = 20  # a rate from fewer arrivals is noise (8 Poisson arrivals: +-35%)
 MIN_DECODES = 8  # a tail from fewer ended requests is noise
 PREFILL_BATCH_GAIN = 1.8  # one prompt alone over its share of a step of several (see above)
@@ -132,6 +139,7 @@ class LayoutModel:
         self.split_rate = 0.0  # the rate the cluster split at
         self.split_tail = 0.0  # the share of local requests that missed an SLO when it split
         self.refused_until = float("-inf")  # a split that did worse: none again until then
+        self.failed_splits = 0  # splits in a row that went back for doing worse
         self.last: tuple[Forecast, ...] = ()  # every split's forecast at the last decision
 
     def note(self, arrival: Arrival) -> None:
@@ -143,9 +151,10 @@ class LayoutModel:
         """A request placed at `placed_at` ended at `at`, local or remote, its worst objective
         (TTFT or TPOT over its SLO) `worst`, its TPOT over its SLO `tpot`. A remote one counts
         for the split only if it was placed after the split (a remote placement of the local
-        layout is not the split's)."""
+        layout is not the split's); a local one only if it was placed after the last change."""
         if local:
-            self.local.append((at, worst, tpot))
+            if placed_at >= self.changed_at:
+                self.local.append((at, worst, tpot))
         elif self.prefill_instances and placed_at >= self.changed_at:
             self.split.append((at, worst, tpot))
         self._forget(at)
@@ -191,6 +200,7 @@ class LayoutModel:
             if current and seen_s >= self.window_s / 2:
                 sparse_rate = (len(arrivals) - 1) / seen_s
                 if sparse_rate < BACK_RATE * self.split_rate:
+                    self.failed_splits = 0
                     self._change(0, now, rate, f"{len(arrivals)} arrivals in {seen_s:.1f} s")
             return self.prefill_instances
         self.last = tuple(self.forecast(num_instances, k, rate) for k in range(1, num_instances))
@@ -207,13 +217,15 @@ class LayoutModel:
             return self.prefill_instances
         split_tail = self.missed(self.split)
         if split_tail is not None and split_tail > max(TAIL, self.split_tail):
-            self.refused_until = now + REFUSE_WINDOWS * self.window_s  # it did worse: back
+            self.failed_splits += 1  # it did worse: back, and no split for a while
+            self.refused_until = now + REFUSE_WINDOWS * self.window_s * 2 ** (self.failed_splits - 1)
             self._change(0, now, rate, f"{split_tail:.0%} of the split's requests missed an "
                          f"SLO, against {self.split_tail:.0%} local")  # fmt: skip
         elif self.last[current - 1].utilisation >= 1.0:
             self._change(0, now, rate, f"{current} prefill instances cannot carry the prompts "
                          f"(utilisation {self.last[current - 1].utilisation:.2f})")  # fmt: skip
         elif rate < BACK_RATE * self.split_rate:
+            self.failed_splits = 0
             self._change(0, now, rate, f"the rate fell from {self.split_rate:.2f}/s")
         elif (split and split.prefill_instances != current
               and split.at_risk < self.last[current - 1].at_risk):  # fmt: skip

@@ -26,6 +26,8 @@ WINDOW_S = 10.0
 CHAT_OUTPUTS = [30, 60, 87, 120, 150]
 RISK, MIN_DECODES = layout_model.RISK, layout_model.MIN_DECODES
 MISSED = 1.05  # a latency past its SLO
+REFUSE_S = layout_model.REFUSE_WINDOWS * WINDOW_S
+QUARTER = [MISSED, 0.5, 0.5, 0.5]  # a quarter of the requests missed
 # Run I's calibrated code SLOs (benchmarks/results/goodput-2core/adaptive-session19-I)
 CODE = RequestSLO(ttft_s=0.253, tpot_s=0.050)
 
@@ -132,6 +134,46 @@ def test_a_split_that_does_worse_goes_back_and_is_refused_for_a_while():
     times = [30.0 + i / 3.0 for i in range(len(again))]
     assert all(k == 0 for k, at in zip(again, times, strict=True) if at < layout.refused_until)
     assert again[-1] == 1
+
+
+def test_splits_that_keep_doing_worse_are_refused_longer_each_time():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    start, refusals = 0.0, []
+    for _ in range(3):
+        # local requests miss, a split is tried (once any refusal has run out), does worse
+        chosen = drive(layout, 3.0, 30 + refusals[-1] if refusals else 20, 179, CHAT_OUTPUTS,
+                       CHATBOT, start=start, worst=QUARTER)  # fmt: skip
+        assert chosen[-1] == 1
+        start += len(chosen) / 3.0
+        later = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=start, worst=1.5,
+                      local=False)  # fmt: skip
+        assert later[-1] == 0
+        start += len(later) / 3.0
+        refusals.append(layout.refused_until - layout.changed_at)
+    assert [round(r, 6) for r in refusals] == [REFUSE_S, 2 * REFUSE_S, 4 * REFUSE_S]
+    # a split that holds until the rate falls clears the count
+    drive(layout, 3.0, 4 * REFUSE_S + 10, 179, CHAT_OUTPUTS, CHATBOT, start=start, worst=MISSED)
+    assert layout.prefill_instances == 1 and layout.failed_splits == 3
+    start = layout.changed_at + 1
+    drive(layout, 1.0, 40, 179, CHAT_OUTPUTS, CHATBOT, start=start, worst=0.5, local=False)
+    assert layout.prefill_instances == 0 and layout.failed_splits == 0
+
+
+def test_local_requests_placed_before_a_split_went_back_do_not_call_for_the_next():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=QUARTER)[-1] == 1
+    later = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=1.5,
+                  local=False)  # fmt: skip
+    assert later[-1] == 0
+    back_at = layout.changed_at
+    # the overload's local requests end after the refusal, all placed before it went back
+    at = layout.refused_until + 1.0
+    for i in range(4 * MIN_DECODES):
+        layout.note_ended(at + i / 10, True, back_at - 1.0, MISSED, MISSED)
+    assert layout.missed(layout.local) is None
+    # new traffic whose local requests meet their SLOs: no split
+    after = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=at + 4.0, worst=0.5)
+    assert set(after) == {0}
 
 
 def test_a_split_whose_prefill_instance_cannot_keep_up_is_not_taken():
