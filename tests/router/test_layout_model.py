@@ -136,6 +136,21 @@ def test_a_split_that_does_worse_goes_back_and_is_refused_for_a_while():
     assert again[-1] == 1
 
 
+def test_under_a_lower_load_a_split_must_meet_the_tail_itself():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    # local requests at 3 req/s: half of them miss
+    assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=[MISSED, 0.5])[-1] == 1
+    assert layout.split_tail == 0.5
+    # at the same load, a split missing a third does better than local did: it stays
+    same = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0,
+                 worst=[1.5, 0.5, 0.5], local=False)  # fmt: skip
+    assert set(same) == {1}
+    # at 2.4 req/s (below SAME_LOAD of 3), missing a third is a split failing: back
+    lower = drive(layout, 2.4, 10, 179, CHAT_OUTPUTS, CHATBOT, start=30.0,
+                  worst=[1.5, 0.5, 0.5], local=False)  # fmt: skip
+    assert lower[-1] == 0 and layout.failed_splits == 1
+
+
 def test_splits_that_keep_doing_worse_are_refused_longer_each_time():
     layout = LayoutModel(latency_model(), WINDOW_S)
     start, refusals = 0.0, []
