@@ -62,7 +62,18 @@ local request met its SLOs, and 63% of the split's then missed, their decode ste
 fixed disaggregated layout's at the same rate). TPOT, not TTFT: what a split buys is decodes
 that see no prompts; it gives the prompts fewer cores, so local requests late to their first
 token only get later (the code runs split on a tail of TTFT misses and lost 0.52-0.72x to
-colocated, which the prefill gate alone beat by 1.34x). It goes back to k = 0 when the rate
+colocated, which the prefill gate alone beat by 1.34x). And only while the prompts have room: the median
+TTFT of the window's local requests at most TTFT_ROOM of its SLO. The split gives the prompts k
+of N cores, so each prefill-only core queues N/k times the prompts, and a local layout whose
+first tokens already take a good share of their SLO has no room for that. Measured, the two
+kinds of traffic stand far apart: where the split won (sessions 19-20, chatbot, mixed, shift),
+the adaptive layout's local requests had a median TTFT of 0.05-0.25 of the SLO at the points
+that split; where it lost (code, runs M and N, 0.75x and 0.53x, each a point lost to a split
+taken on a TPOT tail of 1 request in 8), 0.58 and 0.65, and colocated code's held 0.41-0.55 at
+the rates where a few TPOT misses showed beside them (runs L and M). Replayed through the
+search (benchmarks/layout_replay.py, runs L and M), TTFT_ROOM 0.3 splits no code point and
+every chatbot, mixed and shift point the search split before; 0.4 splits a third of run M's
+colocated code at 9.76 req/s per core, where colocated attained 88%. It goes back to k = 0 when the rate
 falls under BACK_RATE of the rate it split at (an idle spell alone does not: traffic that comes
 back after one finds the layout it left, and the window judges it once it holds enough
 arrivals), when its prefill instances are predicted past what they can carry (a rate or a mix
@@ -90,12 +101,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from statistics import median
+from typing import NamedTuple
 
 from engine.slo import RequestSLO
 from router.latency_model import LatencyModel
 
 RISK = 0.85  # a latency past this share of its SLO puts the request at risk (in a forecast)
 TAIL = 0.1  # the share of local requests missing their TPOT SLO that calls for a split
+TTFT_ROOM = 0.3  # a split only while the local requests' median TTFT is within this of its SLO
 BACK_RATE = 0.6  # k = 0 again once the rate falls under this share of the rate split at
 SAME_LOAD = 0.9  # a rate above this share of the rate split at is the load it split at
 DWELL = 0.5  # of the window: no layout change sooner than this after the last one
@@ -117,6 +131,15 @@ class Arrival:
     slo: RequestSLO
 
 
+class Ended(NamedTuple):
+    """A request that ended: when, and its objectives as shares of its SLOs."""
+
+    at: float
+    worst: float  # TTFT or TPOT over its SLO, whichever is larger
+    tpot: float
+    ttft: float
+
+
 @dataclass(frozen=True)
 class Forecast:
     """A split's prediction for the window: the share of its requests at risk, and their
@@ -136,10 +159,9 @@ class LayoutModel:
         self.model = model
         self.window_s = window_s
         self.arrivals: deque[Arrival] = deque()
-        # (ended at, its worst objective: TTFT or TPOT over its SLO, its TPOT over its SLO),
-        # for the requests that ran local, and for those that ran split and began after it
-        self.local: deque[tuple[float, float, float]] = deque()
-        self.split: deque[tuple[float, float, float]] = deque()
+        # the requests that ran local, and those that ran split and began after it
+        self.local: deque[Ended] = deque()
+        self.split: deque[Ended] = deque()
         self.prefill_instances = 0
         self.changed_at = float("-inf")
         self.split_rate = 0.0  # the rate the cluster split at
@@ -153,23 +175,23 @@ class LayoutModel:
         self._forget(arrival.at)
 
     def note_ended(self, at: float, local: bool, placed_at: float, worst: float,
-                   tpot: float = 0.0) -> None:  # fmt: skip
+                   tpot: float = 0.0, ttft: float = 0.0) -> None:  # fmt: skip
         """A request placed at `placed_at` ended at `at`, local or remote, its worst objective
-        (TTFT or TPOT over its SLO) `worst`, its TPOT over its SLO `tpot`. A remote one counts
+        (TTFT or TPOT over its SLO) `worst`, its TPOT over its SLO `tpot`, its TTFT `ttft`. A remote one counts
         for the split only if it was placed after the split (a remote placement of the local
         layout is not the split's); a local one only if it was placed after the last change."""
         if local:
             if placed_at >= self.changed_at:
-                self.local.append((at, worst, tpot))
+                self.local.append(Ended(at, worst, tpot, ttft))
         elif self.prefill_instances and placed_at >= self.changed_at:
-            self.split.append((at, worst, tpot))
+            self.split.append(Ended(at, worst, tpot, ttft))
         self._forget(at)
 
     def _forget(self, now: float) -> None:
         while self.arrivals and self.arrivals[0].at < now - self.window_s:
             self.arrivals.popleft()
         for ended in (self.local, self.split):
-            while ended and ended[0][0] < now - self.window_s:
+            while ended and ended[0].at < now - self.window_s:
                 ended.popleft()
 
     def rate(self) -> float | None:
@@ -180,13 +202,18 @@ class LayoutModel:
         return (len(self.arrivals) - 1) / span if span > 0 else None
 
     @staticmethod
-    def missed(ended: deque[tuple[float, float, float]], tpot_only: bool = False
-               ) -> float | None:  # fmt: skip
+    def missed(ended: deque[Ended], tpot_only: bool = False) -> float | None:
         """The share of the window's ended requests that missed an SLO, or (`tpot_only`) their
         TPOT SLO (None: too few to tell)."""
         if len(ended) < MIN_DECODES:
             return None
-        return sum((tpot if tpot_only else worst) > 1.0 for _, worst, tpot in ended) / len(ended)
+        return sum((e.tpot if tpot_only else e.worst) > 1.0 for e in ended) / len(ended)
+
+    def ttft_room(self) -> float | None:
+        """The median TTFT over its SLO of the window's local requests (None: too few)."""
+        if len(self.local) < MIN_DECODES:
+            return None
+        return median(e.ttft for e in self.local)
 
     def update(self, num_instances: int, now: float) -> int:
         """The layout for the window's traffic on `num_instances` instances (k prefill-only)."""
@@ -214,12 +241,14 @@ class LayoutModel:
         split = min(viable, key=lambda f: (f.at_risk, f.load)) if viable else None
         if current == 0:
             tail = self.missed(self.local, tpot_only=True)
-            if split and tail is not None and tail >= TAIL and now >= self.refused_until:
+            ttft = self.ttft_room()
+            if (split and tail is not None and tail >= TAIL and ttft is not None
+                    and ttft <= TTFT_ROOM and now >= self.refused_until):  # fmt: skip
                 self.split_tail = self.missed(self.local) or 0.0
                 self._change(split.prefill_instances, now, rate,
-                             f"{tail:.0%} of local requests missed their TPOT SLO; the split "
-                             f"predicts {split.at_risk:.0%} at risk, its prefill instances "
-                             f"{split.utilisation:.0%} busy")  # fmt: skip
+                             f"{tail:.0%} of local requests missed their TPOT SLO, their median "
+                             f"TTFT {ttft:.2f} of its SLO; the split predicts {split.at_risk:.0%} "
+                             f"at risk, its prefill instances {split.utilisation:.0%} busy")  # fmt: skip
             return self.prefill_instances
         split_tail = self.missed(self.split)
         # the local layout's misses are the bar only at the load they were measured at: under a

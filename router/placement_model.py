@@ -94,10 +94,13 @@ class Decoding:
     def worst_objective(self) -> float:
         """Its TTFT or TPOT so far, whichever is the larger share of its SLO (0 before its
         first token)."""
+        return max(self.ttft_objective(), self.tpot_objective())
+
+    def ttft_objective(self) -> float:
+        """Its TTFT over its SLO (0 before its first token)."""
         if self.first_token_at is None:
             return 0.0
-        return max((self.first_token_at - self.placed_at) / self.ttft_slo_s,
-                   self.tpot_objective())  # fmt: skip
+        return (self.first_token_at - self.placed_at) / self.ttft_slo_s
 
     def tpot_objective(self) -> float:
         """Its TPOT so far over its SLO (0 before its second token)."""

@@ -43,13 +43,14 @@ def drive(layout: LayoutModel, rate: float, seconds: float, prompt: int, outputs
           local: bool = True, tpot: bool = True) -> list[int]:  # fmt: skip
     """Arrivals at `rate` for `seconds`, each also ending a request placed a second before
     with `worst` as its worst objective (in turn, from a list; None: none ends), its TPOT
-    (`tpot`) or else its TTFT; the layout chosen at each."""
+    (`tpot`, its TTFT then 0.2 of its SLO) or else its TTFT; the layout chosen at each."""
     chosen = []
     worsts = worst if isinstance(worst, list) else [worst]
     for i in range(int(rate * seconds)):
         at = start + i / rate
         if (ended := worsts[i % len(worsts)]) is not None:
-            layout.note_ended(at, local, at - 1.0, ended, ended if tpot else 0.5)
+            layout.note_ended(at, local, at - 1.0, ended, ended if tpot else 0.5,
+                              0.2 if tpot else ended)  # fmt: skip
         layout.note(Arrival(at, prompt, outputs[i % len(outputs)], slo))
         chosen.append(layout.update(2, at))
     return chosen
@@ -76,6 +77,29 @@ def test_local_requests_late_to_their_first_token_do_not_split():
     chosen = drive(layout, 3.0, 20, 97, [62], CODE, worst=MISSED, tpot=False)
     assert set(chosen) == {0}
     assert layout.missed(layout.local) == 1.0 and layout.missed(layout.local, True) == 0.0
+
+
+def test_local_requests_whose_first_tokens_have_no_room_do_not_split():
+    # run N's code at 3.27 req/s per core: one local request in eight past its TPOT SLO, their
+    # median TTFT 0.65 of its SLO; a split (one prefill core for every prompt) lost the point
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    for i in range(60):
+        at = i / 6.5
+        layout.note_ended(at, True, at - 1.0, 1.05 if i % 8 == 0 else 0.7,
+                          1.05 if i % 8 == 0 else 0.5, 0.65)  # fmt: skip
+        layout.note(Arrival(at, 97, 48, CODE))
+        assert layout.update(2, at) == 0
+    assert layout.missed(layout.local, True) >= layout_model.TAIL
+    assert layout.ttft_room() == 0.65
+    # the same tail with first tokens at a fifth of their SLO (chatbot's, run M): split
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    for i in range(60):
+        at = i / 6.5
+        layout.note_ended(at, True, at - 1.0, 1.05 if i % 8 == 0 else 0.7,
+                          1.05 if i % 8 == 0 else 0.5, 0.2)  # fmt: skip
+        layout.note(Arrival(at, 97, 48, CODE))
+        layout.update(2, at)
+    assert layout.prefill_instances == 1
 
 
 def test_a_split_whose_requests_do_well_stays_split():
@@ -260,10 +284,11 @@ def test_a_placer_with_the_search_on_prefills_on_one_instance_while_split():
     running: dict[str, tuple[Placement, float]] = {}  # key -> (placement, placed at)
     for n in range(90):
         now[0] = n / rate
-        # a request has its first token a second after it was placed, and ends a second
-        # later with 10 more tokens: TPOT 0.1 s, past RISK of its SLO
+        # a request has its first token at the first arrival 0.2 s or more after it was placed
+        # (at most 0.53 s: 0.27 of its TTFT SLO), and ends at the first 2 s or more after it
+        # was placed, with 10 more tokens: TPOT past 0.14 s, past its SLO
         for key, (placement, placed_at) in list(running.items()):
-            if placed_at + 1.0 <= now[0] < placed_at + 1.0 + 1 / rate:
+            if placed_at + 0.2 <= now[0] < placed_at + 0.2 + 1 / rate:
                 placer.prefilled(key, placement, None)
             elif now[0] >= placed_at + 2.0:
                 placer.progress(key, placement, 11)
