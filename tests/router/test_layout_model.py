@@ -79,27 +79,29 @@ def test_local_requests_late_to_their_first_token_do_not_split():
     assert layout.missed(layout.local) == 1.0 and layout.missed(layout.local, True) == 0.0
 
 
+def code_tail(ttft: float) -> tuple[LayoutModel, list[int]]:
+    """Code at 6.5 req/s: one local request in eight ends past its TPOT SLO (1.05 of it), every
+    first token at `ttft` of its SLO; the layout chosen at each arrival."""
+    layout, chosen = LayoutModel(latency_model(), WINDOW_S), []
+    for i in range(60):
+        at, missed = i / 6.5, i % 8 == 0
+        layout.note_ended(at, True, at - 1.0, 1.05 if missed else 0.7, 1.05 if missed else 0.5,
+                          ttft)  # fmt: skip
+        layout.note(Arrival(at, 97, 48, CODE))
+        chosen.append(layout.update(2, at))
+    return layout, chosen
+
+
 def test_local_requests_whose_first_tokens_have_no_room_do_not_split():
     # run N's code at 3.27 req/s per core: one local request in eight past its TPOT SLO, their
     # median TTFT 0.65 of its SLO; a split (one prefill core for every prompt) lost the point
-    layout = LayoutModel(latency_model(), WINDOW_S)
-    for i in range(60):
-        at = i / 6.5
-        layout.note_ended(at, True, at - 1.0, 1.05 if i % 8 == 0 else 0.7,
-                          1.05 if i % 8 == 0 else 0.5, 0.65)  # fmt: skip
-        layout.note(Arrival(at, 97, 48, CODE))
-        assert layout.update(2, at) == 0
+    layout, chosen = code_tail(0.65)
+    assert set(chosen) == {0}
     assert layout.missed(layout.local, True) >= layout_model.TAIL
     assert layout.ttft_room() == 0.65
     # the same tail with first tokens at a fifth of their SLO (chatbot's, run M): split
-    layout = LayoutModel(latency_model(), WINDOW_S)
-    for i in range(60):
-        at = i / 6.5
-        layout.note_ended(at, True, at - 1.0, 1.05 if i % 8 == 0 else 0.7,
-                          1.05 if i % 8 == 0 else 0.5, 0.2)  # fmt: skip
-        layout.note(Arrival(at, 97, 48, CODE))
-        layout.update(2, at)
-    assert layout.prefill_instances == 1
+    layout, chosen = code_tail(0.2)
+    assert chosen[-1] == 1
 
 
 def test_a_split_whose_requests_do_well_stays_split():
