@@ -53,19 +53,18 @@ ARRIVAL, END = 0, 1
 
 
 def _events(records: list[RequestRecord], slos: SLOs, start: float
-            ) -> list[tuple[float, int, RequestRecord, tuple[float, float, float]]]:  # fmt: skip
-    """What the router sees, in order: (at, ARRIVAL, record, (0, 0, 0)), and when it ends (at,
-    END, record, (its worst objective: TTFT or TPOT over its SLO, its TPOT, its TTFT, each
-    over its SLO))."""
+            ) -> list[tuple[float, int, RequestRecord, tuple[float, float]]]:  # fmt: skip
+    """What the router sees, in order: (at, ARRIVAL, record, (0, 0)), and when it ends (at,
+    END, record, (its TTFT, its TPOT, each over its SLO))."""
     events = []
     for record in records:
-        events.append((record.send_time - start, ARRIVAL, record, (0.0, 0.0, 0.0)))
+        events.append((record.send_time - start, ARRIVAL, record, (0.0, 0.0)))
         times = record.token_times
         if times:
             ttft_slo_s, tpot_slo_s = slos.of(record)
             tpot = (times[-1] - times[0]) / (len(times) - 1) / tpot_slo_s if len(times) > 1 else 0.0
             ttft = (times[0] - record.send_time) / ttft_slo_s
-            events.append((times[-1] - start, END, record, (max(ttft, tpot), tpot, ttft)))
+            events.append((times[-1] - start, END, record, (ttft, tpot)))
     return sorted(events, key=lambda e: (e[0], e[1]))
 
 
@@ -85,10 +84,10 @@ def replay(raw: dict[str, Any], profile: Path, window_s: float, source: str = "a
         records = records_of(point)
         start = records[0].send_time
         chosen = []
-        for at, kind, record, (worst, tpot, ttft) in _events(records, slos, start):
+        for at, kind, record, (ttft, tpot) in _events(records, slos, start):
             if kind == END:
                 local = source == "colocated" or record.placement_kind == "local"
-                layout.note_ended(at, local, record.send_time - start, worst, tpot, ttft)
+                layout.note_ended(at, local, record.send_time - start, ttft, tpot)
             else:
                 objectives = RequestSLO(*slos.of(record))
                 layout.note(Arrival(at, record.prompt_len, record.output_len, objectives))

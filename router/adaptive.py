@@ -251,8 +251,7 @@ class AdaptivePlacer:
         decoding = decode.decoding.get(key) if decode is not None else None
         if self.layout is not None and decoding is not None and decoding.first_token_at is not None:
             self.layout.note_ended(self._clock(), placement.kind == "local", decoding.placed_at,
-                                   decoding.worst_objective(), decoding.tpot_objective(),
-                                   decoding.ttft_objective())  # fmt: skip
+                                   decoding.ttft_objective(), decoding.tpot_objective())  # fmt: skip
         for instance_id in (placement.prefill_id, placement.decode_id):
             instance = self._instances.get(instance_id)
             if instance is not None:

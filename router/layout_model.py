@@ -62,8 +62,8 @@ local request met its SLOs, and 63% of the split's then missed, their decode ste
 fixed disaggregated layout's at the same rate). TPOT, not TTFT: what a split buys is decodes
 that see no prompts; it gives the prompts fewer cores, so local requests late to their first
 token only get later (the code runs split on a tail of TTFT misses and lost 0.52-0.72x to
-colocated, which the prefill gate alone beat by 1.34x). And only while the prompts have room: the median
-TTFT of the window's local requests at most TTFT_ROOM of its SLO. The split gives the prompts k
+colocated, which the prefill gate alone beat by 1.34x). And only while the prompts have room:
+the median TTFT of the window's local requests at most TTFT_ROOM of its SLO. The split gives the prompts k
 of N cores, so each prefill-only core queues N/k times the prompts, and a local layout whose
 first tokens already take a good share of their SLO has no room for that. Measured, the two
 kinds of traffic stand far apart: where the split won (sessions 19-20, chatbot, mixed, shift),
@@ -73,8 +73,9 @@ taken on a TPOT tail of 1 request in 8), 0.58 and 0.65, and colocated code's hel
 the rates where a few TPOT misses showed beside them (runs L and M). Replayed through the
 search (benchmarks/layout_replay.py, runs L and M), TTFT_ROOM 0.3 splits no code point and
 every chatbot, mixed and shift point the search split before; 0.4 splits a third of run M's
-colocated code at 9.76 req/s per core, where colocated attained 88%. It goes back to k = 0 when the rate
-falls under BACK_RATE of the rate it split at (an idle spell alone does not: traffic that comes
+colocated code at 9.76 req/s per core, where colocated attained 88%.
+
+It goes back to k = 0 when the rate falls under BACK_RATE of the rate it split at (an idle spell alone does not: traffic that comes
 back after one finds the layout it left, and the window judges it once it holds enough
 arrivals), when its prefill instances are predicted past what they can carry (a rate or a mix
 of prompts that would only queue up), or when more of the split's own requests miss an SLO than
@@ -132,12 +133,15 @@ class Arrival:
 
 
 class Ended(NamedTuple):
-    """A request that ended: when, and its objectives as shares of its SLOs."""
+    """A request that ended: when, and its TTFT and TPOT as shares of their SLOs."""
 
     at: float
-    worst: float  # TTFT or TPOT over its SLO, whichever is larger
-    tpot: float
     ttft: float
+    tpot: float
+
+    @property
+    def worst(self) -> float:
+        return max(self.ttft, self.tpot)
 
 
 @dataclass(frozen=True)
@@ -174,17 +178,17 @@ class LayoutModel:
         self.arrivals.append(arrival)
         self._forget(arrival.at)
 
-    def note_ended(self, at: float, local: bool, placed_at: float, worst: float,
-                   tpot: float = 0.0, ttft: float = 0.0) -> None:  # fmt: skip
-        """A request placed at `placed_at` ended at `at`, local or remote, its worst objective
-        (TTFT or TPOT over its SLO) `worst`, its TPOT over its SLO `tpot`, its TTFT `ttft`. A remote one counts
-        for the split only if it was placed after the split (a remote placement of the local
-        layout is not the split's); a local one only if it was placed after the last change."""
+    def note_ended(self, at: float, local: bool, placed_at: float, ttft: float, tpot: float
+                   ) -> None:  # fmt: skip
+        """A request placed at `placed_at` ended at `at`, local or remote, its TTFT and TPOT
+        `ttft` and `tpot` over their SLOs. A remote one counts for the split only if it was
+        placed after the split (a remote placement of the local layout is not the split's); a
+        local one only if it was placed after the last change."""
         if local:
             if placed_at >= self.changed_at:
-                self.local.append(Ended(at, worst, tpot, ttft))
+                self.local.append(Ended(at, ttft, tpot))
         elif self.prefill_instances and placed_at >= self.changed_at:
-            self.split.append(Ended(at, worst, tpot, ttft))
+            self.split.append(Ended(at, ttft, tpot))
         self._forget(at)
 
     def _forget(self, now: float) -> None:
@@ -241,14 +245,15 @@ class LayoutModel:
         split = min(viable, key=lambda f: (f.at_risk, f.load)) if viable else None
         if current == 0:
             tail = self.missed(self.local, tpot_only=True)
-            ttft = self.ttft_room()
-            if (split and tail is not None and tail >= TAIL and ttft is not None
-                    and ttft <= TTFT_ROOM and now >= self.refused_until):  # fmt: skip
-                self.split_tail = self.missed(self.local) or 0.0
-                self._change(split.prefill_instances, now, rate,
-                             f"{tail:.0%} of local requests missed their TPOT SLO, their median "
-                             f"TTFT {ttft:.2f} of its SLO; the split predicts {split.at_risk:.0%} "
-                             f"at risk, its prefill instances {split.utilisation:.0%} busy")  # fmt: skip
+            if split and tail is not None and tail >= TAIL and now >= self.refused_until:
+                ttft = self.ttft_room()  # a median: taken only once the tail calls for a split
+                if ttft is not None and ttft <= TTFT_ROOM:
+                    self.split_tail = self.missed(self.local) or 0.0
+                    self._change(split.prefill_instances, now, rate,
+                                 f"{tail:.0%} of local requests missed their TPOT SLO, their "
+                                 f"median TTFT {ttft:.2f} of its SLO; the split predicts "
+                                 f"{split.at_risk:.0%} at risk, its prefill instances "
+                                 f"{split.utilisation:.0%} busy")  # fmt: skip
             return self.prefill_instances
         split_tail = self.missed(self.split)
         # the local layout's misses are the bar only at the load they were measured at: under a

@@ -91,11 +91,6 @@ class Decoding:
     placed_at: float = 0.0  # the router's clock
     ttft_slo_s: float = math.inf
 
-    def worst_objective(self) -> float:
-        """Its TTFT or TPOT so far, whichever is the larger share of its SLO (0 before its
-        first token)."""
-        return max(self.ttft_objective(), self.tpot_objective())
-
     def ttft_objective(self) -> float:
         """Its TTFT over its SLO (0 before its first token)."""
         if self.first_token_at is None:

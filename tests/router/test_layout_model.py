@@ -49,8 +49,8 @@ def drive(layout: LayoutModel, rate: float, seconds: float, prompt: int, outputs
     for i in range(int(rate * seconds)):
         at = start + i / rate
         if (ended := worsts[i % len(worsts)]) is not None:
-            layout.note_ended(at, local, at - 1.0, ended, ended if tpot else 0.5,
-                              0.2 if tpot else ended)  # fmt: skip
+            layout.note_ended(at, local, at - 1.0, 0.2 if tpot else ended,
+                              ended if tpot else 0.5)  # fmt: skip
         layout.note(Arrival(at, prompt, outputs[i % len(outputs)], slo))
         chosen.append(layout.update(2, at))
     return chosen
@@ -85,8 +85,7 @@ def code_tail(ttft: float) -> tuple[LayoutModel, list[int]]:
     layout, chosen = LayoutModel(latency_model(), WINDOW_S), []
     for i in range(60):
         at, missed = i / 6.5, i % 8 == 0
-        layout.note_ended(at, True, at - 1.0, 1.05 if missed else 0.7, 1.05 if missed else 0.5,
-                          ttft)  # fmt: skip
+        layout.note_ended(at, True, at - 1.0, ttft, 1.05 if missed else 0.5)
         layout.note(Arrival(at, 97, 48, CODE))
         chosen.append(layout.update(2, at))
     return layout, chosen
@@ -117,7 +116,7 @@ def test_a_few_ended_requests_are_not_a_tail():
     for i in range(layout_model.MIN_ARRIVALS + 5):
         at = i / 3.0
         if i < MIN_DECODES - 1:
-            layout.note_ended(at, True, at - 1.0, 2.0, 2.0)
+            layout.note_ended(at, True, at - 1.0, 0.0, 2.0)
         layout.note(Arrival(at, 179, 87, CHATBOT))
         assert layout.update(2, at) == 0
 
@@ -210,7 +209,7 @@ def test_local_requests_placed_before_a_split_went_back_do_not_call_for_the_next
     # the overload's local requests end after the refusal, all placed before it went back
     at = layout.refused_until + 1.0
     for i in range(4 * MIN_DECODES):
-        layout.note_ended(at + i / 10, True, back_at - 1.0, MISSED, MISSED)
+        layout.note_ended(at + i / 10, True, back_at - 1.0, 0.0, MISSED)
     assert layout.missed(layout.local) is None
     # new traffic whose local requests meet their SLOs: no split
     after = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=at + 4.0, worst=0.5)
@@ -270,7 +269,7 @@ def test_a_split_taken_is_judged_by_its_requests_until_its_prefill_core_cannot_c
 def test_a_single_instance_is_never_split():
     layout = LayoutModel(latency_model(), WINDOW_S)
     for i in range(60):
-        layout.note_ended(i / 6.0, True, i / 6.0 - 1, 2.0, 2.0)
+        layout.note_ended(i / 6.0, True, i / 6.0 - 1, 0.0, 2.0)
         layout.note(Arrival(i / 6.0, 179, 87, CHATBOT))
         assert layout.update(1, i / 6.0) == 0
 
