@@ -5,8 +5,8 @@ more than colocated there, and where it stays local, not less.
 
     python3 -m benchmarks.layout_replay benchmarks/results/goodput-2core/adaptive-session13-A
 
-The search sees what the router would: each arrival, and each local decode's TPOT when it ends
-(`--source`: the local decodes of the adaptive layout's records, or every request of the
+The search sees what the router would: each arrival, each local decode's TPOT when it ends, and
+the TPOT so far of those still decoding (`--source`: the local decodes of the adaptive layout's records, or every request of the
 colocated layout's, which is the local layout without the prefill gate). The model's speed and
 decode bias are the run's calibration's (its unloaded prefill and decode step) over the
 profile's. Per regime and point: the share of arrivals at which the search chose a split, its
@@ -29,7 +29,7 @@ from benchmarks.output import emit
 from engine.slo import RequestSLO
 from planner.metrics import RequestRecord, SLOs, attainment
 from router.latency_model import LatencyModel
-from router.layout_model import Arrival, LayoutModel
+from router.layout_model import Arrival, LayoutModel, Running
 
 
 def records_of(point: dict[str, Any]) -> list[RequestRecord]:
@@ -68,6 +68,23 @@ def _events(records: list[RequestRecord], slos: SLOs, start: float
     return sorted(events, key=lambda e: (e[0], e[1]))
 
 
+def _running(records: list[RequestRecord], local: list[bool], slos: SLOs, start: float,
+             at: float) -> list[Running]:  # fmt: skip
+    """The local requests decoding at `at` (since `start`): their first token out, not yet
+    their last."""
+    running = []
+    for record, is_local in zip(records, local, strict=True):
+        times = record.token_times
+        if not is_local or not times or not times[0] - start <= at < times[-1] - start:
+            continue
+        seen = [t for t in times if t - start <= at]
+        ttft_slo_s, tpot_slo_s = slos.of(record)
+        tpot = (seen[-1] - seen[0]) / (len(seen) - 1) / tpot_slo_s if len(seen) > 1 else 0.0
+        running.append(Running(record.send_time - start, len(seen),
+                               (times[0] - record.send_time) / ttft_slo_s, tpot))  # fmt: skip
+    return running
+
+
 def replay(raw: dict[str, Any], profile: Path, window_s: float, source: str = "adaptive"
            ) -> list[dict[str, Any]]:  # fmt: skip
     slos = slos_of(raw["slo"])
@@ -83,15 +100,17 @@ def replay(raw: dict[str, Any], profile: Path, window_s: float, source: str = "a
         layout = LayoutModel(model, window_s)
         records = records_of(point)
         start = records[0].send_time
+        local = [source == "colocated" or r.placement_kind == "local" for r in records]
         chosen = []
         for at, kind, record, (ttft, tpot) in _events(records, slos, start):
             if kind == END:
-                local = source == "colocated" or record.placement_kind == "local"
-                layout.note_ended(at, local, record.send_time - start, ttft, tpot)
+                is_local = source == "colocated" or record.placement_kind == "local"
+                layout.note_ended(at, is_local, record.send_time - start, ttft, tpot)
             else:
                 objectives = RequestSLO(*slos.of(record))
                 layout.note(Arrival(at, record.prompt_len, record.output_len, objectives))
-                chosen.append(layout.update(num_instances, at))
+                running = _running(records, local, slos, start, at)
+                chosen.append(layout.update(num_instances, at, running))
         rows.append({
             "rate_per_device": point["rate_per_device"],
             "split_share": sum(k > 0 for k in chosen) / len(chosen),

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from engine.slo import RequestSLO
 from router.config import RouterConfig
 from router.latency_model import LatencyModel
-from router.layout_model import Arrival, LayoutModel
+from router.layout_model import Arrival, LayoutModel, Running
 from router.metrics import RouterMetrics
 from router.placement_model import Decoding, InstanceView, PlacementModel, Queued
 from router.policies import InstanceState
@@ -164,7 +164,10 @@ class AdaptivePlacer:
         if self.layout is None:
             return every
         self.layout.note(Arrival(now, num_prompt_tokens, max_tokens, slo))
-        k = self.layout.update(len(ids), now)
+        running = (Running(d.placed_at, d.num_tokens, d.ttft_objective(), d.tpot_objective())
+                   for view in views.values() for d in view.decoding.values()
+                   if d.local and d.first_token_at is not None)  # fmt: skip
+        k = self.layout.update(len(ids), now, running)
         if k == 0:
             self.split_prefill = ()
             return every
@@ -212,7 +215,8 @@ class AdaptivePlacer:
         prefill.queued[key] = Queued(compute_s, now + slo.ttft_s, now, model_ttft_s)
         prefill.note_prompt(now, compute_s, slo.ttft_s - compute_s)
         decode.decoding[key] = Decoding(num_prompt, max_tokens, slo.tpot_s, placed_at=now,
-                                        ttft_slo_s=slo.ttft_s)  # fmt: skip
+                                        ttft_slo_s=slo.ttft_s,
+                                        local=placement.kind == "local")  # fmt: skip
         if self._metrics is not None:
             self._metrics.observe_placement(
                 placement.kind, placement.predicted_ttft_s, placement.predicted_tpot_s,

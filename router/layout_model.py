@@ -13,7 +13,8 @@ The local layout is judged by what it does, the split by what it is predicted to
 
     local (k = 0)   measured: the TPOT and the worst objective (TTFT or TPOT), each over its
                     SLO, of every request that ran local and ended in the window (the router
-                    relays every token).
+                    relays every token), and of those still decoding with MIN_TOKENS_SO_FAR
+                    tokens out, at their TPOT so far.
                     Its tail is what a prediction misses: two models of it were tried and both
                     put chatbot's local TPOT at 0.35-0.5 of its SLO where the runs measured
                     0.7-0.8 and crossed it (a mean-field one, and the planner's discrete-event
@@ -55,6 +56,13 @@ The local layout is judged by what it does, the split by what it is predicted to
 The cluster splits when at least TAIL of the window's local requests (MIN_DECODES of them or
 more) missed their TPOT SLO and a split can carry the window's prompts: then the local layout
 is failing the requests a split is for, and what the split does is measured from there on.
+Still decoding counts: a burst's long answers end seconds after it began, and a tail of ended
+requests alone came when most of it was placed (session 21, chatbot at 4.5-4.6 req/s per core:
+runs O and P split after 49 and 48 of 60 arrivals, and attained 83% and 63%; the requests still
+decoding, from their 16th token, showed the same tail after 29 and 15). So far is not final: of
+O's and P's chatbot requests past their TPOT SLO at their 16th token, 60% ended past it (code
+23%, whose local TTFTs leave no room for a split anyway; summarization 76%); a count past the
+SLO by 1.2 was surer (76%) but showed the tail after 35 and 29 arrivals.
 Missed, not at risk: a local layout whose requests end near their SLOs
 still meets them, and the split it would move to is only predicted (session 19's
 summarization split at 0.94 requests/s per core on 18% of local requests past RISK while every
@@ -101,6 +109,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import median
 from typing import NamedTuple
@@ -118,6 +127,7 @@ REFUSE_WINDOWS = 3.0  # a split that did worse than the local layout: none for t
 # (doubled for each further one in a row)
 MIN_ARRIVALS = 20  # a rate from fewer arrivals is noise (8 Poisson arrivals: +-35%)
 MIN_DECODES = 8  # a tail from fewer ended requests is noise
+MIN_TOKENS_SO_FAR = 16  # a request still decoding counts toward the tail from this many tokens
 PREFILL_BATCH_GAIN = 1.8  # one prompt alone over its share of a step of several (see above)
 FIXED_POINT_STEPS = 25
 
@@ -142,6 +152,16 @@ class Ended(NamedTuple):
     @property
     def worst(self) -> float:
         return max(self.ttft, self.tpot)
+
+
+class Running(NamedTuple):
+    """A local request still decoding: when it was placed, its tokens so far, and its TTFT and
+    its TPOT so far as shares of their SLOs."""
+
+    placed_at: float
+    num_tokens: int
+    ttft: float
+    tpot: float
 
 
 @dataclass(frozen=True)
@@ -206,21 +226,31 @@ class LayoutModel:
         return (len(self.arrivals) - 1) / span if span > 0 else None
 
     @staticmethod
-    def missed(ended: deque[Ended], tpot_only: bool = False) -> float | None:
-        """The share of the window's ended requests that missed an SLO, or (`tpot_only`) their
-        TPOT SLO (None: too few to tell)."""
+    def missed(ended: Sequence[Ended | Running], tpot_only: bool = False) -> float | None:
+        """The share of `ended` that missed an SLO, or (`tpot_only`) their TPOT SLO (None: too
+        few to tell)."""
         if len(ended) < MIN_DECODES:
             return None
-        return sum((e.tpot if tpot_only else e.worst) > 1.0 for e in ended) / len(ended)
+        return sum((e.tpot if tpot_only else max(e.ttft, e.tpot)) > 1.0
+                   for e in ended) / len(ended)  # fmt: skip
 
-    def ttft_room(self) -> float | None:
-        """The median TTFT over its SLO of the window's local requests (None: too few)."""
-        if len(self.local) < MIN_DECODES:
+    def local_so_far(self, running: Iterable[Running] = ()) -> list[Ended | Running]:
+        """The window's local requests that ended under this layout, and those of `running`
+        placed under it with MIN_TOKENS_SO_FAR tokens out, at their TPOT so far."""
+        return [*self.local, *(r for r in running if r.placed_at >= self.changed_at
+                               and r.num_tokens >= MIN_TOKENS_SO_FAR)]  # fmt: skip
+
+    @staticmethod
+    def ttft_room(local: Sequence[Ended | Running]) -> float | None:
+        """The median TTFT over its SLO of `local` (None: too few)."""
+        if len(local) < MIN_DECODES:
             return None
-        return median(e.ttft for e in self.local)
+        return median(e.ttft for e in local)
 
-    def update(self, num_instances: int, now: float) -> int:
-        """The layout for the window's traffic on `num_instances` instances (k prefill-only)."""
+    def update(self, num_instances: int, now: float, running: Iterable[Running] = ()) -> int:
+        """The layout for the window's traffic on `num_instances` instances (k prefill-only);
+        `running`: the local requests still decoding (the tail counts them from
+        MIN_TOKENS_SO_FAR tokens on)."""
         self._forget(now)
         rate = self.rate()
         if self.prefill_instances >= num_instances:  # instances left: split fewer, or none
@@ -244,11 +274,12 @@ class LayoutModel:
         viable = [f for f in self.last if f.utilisation < 1.0]
         split = min(viable, key=lambda f: (f.at_risk, f.load)) if viable else None
         if current == 0:
-            tail = self.missed(self.local, tpot_only=True)
+            local = self.local_so_far(running)
+            tail = self.missed(local, tpot_only=True)
             if split and tail is not None and tail >= TAIL and now >= self.refused_until:
-                ttft = self.ttft_room()  # a median: taken only once the tail calls for a split
+                ttft = self.ttft_room(local)  # a median: taken only once the tail calls for it
                 if ttft is not None and ttft <= TTFT_ROOM:
-                    self.split_tail = self.missed(self.local) or 0.0
+                    self.split_tail = self.missed(local) or 0.0
                     self._change(split.prefill_instances, now, rate,
                                  f"{tail:.0%} of local requests missed their TPOT SLO, their "
                                  f"median TTFT {ttft:.2f} of its SLO; the split predicts "

@@ -90,6 +90,7 @@ class Decoding:
     last_token_at: float | None = None  # when the router last saw its tokens grow
     placed_at: float = 0.0  # the router's clock
     ttft_slo_s: float = math.inf
+    local: bool = False  # prefilled where it decodes
 
     def ttft_objective(self) -> float:
         """Its TTFT over its SLO (0 before its first token)."""

@@ -97,10 +97,30 @@ def test_local_requests_whose_first_tokens_have_no_room_do_not_split():
     layout, chosen = code_tail(0.65)
     assert set(chosen) == {0}
     assert layout.missed(layout.local, True) >= layout_model.TAIL
-    assert layout.ttft_room() == 0.65
+    assert layout.ttft_room(layout.local) == 0.65
     # the same tail with first tokens at a fifth of their SLO (chatbot's, run M): split
     layout, chosen = code_tail(0.2)
     assert chosen[-1] == 1
+
+
+def running_tail(tokens: int, placed_at: float = 0.0) -> list[int]:
+    """Chatbot at 3 req/s: nothing has ended, and every request placed at least 4 s before
+    decodes with `tokens` out, one in four at 1.05 of its TPOT SLO so far; the layouts chosen."""
+    layout, chosen = LayoutModel(latency_model(), WINDOW_S), []
+    for i in range(30):
+        at = i / 3.0
+        running = [layout_model.Running(placed_at or j / 3.0, tokens, 0.1, QUARTER[j % 4])
+                   for j in range(max(0, i - 12))]  # fmt: skip
+        layout.note(Arrival(at, 179, 87, CHATBOT))
+        chosen.append(layout.update(2, at, running))
+    return chosen
+
+
+def test_requests_still_decoding_past_their_tpot_call_for_the_split():
+    # a burst's long answers end seconds after it began; their tail shows while they decode
+    assert running_tail(layout_model.MIN_TOKENS_SO_FAR)[-1] == 1
+    # a TPOT over fewer tokens is not yet a measure
+    assert set(running_tail(layout_model.MIN_TOKENS_SO_FAR - 1)) == {0}
 
 
 def test_a_split_whose_requests_do_well_stays_split():
@@ -305,3 +325,30 @@ def test_a_placer_with_the_search_on_prefills_on_one_instance_while_split():
     (prefill,) = placer.split_prefill
     tail = kinds[-10:]
     assert all(p == prefill and d != prefill for p, d in tail), tail
+
+
+def test_a_placer_splits_on_local_decodes_past_their_tpot_before_any_ends():
+    now = [0.0]
+    placer = AdaptivePlacer(latency_model(), clock=lambda: now[0], window_s=WINDOW_S,
+                            layout_search=True)  # fmt: skip
+    candidates = [
+        InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512)) for i in "ab"
+    ]
+    rate = 3.0
+    running: dict[str, tuple[Placement, float]] = {}  # key -> (placement, placed at)
+    first: set[str] = set()
+    for n in range(45):
+        now[0] = n / rate
+        # every request has its first token 0.2 s after it was placed, then a token every
+        # 0.07 s (past its 0.048 s TPOT SLO), and none ends within the 15 s
+        for key, (placement, placed_at) in running.items():
+            if now[0] >= placed_at + 0.2:
+                if key not in first:
+                    first.add(key)
+                    placer.prefilled(key, placement, None)
+                placer.progress(key, placement, 1 + int((now[0] - placed_at - 0.2) / 0.07))
+        placement = placer.choose(179, 400, CHATBOT, candidates)
+        placer.placed(f"r{n}", placement, 179, 400, CHATBOT)
+        running[f"r{n}"] = (placement, now[0])
+    assert placer.layout is not None and not placer.layout.local  # none ended
+    assert placer.split_prefill != ()
