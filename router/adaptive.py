@@ -212,7 +212,8 @@ class AdaptivePlacer:
         decode = self._instances.setdefault(placement.decode_id, InstanceView())
         compute_s = self.model.speed * placement.profiled_compute_s
         model_ttft_s = placement.predicted_ttft_s - placement.predicted_lag_s
-        prefill.queued[key] = Queued(compute_s, now + slo.ttft_s, now, model_ttft_s)
+        prefill.queued[key] = Queued(compute_s, now + slo.ttft_s, now, model_ttft_s,
+                                     remote=placement.kind == "remote")  # fmt: skip
         prefill.note_prompt(now, compute_s, slo.ttft_s - compute_s)
         decode.decoding[key] = Decoding(num_prompt, max_tokens, slo.tpot_s, placed_at=now,
                                         ttft_slo_s=slo.ttft_s,

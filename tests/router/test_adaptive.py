@@ -342,3 +342,37 @@ def test_an_instance_whose_first_tokens_come_late_is_seen_behind(
     assert view_a.observed_lag_s(clock.now) == 0.0
     assert placer.choose(100, 60, CODE, states("a")).predicted_ttft_s == pytest.approx(
         on_b.predicted_ttft_s, rel=1e-6)
+
+
+def test_a_remote_prompts_lateness_is_its_own_and_outlasts_an_idle_spell(
+    placer: AdaptivePlacer, clock: Clock
+):
+    """a prefilled prompts for b that got their first token 0.1 s later than predicted (the
+    hand-off's cost): a's remote option carries that after an idle spell, its local option does
+    not (session 21's run P: a burst's first remote placements, predicted at 0.14-0.23 of code's
+    TTFT SLO with nothing fresh to carry, took 0.57-0.89 of it)."""
+    for n in range(4):
+        chosen = placer.choose(100, 20, CODE, states("a", "b"))
+        remote = Placement("a", "b", chosen.predicted_ttft_s, chosen.predicted_tpot_s, 0)
+        placer.placed(f"r{n}", remote, 100, 20, CODE)
+        clock.now += remote.predicted_ttft_s + 0.1
+        placer.prefilled(f"r{n}", remote, None)
+        placer.release(f"r{n}", remote)
+        clock.now += 0.05
+    view_a, view_b = placer._instances["a"], placer._instances["b"]
+    assert view_a.observed_lag_s(clock.now, remote=True) == pytest.approx(0.1, rel=1e-6)
+    assert view_a.observed_lag_s(clock.now) == 0.0  # a's own prompts are not behind
+    clock.now += 60.0  # idle, longer than a window
+    options = {
+        (a, b): placer._predict.option(a, views[0], b, views[1], 100, 0, 20, CODE, clock.now)
+        for a, b, views in (("a", "b", (view_a, view_b)), ("a", "a", (view_a, view_a)))
+    }  # fmt: skip
+    assert options["a", "b"].lag_s == pytest.approx(0.1, rel=1e-6)
+    assert options["a", "a"].lag_s == 0.0
+    # the next remote prompt on time brings it down, as an average
+    remote = Placement("a", "b", options["a", "b"].ttft_s, options["a", "b"].tpot_s, 0,
+                       predicted_lag_s=options["a", "b"].lag_s)  # fmt: skip
+    placer.placed("on-time", remote, 100, 20, CODE)
+    clock.now += remote.predicted_ttft_s - remote.predicted_lag_s  # the model's, no lateness
+    placer.prefilled("on-time", remote, None)
+    assert view_a.observed_lag_s(clock.now, remote=True) == pytest.approx(0.075, rel=1e-6)
