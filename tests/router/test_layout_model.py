@@ -196,6 +196,22 @@ def test_under_a_lower_load_a_split_must_meet_the_tail_itself():
     assert lower[-1] == 0 and layout.failed_splits == 1
 
 
+def test_under_a_higher_load_a_split_is_judged_by_its_ttfts():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    # local requests at 2 req/s: a quarter of them miss their TPOT
+    assert drive(layout, 2.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=QUARTER)[-1] == 1
+    # at 4 req/s a split whose TPOTs miss twice as often as local's did at 2 stays: local would
+    # miss more there (run Q's chatbot went back at 4.35 req/s per core, and local then missed
+    # 29 TPOTs of 40)
+    higher = drive(layout, 4.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0,
+                   worst=[MISSED, 0.5], local=False)  # fmt: skip
+    assert set(higher) == {1}
+    # its prompts late on one core where local gave them two: back
+    late = drive(layout, 4.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=30.0, worst=QUARTER,
+                 local=False, tpot=False)  # fmt: skip
+    assert late[-1] == 0 and layout.failed_splits == 1
+
+
 def test_splits_that_keep_doing_worse_are_refused_longer_each_time():
     layout = LayoutModel(latency_model(), WINDOW_S)
     start, refusals = 0.0, []
