@@ -376,3 +376,17 @@ def test_a_remote_prompts_lateness_is_its_own_and_outlasts_an_idle_spell(
     clock.now += remote.predicted_ttft_s - remote.predicted_lag_s  # the model's, no lateness
     placer.prefilled("on-time", remote, None)
     assert view_a.observed_lag_s(clock.now, remote=True) == pytest.approx(0.075, rel=1e-6)
+
+
+def test_a_requests_ttft_counts_from_the_choice_not_from_the_submission(
+    placer: AdaptivePlacer, clock: Clock
+):
+    """The submission waits for the instance to take the request; the TTFT the placer learns
+    from (its lag, the layout search's room) counts from when it chose, as its prediction did."""
+    chosen = placer.choose(100, 20, CODE, states("a", "b"))
+    clock.now += 0.05  # the submission's wait
+    placer.placed("r", chosen, 100, 20, CODE)
+    clock.now += 0.1
+    placer.prefilled("r", chosen, None)
+    decoding = placer._instances[chosen.decode_id].decoding["r"]
+    assert decoding.ttft_objective() == pytest.approx(0.15 / CODE.ttft_s, rel=1e-6)
