@@ -310,13 +310,17 @@ def test_a_single_instance_is_never_split():
         assert layout.update(1, i / 6.0) == 0
 
 
-def test_a_placer_with_the_search_on_prefills_on_one_instance_while_split():
-    now = [0.0]
+def searching_placer(now: list[float]) -> tuple[AdaptivePlacer, list[InstanceState]]:
+    """A placer with the layout search on, at the clock `now[0]`, and its two instances."""
     placer = AdaptivePlacer(latency_model(), clock=lambda: now[0], window_s=WINDOW_S,
                             layout_search=True)  # fmt: skip
-    candidates = [
-        InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512)) for i in "ab"
-    ]
+    return placer, [InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512))
+                    for i in "ab"]  # fmt: skip
+
+
+def test_a_placer_with_the_search_on_prefills_on_one_instance_while_split():
+    now = [0.0]
+    placer, candidates = searching_placer(now)
     rate, kinds = 3.0, []
     running: dict[str, tuple[Placement, float]] = {}  # key -> (placement, placed at)
     for n in range(90):
@@ -345,11 +349,7 @@ def test_a_placer_with_the_search_on_prefills_on_one_instance_while_split():
 
 def test_a_placer_splits_on_local_decodes_past_their_tpot_before_any_ends():
     now = [0.0]
-    placer = AdaptivePlacer(latency_model(), clock=lambda: now[0], window_s=WINDOW_S,
-                            layout_search=True)  # fmt: skip
-    candidates = [
-        InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512)) for i in "ab"
-    ]
+    placer, candidates = searching_placer(now)
     rate = 3.0
     running: dict[str, tuple[Placement, float]] = {}  # key -> (placement, placed at)
     first: set[str] = set()
