@@ -74,10 +74,11 @@ colocated, which the prefill gate alone beat by 1.34x). And only while the promp
 the median TTFT of the window's local requests, ended or still decoding (a TTFT is whole at
 the first token), at most TTFT_ROOM of its SLO. Still decoding counts here from the first token,
 not the 16th: when the load steps up, the window's ended requests are those of the lower load
-before, and in session 22's run Q, code, the router split 1.5 s into the 14.15 req/s per core
-point on a median of 0.27 (ended requests of the 10.11 point, and the few new ones 16 tokens
-in), where the point's own first tokens took a median 0.94 of the SLO; it attained 43% where
-colocated attained 92%. The split gives the prompts k of N cores, so each prefill-only core queues N/k times the prompts, and a local layout whose
+before, and a burst's first requests 16 tokens in are those whose prompts came before the
+queue: in session 22's run Q, code, the router split 1.5 s into the 14.15 req/s per core point
+on a median of 0.27, where the client's records of the local requests with a first token by
+then give 0.40; it attained 43% where colocated attained 92%. The split gives the prompts k of
+N cores, so each prefill-only core queues N/k times the prompts, and a local layout whose
 first tokens already take a good share of their SLO has no room for that. Measured, the two
 kinds of traffic stand far apart: where the split won (sessions 19-20, chatbot, mixed, shift),
 the adaptive layout's local requests had a median TTFT of 0.05-0.25 of the SLO at the points
@@ -160,10 +161,6 @@ class Ended(NamedTuple):
     at: float
     ttft: float
     tpot: float
-
-    @property
-    def worst(self) -> float:
-        return max(self.ttft, self.tpot)
 
 
 class Running(NamedTuple):
@@ -250,9 +247,8 @@ class LayoutModel:
 
     def local_so_far(self, running: Iterable[Running] = ()) -> list[Ended | Running]:
         """The window's local requests that ended under this layout, and those of `running`
-        placed under it with MIN_TOKENS_SO_FAR tokens out, at their TPOT so far."""
-        return [*self.local, *(r for r in running if r.placed_at >= self.changed_at
-                               and r.num_tokens >= MIN_TOKENS_SO_FAR)]  # fmt: skip
+        (placed under it) with MIN_TOKENS_SO_FAR tokens out, at their TPOT so far."""
+        return [*self.local, *(r for r in running if r.num_tokens >= MIN_TOKENS_SO_FAR)]
 
     @staticmethod
     def ttft_room(local: Sequence[Ended | Running]) -> float | None:
