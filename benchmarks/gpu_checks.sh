@@ -19,9 +19,10 @@ nvidia-smi -L
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "nccl", torch.cuda.nccl.version(), "transformers", transformers.__version__,
 "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))'
-step gpu-tests 170 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
-  tests/engine/test_cuda.py tests/engine/test_tp_nccl.py tests/kv_transfer/test_nccl_transfer.py
-step engine-31m-bf16 100 python3 -m benchmarks.engine_speed --device cuda --dtype bfloat16 \
+step gpu-tests 200 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
+  tests/engine/test_cuda.py tests/engine/test_tp_nccl.py tests/kv_transfer/test_nccl_transfer.py \
+  tests/deploy/test_cuda_serving.py
+step engine-31m-bf16 90 python3 -m benchmarks.engine_speed --device cuda --dtype bfloat16 \
   --out "$out/engine-31m-bf16.json"
-step engine-1b-bf16 200 python3 -m benchmarks.engine_speed --device cuda --dtype bfloat16 --preset 1b \
+step engine-1b-bf16 150 python3 -m benchmarks.engine_speed --device cuda --dtype bfloat16 --preset 1b \
   --kv-cache-gb 16 --max-num-seqs 64 --out "$out/engine-1b-bf16.json"

@@ -13,7 +13,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from deploy.cli.client import RouterClient
 from deploy.config.cluster_spec import build_cluster_spec
 from deploy.config.serve_config import parse_config
-from deploy.runtime.local.local_cluster import LocalCluster, cpu_sets
+from deploy.runtime.local.local_cluster import LocalCluster, cpu_sets, gpu_sets
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
 
@@ -23,6 +23,13 @@ def test_cpu_sets_give_each_rank_a_core_in_order_and_wrap_around() -> None:
     assert cpu_sets([2, 1, 1], [0, 1]) == [[0, 1], [0], [1]]
     assert cpu_sets([1, 1, 1], [4, 6]) == [[4], [6], [4]]
     assert cpu_sets([3], [5]) == [[5]]
+
+
+def test_gpu_sets_give_each_rank_its_own_gpu_and_refuse_a_layout_that_needs_more() -> None:
+    assert gpu_sets([2, 1, 1], 4) == [[0, 1], [2], [3]]
+    assert gpu_sets([1], 8) == [[0]]
+    with pytest.raises(ValueError, match="needs 2 GPUs .* and 1 are visible"):
+        gpu_sets([1, 1], 1)
 
 
 @pytest.fixture(scope="module")

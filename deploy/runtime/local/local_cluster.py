@@ -13,7 +13,10 @@
 
 The same shape as the Ray runtime (deploy/runtime/ray/cluster.py), with a pipe where Ray has actor calls.
 Benchmarks use it for colocated layouts too (N colocated Worker replicas), optionally with each
-worker pinned to its own cores (`spec.pin_cpus`).
+worker pinned to its own cores (`spec.pin_cpus`). On CUDA each worker gets GPUs of its own, one per
+TP rank in instance order, through CUDA_VISIBLE_DEVICES (its ranks then take cuda:0..k-1, as under
+Ray); a layout with more ranks than GPUs is refused before anything starts, since NCCL refuses two
+ranks on one GPU and two engines would contend for its memory.
 
 Keeping serving: a watch thread restarts every worker process that died (killed, or exited
 because its loop failed, e.g. a TP rank died), with the same arguments, and swaps it into the
@@ -52,12 +55,18 @@ MAX_BACKOFF_S = 30.0
 
 
 def pinned_worker(
-    cpu_ids: list[int] | None, config: WorkerConfig, instance_id: str, control: PipeControl
+    cpu_ids: list[int] | None,
+    config: WorkerConfig,
+    instance_id: str,
+    control: PipeControl,
+    gpu_ids: list[str] | None = None,
 ) -> Worker:
-    """The worker process's factory: pin it to `cpu_ids` (its TP ranks inherit them), then
-    build the worker."""
+    """The worker process's factory: pin it to `cpu_ids` and show it only `gpu_ids` (its TP
+    ranks inherit both), then build the worker. CUDA is not initialized before this point."""
     if cpu_ids:
         os.sched_setaffinity(0, cpu_ids)
+    if gpu_ids is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
     return Worker(config, instance_id, control)
 
 
@@ -69,6 +78,34 @@ def cpu_sets(num_ranks_per_worker: list[int], cpu_ids: list[int]) -> list[list[i
         sets.append(sorted({cpu_ids[(next_index + j) % len(cpu_ids)] for j in range(num_ranks)}))
         next_index += num_ranks
     return sets
+
+
+def gpu_sets(num_ranks_per_worker: list[int], num_gpus: int) -> list[list[int]]:
+    """One GPU per rank, handed out in order; more ranks than GPUs is an error (no wrapping)."""
+    needed = sum(num_ranks_per_worker)
+    if needed > num_gpus:
+        raise ValueError(
+            f"this layout needs {needed} GPUs (one per TP rank of every instance) and "
+            f"{num_gpus} are visible: lower the instance counts or tensor_parallel_size, "
+            "or run on a machine with more GPUs"
+        )
+    sets, next_gpu = [], 0
+    for num_ranks in num_ranks_per_worker:
+        sets.append(list(range(next_gpu, next_gpu + num_ranks)))
+        next_gpu += num_ranks
+    return sets
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out, as CUDA_VISIBLE_DEVICES names them for a child
+    (its own CUDA_VISIBLE_DEVICES, if set, maps a child's indices back to the machine's)."""
+    import torch  # device_count reads NVML: CUDA is not initialized in the router process
+
+    count = torch.cuda.device_count()
+    names = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if names is None:
+        return [str(index) for index in range(count)]
+    return [name.strip() for name in names.split(",") if name.strip()][:count]
 
 
 class RestartBackoff:
@@ -108,6 +145,7 @@ class LocalCluster(ServingCluster):
         self.workers: dict[str, ProcessWorker] = {}
         self._relay = ControlRelay(self.workers)
         self._pins: dict[str, list[int] | None] = {}
+        self._gpus: dict[str, list[str] | None] = {}  # each worker's CUDA_VISIBLE_DEVICES
         self._restarting: str | None = None  # the watch thread restarts one at a time
         self.num_restarts: dict[str, int] = {}
         self._stopping = threading.Event()
@@ -134,6 +172,10 @@ class LocalCluster(ServingCluster):
         pins = cpu_sets(tp_sizes, sorted(os.sched_getaffinity(0)))
         for instance_id, cpu_ids in zip(configs, pins, strict=True):
             self._pins[instance_id] = cpu_ids if self.spec.pin_cpus else None
+        if any(config.engine.device.startswith("cuda") for config in configs.values()):
+            names = visible_gpus()
+            for instance_id, gpus in zip(configs, gpu_sets(tp_sizes, len(names)), strict=True):
+                self._gpus[instance_id] = [names[index] for index in gpus]
 
         def start_one(instance_id: str) -> ProcessWorker:
             tp_size = configs[instance_id].engine.tensor_parallel_size
@@ -212,7 +254,8 @@ class LocalCluster(ServingCluster):
         config, control = self.spec.worker_config(instance_id), self._relay.sender()
         return ProcessWorker(
             pinned_worker, self._pins[instance_id], config, instance_id, control,
-            name=instance_id, start_timeout_s=self.start_timeout_s, on_spawn=on_spawn,
+            self._gpus.get(instance_id), name=instance_id, start_timeout_s=self.start_timeout_s,
+            on_spawn=on_spawn,
         )  # fmt: skip
 
     def _keep_alive(self) -> None:
