@@ -11,7 +11,10 @@ until its own TTFT SLO cannot wait. So, for a request of `n` prompt tokens and `
     hold     how long A's gate keeps it back: the longest remaining run, within the budget, of
              A's decodes whose slack does not fit `own` (their slack: the time left before
              their TPOT SLO breaks, less the steps they still need); those that run longer it
-             is run onto at once (holding would not save them), and each counts as harmed
+             is run onto at once (holding would not save them), and each it takes past its
+             SLO itself counts as harmed (past the gate's TPOT_TARGET alone is no miss: so
+             counted, a decode the prompt would leave at 0.9 of its SLO was a broken objective,
+             and the instance whose decodes were already lost drew code's prompts, session 22)
     TTFT     queued on A + hold + own [+ transfer] + lag, how much later than predicted A's
              first tokens have come lately: an instance that fell behind (a burst of slow
              steps, hand-offs it received) is seen behind, as its decodes' time between
@@ -116,6 +119,12 @@ class Decoding:
         it misses either way, and the gate no longer protects it)."""
         slack_s = self._slack_s(now, step_s, TPOT_TARGET)
         return slack_s if slack_s >= 0 else self._slack_s(now, step_s, 1.0)
+
+    def slo_slack_s(self, now: float, step_s: float) -> float:
+        """How long it may still be stalled and meet its TPOT SLO itself (negative: it misses
+        either way). A stall that eats the gate's margin (the slack to TPOT_TARGET) but not
+        this one is no miss, so harm counts against it."""
+        return self._slack_s(now, step_s, 1.0)
 
     def _slack_s(self, now: float, step_s: float, target: float) -> float:
         target_s = target * self.tpot_slo_s
@@ -304,11 +313,10 @@ class PlacementModel:
         if observed_s is not None:  # what B's decodes see now, with its own step added
             tpot_s = max(tpot_s, observed_s + slower_s)
         for d in decode.decoding.values():
-            slack_s = d.slack_s(now, current_s)
             used_s = slower_s * min(d.remaining(), max_tokens)
-            if 0 <= slack_s < used_s:
+            if 0 <= d.slo_slack_s(now, current_s) < used_s:
                 harm += 1  # its joining alone breaks this one
-            crowding += _share(used_s, slack_s)
+            crowding += _share(used_s, d.slack_s(now, current_s))
         handoff_s = transfer_s + step_s / 2 + step_s if remote else 0.0
         return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding, handoff_s, lag_s)
 
@@ -317,11 +325,13 @@ class PlacementModel:
         """(how long the instance's gate holds the prompt, the decodes it is run onto)."""
         step_s = self.model.decode_step_s(*view.decode_load())
         runs = [
-            d.remaining() * step_s for d in view.decoding.values()
+            (d.remaining() * step_s, d.slo_slack_s(now, step_s)) for d in view.decoding.values()
             if 0 <= d.slack_s(now, step_s) < (1 + MARGIN_FRACTION) * own_s
         ]  # fmt: skip
-        saved = [run_s for run_s in runs if run_s <= budget_s]  # the gate waits for these
-        return max(saved, default=0.0), len(runs) - len(saved)  # and runs onto the rest
+        saved = [run_s for run_s, _ in runs if run_s <= budget_s]  # the gate waits for these
+        # and runs onto the rest: harmed are those it takes past their SLO itself
+        broken = sum(1 for run_s, slo_slack_s in runs if run_s > budget_s and slo_slack_s < own_s)
+        return max(saved, default=0.0), broken
 
     def _forced_s(self, view: InstanceView, window_s: float, start_s: float, now: float,
                   queue_ahead: bool) -> float:  # fmt: skip
