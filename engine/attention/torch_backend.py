@@ -4,7 +4,12 @@ Decode: the decode sequences in groups of similar length; per group one gather o
 one batched SDPA with a length mask. One batch pads every sequence to the longest: at contexts of
 50-900 tokens (8 sequences, 2,700 in all) a step took 28.2 ms against 21.8 at 337 each. The
 groups are the split of the sequences sorted by length that costs least, each group counted as
-its padded tokens plus GROUP_COST_TOKENS for its own gather and SDPA call.
+its padded tokens plus GROUP_COST_TOKENS for its own gather and SDPA call. On CUDA
+(`group_decodes=False`, engine.attention.select_backend) one padded batch: a step there is host
+time, and each group adds launches per layer and new SDPA shapes; on an H200 the engine ran
+1.7-1.8x slower with groups (31M model 450 against 759 tokens/s, mixed lengths; 1,177 against
+2,084 at equal lengths, where grouping adds 0.36 groups a step), counted in torch ops per step
+on a tiny model: 753 against 688 at equal lengths, 1,523 against 658 mixed.
 GQA without copying KV per query head: the g = num_heads // num_kv_heads query heads that share a
 KV head are laid out as SDPA's query-length dim, so K/V are read once per KV head.
 Prefill: one SDPA per chunk (causal; with a mask when the chunk follows cached positions).
@@ -22,6 +27,11 @@ from engine.attention.metadata import AttentionMetadata, PrefillChunkInfo
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, group_decodes: bool = True) -> None:
+        # Groups pay off where attention FLOPs cost (CPU); on CUDA each group's extra launches
+        # per layer cost more host time than the padding they save (see the module doc).
+        self.group_decodes = group_decodes
+
     def forward(
         self,
         q: torch.Tensor,
@@ -38,7 +48,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = _decode(
-                q[:num_decodes], key_cache, value_cache, metadata, scale, sliding_window
+                q[:num_decodes], key_cache, value_cache, metadata, scale, sliding_window,
+                self.group_decodes,
             )
         for chunk in metadata.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -51,8 +62,11 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _decode(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    metadata: AttentionMetadata, scale: float, sliding_window: int | None,
+    metadata: AttentionMetadata, scale: float, sliding_window: int | None, grouped: bool = True,
 ) -> torch.Tensor:
+    if not grouped:
+        mask = _decode_mask(metadata, sliding_window)
+        return _attend(q, key_cache, value_cache, metadata.decode_block_tables, mask, scale)
     groups = _decode_groups(metadata, sliding_window)
     if len(groups) == 1:
         _, tables, mask = groups[0]
@@ -111,7 +125,8 @@ def _decode_groups(
         return groups
     block_size = metadata.block_size
     lens = metadata.decode_context_lens
-    blocks = [-(-n // block_size) for n in lens.tolist()]
+    host_lens = metadata.decode_context_lens_host or lens.tolist()  # no device sync
+    blocks = [-(-n // block_size) for n in host_lens]
     order = sorted(range(len(blocks)), key=blocks.__getitem__)
     ends = split_by_length([blocks[i] for i in order], -(-GROUP_COST_TOKENS // block_size))
     if len(ends) == 1:
@@ -119,8 +134,9 @@ def _decode_groups(
         groups = [whole]
     else:
         groups, start = [], 0
+        perm = torch.tensor(order, dtype=torch.long).to(lens.device, non_blocking=True)
         for end in ends:
-            rows = torch.tensor(order[start:end], dtype=torch.long, device=lens.device)
+            rows = perm[start:end]  # one upload for every group
             width = blocks[order[end - 1]]
             tables = metadata.decode_block_tables[rows, :width]
             groups.append((rows, tables, _length_mask(lens[rows], width * block_size,

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import TorchAttentionBackend, build_attention_metadata, torch_backend
+from engine.attention import (
+    TorchAttentionBackend,
+    build_attention_metadata,
+    select_backend,
+    torch_backend,
+)
 from engine.attention.torch_backend import split_by_length
 
 
@@ -38,18 +43,29 @@ def test_grouped_decode_matches_one_padded_batch(
     k, v = (torch.randn(len(contexts), num_kv_heads, head_dim, dtype=torch.float64) for _ in "kv")
     cache = torch.randn(2, num_kv_heads, next_block, block_size, head_dim, dtype=torch.float64)
 
-    def run(cost: int) -> tuple[torch.Tensor, int]:
+    def run(cost: int, group_decodes: bool = True) -> tuple[torch.Tensor, int]:
         monkeypatch.setattr(torch_backend, "GROUP_COST_TOKENS", cost)
         meta, _ = build_attention_metadata(
             starts, lens, tables, len(contexts), block_size, torch.device("cpu")
         )
         key_cache, value_cache = cache[0].clone(), cache[1].clone()
-        out = TorchAttentionBackend().forward(
+        out = TorchAttentionBackend(group_decodes).forward(
             q, k, v, key_cache, value_cache, meta, head_dim**-0.5, sliding_window
         )
-        return out, len(meta.mask_cache[("decode_groups", sliding_window)])
+        return out, len(meta.mask_cache.get(("decode_groups", sliding_window), []))
 
     one, one_groups = run(10**9)
     grouped, num_groups = run(16)
-    assert one_groups == 1 and num_groups >= 3
+    ungrouped, no_groups = run(16, group_decodes=False)  # CUDA's path: one padded batch
+    assert one_groups == 1 and num_groups >= 3 and no_groups == 0
     assert torch.allclose(one, grouped, rtol=0, atol=1e-12)
+    assert torch.equal(one, ungrouped)
+
+
+def test_decodes_are_grouped_on_cpu_and_run_as_one_batch_on_cuda() -> None:
+    """Grouping saves attention FLOPs, which is what a CPU step costs; on a GPU each group's
+    extra launches and new SDPA shapes per layer cost more host time than the padding saves
+    (on an H200 the engine ran 1.7-1.8x slower with it, session 23)."""
+    assert select_backend("cpu", 16).group_decodes is True
+    cuda_backend = select_backend("cuda", 16)  # flash-attn needs block sizes of 256
+    assert isinstance(cuda_backend, TorchAttentionBackend) and cuda_backend.group_decodes is False
