@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.slo import TPOT_TARGET
 from router.adaptive import WINDOW_S, AdaptivePlacer, Placement, RequestSLO
 from router.latency_model import LatencyModel
-from router.placement_model import Decoding, InstanceView, Option, PlacementModel
+from router.placement_model import InstanceView, Option, PlacementModel
 from router.policies import InstanceState
 from router.worker_api import InstanceLoad, Role
 
@@ -111,31 +110,6 @@ def test_a_prompt_that_cannot_wait_is_forced_and_counts_the_decodes_it_breaks(
     code = place(placer, "c", 300, 40, CODE)
     assert (code.kind, code.prefill_id) == ("local", "b")
     assert code.predicted_ttft_s < 0.7 * CODE.ttft_s
-
-
-@pytest.mark.parametrize("past_slo", [False, True])
-def test_a_forced_prompt_harms_a_decode_only_when_it_takes_it_past_its_slo_itself(
-    placer: AdaptivePlacer, past_slo: bool
-):
-    """The gate runs a code prompt onto a summary it cannot wait for. When what the prompt adds
-    eats only the gate's margin (the slack to TPOT_TARGET), the summary still meets its SLO: no
-    harm. Counted as harm, the instance whose decodes were already lost looked cheaper and drew
-    code's prompts (session 22's run R: 25-29 of the last 30 on one instance)."""
-    now, model = placer._clock(), placer.model
-    view = InstanceView()
-    own_s = model.prefill_s(300, 1, 651.0)
-    step_s = model.decode_step_s(1, 651.0)
-    margin_s = (1 - TPOT_TARGET) * SUMMARIZATION.tpot_s * 15  # what the gate keeps back
-    gate_slack_s = own_s - (1.2 * margin_s if past_slo else 0.5 * margin_s)
-    first_at = now + gate_slack_s + 15 * step_s - TPOT_TARGET * SUMMARIZATION.tpot_s * 15
-    view.decoding["s"] = Decoding(650, 16, SUMMARIZATION.tpot_s, first_token_at=first_at,
-                                  num_tokens=1, last_token_at=first_at)  # fmt: skip
-    summary = view.decoding["s"]
-    assert 0 <= summary.slack_s(now, step_s) < own_s  # the gate would hold it if it could
-    assert (summary.slo_slack_s(now, step_s) < own_s) is past_slo
-    forced = placer._predict.option("a", view, "a", view, 300, 0, 40, CODE, now)
-    assert forced.ttft_s == pytest.approx(own_s, rel=1e-6)  # holding would not save it: run
-    assert forced.harm == int(past_slo)
 
 
 def test_a_request_decodes_away_from_prompts_that_would_be_forced_into_its_steps(
