@@ -41,8 +41,6 @@ class AttentionMetadata:
     # Masks (and the torch backend's decode groups) cached per sliding window (None = full
     # attention), filled by the backend on first use so every layer of the step shares them.
     mask_cache: dict[object, Any] = field(default_factory=dict)
-    # decode_context_lens as host ints: grouping by length reads these, never the device tensor
-    decode_context_lens_host: list[int] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -115,6 +113,5 @@ def build_attention_metadata(
         prefill_query_start_loc=prefill_q.to(device),
         prefill_context_start_loc=prefill_k.to(device),
         prefill_block_tables=tables[num_decodes:].to(device=device, dtype=torch.int32),
-        decode_context_lens_host=[s + 1 for s in start_positions[:num_decodes]],
     )
     return metadata, positions.to(device)

@@ -125,8 +125,7 @@ def _decode_groups(
         return groups
     block_size = metadata.block_size
     lens = metadata.decode_context_lens
-    host_lens = metadata.decode_context_lens_host or lens.tolist()  # no device sync
-    blocks = [-(-n // block_size) for n in host_lens]
+    blocks = [-(-n // block_size) for n in lens.tolist()]  # CPU only: no device sync
     order = sorted(range(len(blocks)), key=blocks.__getitem__)
     ends = split_by_length([blocks[i] for i in order], -(-GROUP_COST_TOKENS // block_size))
     if len(ends) == 1:
@@ -134,9 +133,8 @@ def _decode_groups(
         groups = [whole]
     else:
         groups, start = [], 0
-        perm = torch.tensor(order, dtype=torch.long).to(lens.device, non_blocking=True)
         for end in ends:
-            rows = perm[start:end]  # one upload for every group
+            rows = torch.tensor(order[start:end], dtype=torch.long, device=lens.device)
             width = blocks[order[end - 1]]
             tables = metadata.decode_block_tables[rows, :width]
             groups.append((rows, tables, _length_mask(lens[rows], width * block_size,
