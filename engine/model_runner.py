@@ -113,7 +113,8 @@ class ModelRunner:
         if not batch.chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=self.logits_dtype)
         inputs = self.prepare_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        with self.backend.step_context():
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
         return logits.to(self.logits_dtype)
 

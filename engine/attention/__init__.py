@@ -25,7 +25,7 @@ def select_backend(device: torch.device | str, block_size: int) -> AttentionBack
         from engine.attention.flash_backend import FlashAttentionBackend
 
         return FlashAttentionBackend()
-    return TorchAttentionBackend(group_decodes=not on_cuda)
+    return TorchAttentionBackend(cuda=on_cuda)
 
 
 __all__ = [

@@ -19,6 +19,7 @@ engine/kv_cache.py); returns
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -42,6 +43,10 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Write k/v into the caches, then return the attention output (see the module doc)."""
+
+    def step_context(self) -> contextlib.AbstractContextManager[object]:
+        """Entered once around a whole step's forward (every layer): kernel settings go here."""
+        return contextlib.nullcontext()
 
 
 def write_kv(

@@ -5,11 +5,11 @@ one batched SDPA with a length mask. One batch pads every sequence to the longes
 50-900 tokens (8 sequences, 2,700 in all) a step took 28.2 ms against 21.8 at 337 each. The
 groups are the split of the sequences sorted by length that costs least, each group counted as
 its padded tokens plus GROUP_COST_TOKENS for its own gather and SDPA call. On CUDA
-(`group_decodes=False`, engine.attention.select_backend) one padded batch: a step there is host
-time, and each group adds launches per layer and new SDPA shapes; on an H200 the engine ran
-1.7-1.8x slower with groups (31M model 450 against 759 tokens/s, mixed lengths; 1,177 against
-2,084 at equal lengths, where grouping adds 0.36 groups a step), counted in torch ops per step
-on a tiny model: 753 against 688 at equal lengths, 1,523 against 658 mixed.
+(`cuda=True`, engine.attention.select_backend) one padded batch: a step there is host
+time, and each group adds launches per layer and new SDPA shapes (torch ops per step on a tiny
+model: 753 against 688 at equal lengths, 1,523 against 658 mixed); on an H200, 31M model, mixed
+lengths, the engine ran 450 tokens/s with groups and 570 without (both with cuDNN's SDPA, which
+the step now keeps off: see _CUDA_SDPA).
 GQA without copying KV per query head: the g = num_heads // num_kv_heads query heads that share a
 KV head are laid out as SDPA's query-length dim, so K/V are read once per KV head.
 Prefill: one SDPA per chunk (causal; with a mask when the chunk follows cached positions).
@@ -17,8 +17,11 @@ Prefill: one SDPA per chunk (causal; with a mask when the chunk follows cached p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionBackend, write_kv
 from engine.attention.metadata import AttentionMetadata, PrefillChunkInfo
@@ -27,10 +30,14 @@ from engine.attention.metadata import AttentionMetadata, PrefillChunkInfo
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, group_decodes: bool = True) -> None:
+    def __init__(self, cuda: bool = False) -> None:
         # Groups pay off where attention FLOPs cost (CPU); on CUDA each group's extra launches
         # per layer cost more host time than the padding they save (see the module doc).
-        self.group_decodes = group_decodes
+        self.cuda = cuda
+        self.group_decodes = not cuda
+
+    def step_context(self) -> contextlib.AbstractContextManager[object]:
+        return sdpa_kernel(_CUDA_SDPA) if self.cuda else contextlib.nullcontext()
 
     def forward(
         self,
@@ -58,6 +65,13 @@ class TorchAttentionBackend(AttentionBackend):
                 sliding_window,
             )
         return out
+
+
+# SDPA kernels on CUDA: every one but cuDNN's. torch picks cuDNN first on Hopper, and it builds
+# an execution plan per new shape; a serving engine's shapes change every step (batch, context,
+# chunk), so on an H200 the engine ran 570 tokens/s with it against 3,144 without (31M model,
+# bf16, mixed lengths; 1.1B: 439 against 1,719), benchmarks/results/engine-h200.json.
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _decode(

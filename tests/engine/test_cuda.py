@@ -112,6 +112,26 @@ def test_cuda_seeded_sampling_is_reproducible(tiny_model) -> None:
     assert all(0 <= t < 512 for t in draws[0])
 
 
+def test_cuda_attention_keeps_off_cudnn_sdpa(tiny_model, monkeypatch) -> None:
+    """cuDNN's SDPA builds a plan per new shape; the engine's shapes change every step (the
+    engine ran 3-5x slower on an H200 with it). Every SDPA call in a step, decodes and prefill
+    chunks, must run with cuDNN's kernel off, and the process-wide setting must be left as it was."""
+    seen: list[bool] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prompts = make_prompts(512, lens=(19, 40), seed=5)
+    with LLM(tiny_model("llama"), dtype="bfloat16", device="cuda", num_kv_blocks=64) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_cuda_bfloat16_tracks_the_float64_reference(tiny_model, family: str) -> None:
     model_dir = tiny_model(family)
