@@ -212,6 +212,31 @@ def test_under_a_higher_load_a_split_is_judged_by_its_ttfts():
     assert late[-1] == 0 and layout.failed_splits == 1
 
 
+def test_one_miss_is_no_tail_and_a_higher_load_is_judged_against_local_ttft_misses():
+    layout = LayoutModel(latency_model(), WINDOW_S)
+    # local requests at 2 req/s: a quarter miss their TPOT, and a few more their TTFT
+    for i in range(MIN_DECODES):
+        layout.note_ended(9.0 + i / 10, True, 8.0, MISSED if i < 6 else 0.2, 0.5)
+    assert drive(layout, 2.0, 20, 179, CHAT_OUTPUTS, CHATBOT, start=1.0, worst=QUARTER)[-1] == 1
+    assert 0.15 < layout.split_ttft_tail < 0.3
+    split_at = layout.changed_at
+
+    def split_ended(ttfts: list[float], start: float) -> None:
+        for i, ttft in enumerate(ttfts):
+            layout.note_ended(start + i / 10, False, split_at + 0.5, ttft, 0.5)
+
+    # at 4 req/s: 1 TTFT miss in the split's first 8 (12.5%, over TAIL) is noise: it stays
+    split_ended([MISSED] + [0.3] * (MIN_DECODES - 1), split_at + 4)
+    assert set(drive(layout, 4.0, 2, 179, CHAT_OUTPUTS, CHATBOT, start=split_at + 5)) == {1}
+    # 3 in 16: fewer than local missed when it split, where local would miss more now: it stays
+    split_ended([MISSED, MISSED] + [0.3] * (MIN_DECODES - 2), split_at + 7)
+    assert set(drive(layout, 4.0, 2, 179, CHAT_OUTPUTS, CHATBOT, start=split_at + 8)) == {1}
+    # half of them late on one core where local gave them two: back
+    late = drive(layout, 4.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=split_at + 10,
+                 worst=[MISSED, 0.5], local=False, tpot=False)  # fmt: skip
+    assert late[-1] == 0 and layout.failed_splits == 1
+
+
 def test_splits_that_keep_doing_worse_are_refused_longer_each_time():
     layout = LayoutModel(latency_model(), WINDOW_S)
     start, refusals = 0.0, []
