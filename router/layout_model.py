@@ -316,7 +316,7 @@ class LayoutModel:
         same = SAME_LOAD * self.split_rate <= rate
         bar = self.split_ttft_tail if higher else self.split_tail if same else 0.0
         if (split_tail is not None and split_tail > max(TAIL, bar)
-                and split_tail * len(self.split) >= MIN_MISSES - 1e-9):  # fmt: skip
+                and round(split_tail * len(self.split)) >= MIN_MISSES):  # fmt: skip
             self.failed_splits += 1  # it did worse: back, and no split for a while
             self.refused_until = now + REFUSE_WINDOWS * self.window_s * 2 ** (self.failed_splits - 1)
             self._change(0, now, rate, f"{split_tail:.0%} of the split's requests missed "
