@@ -208,9 +208,11 @@ class AdaptivePlacer:
 
     def placed(self, key: str, placement: Placement, num_prompt: int, max_tokens: int,
                slo: RequestSLO) -> None:  # fmt: skip
-        """The request was submitted as `placement` says. Its TTFT counts from the choice, as
-        the prediction did: the submission waits for the instances to take it (between their
-        steps, under load), and a TTFT counted from there is short by that wait. In session
+        """The request is being submitted as `placement` says (router/dispatch.py counts it
+        before the submission lands, so the arrivals meanwhile see it; `release` takes it back
+        if it does not land). Its TTFT counts from the choice, as the prediction did: the
+        submission waits for the instances to take it (between their steps, under load), and a
+        TTFT counted from there is short by that wait. In session
         22's run Q, code, the layout search split on a median local TTFT of 0.27 of the SLO;
         the client's records of the local requests with a first token by then give 0.40."""
         now = self._clock() if placement.chosen_at is None else placement.chosen_at

@@ -6,7 +6,8 @@ or check is the router: its dispatch, streaming, cancellation and overhead.
 
     SyntheticDecode   reserve() allocates blocks for prompt + max_tokens (Overloaded if it
                       cannot); one event per running request per step of `step_interval_s`.
-    SyntheticPrefill  submit() holds blocks for the prompt for `prefill_delay_s`, emits the first
+    SyntheticPrefill  submit() (answered after `submit_delay_s`) holds blocks for the prompt
+                      for `prefill_delay_s`, emits the first
                       token, hands the request to the decode instance named in the ticket, frees.
     SyntheticColocated both in one instance (ticket=None).
 
@@ -56,6 +57,7 @@ class SyntheticWorker:
     vocab_size: int = 512
     step_interval_s: float = 0.01
     prefill_delay_s: float = 0.005
+    submit_delay_s: float = 0.0  # submit()'s answer time (an engine answers between steps)
     record_emit_times: bool = False
     peers: dict[str, SyntheticWorker] = field(default_factory=dict)  # decode instances by id
 
@@ -108,6 +110,8 @@ class SyntheticWorker:
         )  # fmt: skip
 
     async def submit(self, request: WorkerRequest, ticket: KVTicket | None) -> None:
+        if self.submit_delay_s:
+            await asyncio.sleep(self.submit_delay_s)
         self._allocate(request, len(request.prompt_token_ids))
         task = asyncio.create_task(self._prefill(request, ticket))
         self._tasks.add(task)

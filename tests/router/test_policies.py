@@ -186,3 +186,52 @@ def test_a_prompt_counts_as_queued_until_its_first_token_only(tiny_model_dir: st
             assert time.monotonic() < deadline, "the cancelled request is still counted"
             time.sleep(0.02)
         assert all(s.num_outstanding_prompt_tokens == 0 for s in pool.prefill_candidates())
+
+
+def test_a_burst_sees_the_placements_whose_submissions_are_still_on_the_way(
+    tiny_model_dir: str,
+) -> None:
+    """An engine answers a submission between its steps. Arrivals meanwhile see the placements
+    still on the way: four at once spread over both instances. Counted only once they had
+    landed (until the twenty-fifth session), all four saw two empty instances and took the
+    first. A call cancelled while its submission is on the way leaves nothing counted."""
+    workers = [
+        SyntheticWorker(f"colocated-{i}", Role.COLOCATED, submit_delay_s=0.5, prefill_delay_s=5.0)
+        for i in range(2)
+    ]
+    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
+    with RouterThread(config, lambda: (workers, [])) as server:
+        assert server.router is not None
+        pool = server.router.pool
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(token_ids=[5] * 40, max_tokens=4)
+            calls = [stub.Generate(request, timeout=30) for _ in range(4)]
+            deadline = time.monotonic() + 10
+            while sum(len(w._sequences) for w in workers) < 4:
+                assert time.monotonic() < deadline, "the four submissions did not land"
+                time.sleep(0.02)
+            assert [len(w._sequences) for w in workers] == [2, 2]
+            states = {s.instance_id: s for s in pool.prefill_candidates()}
+            assert [states[f"colocated-{i}"].num_outstanding_prompt_tokens for i in (0, 1)] == [
+                80, 80
+            ]
+            for call in calls:
+                call.cancel()
+            _wait_uncounted(pool)
+            late = stub.Generate(request, timeout=30)
+            deadline = time.monotonic() + 10
+            while not any(s.num_active_requests for s in pool.prefill_candidates()):
+                assert time.monotonic() < deadline, "the last call was never counted"
+                time.sleep(0.01)
+            assert not any(w._sequences for w in workers)  # its submission is on the way
+            late.cancel()
+        _wait_uncounted(pool)
+
+
+def _wait_uncounted(pool) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 10
+    while any(s.num_active_requests or s.num_outstanding_prompt_tokens
+              for s in pool.prefill_candidates()):  # fmt: skip
+        assert time.monotonic() < deadline, "a cancelled request is still counted"
+        time.sleep(0.02)
