@@ -4,7 +4,10 @@ the policies read, through a real router."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -166,26 +169,14 @@ def test_admission_runs_fifo_and_refuses_past_both_bounds() -> None:
 def test_a_prompt_counts_as_queued_until_its_first_token_only(tiny_model_dir: str) -> None:
     """The prefill policies read an instance's outstanding prompt tokens as its queue: a request
     that is decoding no longer counts there (until the seventh session it did, for good)."""
-    workers = [
-        SyntheticWorker(f"colocated-{i}", Role.COLOCATED, step_interval_s=0.05) for i in range(2)
-    ]
-    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
-    with RouterThread(config, lambda: (workers, [])) as server:
-        assert server.router is not None
-        pool = server.router.pool
-        with grpc.insecure_channel(server.address) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            call = stub.Generate(pb.GenerateRequest(token_ids=[5] * 40, max_tokens=200), timeout=30)
-            next(call)  # the first token: the prompt is prefilled, the request decodes on
-            states = {s.instance_id: s for s in pool.prefill_candidates()}
-            assert states["colocated-0"].num_active_requests == 1
-            assert states["colocated-0"].num_outstanding_prompt_tokens == 0
-            call.cancel()
-        deadline = time.monotonic() + 10
-        while any(s.num_active_requests for s in pool.prefill_candidates()):
-            assert time.monotonic() < deadline, "the cancelled request is still counted"
-            time.sleep(0.02)
-        assert all(s.num_outstanding_prompt_tokens == 0 for s in pool.prefill_candidates())
+    with _two_synthetic(tiny_model_dir, step_interval_s=0.05) as (pool, stub, _):
+        call = stub.Generate(pb.GenerateRequest(token_ids=[5] * 40, max_tokens=200), timeout=30)
+        next(call)  # the first token: the prompt is prefilled, the request decodes on
+        states = {s.instance_id: s for s in pool.prefill_candidates()}
+        assert states["colocated-0"].num_active_requests == 1
+        assert states["colocated-0"].num_outstanding_prompt_tokens == 0
+        call.cancel()
+        _wait_uncounted(pool)
 
 
 def test_a_burst_sees_the_placements_whose_submissions_are_still_on_the_way(
@@ -195,41 +186,46 @@ def test_a_burst_sees_the_placements_whose_submissions_are_still_on_the_way(
     still on the way: four at once spread over both instances. Counted only once they had
     landed (until the twenty-fifth session), all four saw two empty instances and took the
     first. A call cancelled while its submission is on the way leaves nothing counted."""
-    workers = [
-        SyntheticWorker(f"colocated-{i}", Role.COLOCATED, submit_delay_s=0.5, prefill_delay_s=5.0)
-        for i in range(2)
-    ]
-    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
-    with RouterThread(config, lambda: (workers, [])) as server:
-        assert server.router is not None
-        pool = server.router.pool
-        with grpc.insecure_channel(server.address) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            request = pb.GenerateRequest(token_ids=[5] * 40, max_tokens=4)
-            calls = [stub.Generate(request, timeout=30) for _ in range(4)]
-            deadline = time.monotonic() + 10
-            while sum(len(w._sequences) for w in workers) < 4:
-                assert time.monotonic() < deadline, "the four submissions did not land"
-                time.sleep(0.02)
-            assert [len(w._sequences) for w in workers] == [2, 2]
-            states = {s.instance_id: s for s in pool.prefill_candidates()}
-            assert [states[f"colocated-{i}"].num_outstanding_prompt_tokens for i in (0, 1)] == [
-                80, 80
-            ]
-            for call in calls:
-                call.cancel()
-            _wait_uncounted(pool)
-            late = stub.Generate(request, timeout=30)
-            deadline = time.monotonic() + 10
-            while not any(s.num_active_requests for s in pool.prefill_candidates()):
-                assert time.monotonic() < deadline, "the last call was never counted"
-                time.sleep(0.01)
-            assert not any(w._sequences for w in workers)  # its submission is on the way
-            late.cancel()
+    delays = {"submit_delay_s": 0.5, "prefill_delay_s": 5.0}
+    with _two_synthetic(tiny_model_dir, **delays) as (pool, stub, workers):
+        request = pb.GenerateRequest(token_ids=[5] * 40, max_tokens=4)
+        calls = [stub.Generate(request, timeout=30) for _ in range(4)]
+        deadline = time.monotonic() + 10
+        while sum(len(w._sequences) for w in workers) < 4:
+            assert time.monotonic() < deadline, "the four submissions did not land"
+            time.sleep(0.02)
+        assert [len(w._sequences) for w in workers] == [2, 2]
+        states = {s.instance_id: s for s in pool.prefill_candidates()}
+        assert [states[f"colocated-{i}"].num_outstanding_prompt_tokens for i in (0, 1)] == [80, 80]
+        for call in calls:
+            call.cancel()
+        _wait_uncounted(pool)
+        late = stub.Generate(request, timeout=30)
+        deadline = time.monotonic() + 10
+        while not any(s.num_active_requests for s in pool.prefill_candidates()):
+            assert time.monotonic() < deadline, "the last call was never counted"
+            time.sleep(0.01)
+        assert not any(w._sequences for w in workers)  # its submission is on the way
+        late.cancel()
         _wait_uncounted(pool)
 
 
-def _wait_uncounted(pool) -> None:  # type: ignore[no-untyped-def]
+@contextlib.contextmanager
+def _two_synthetic(
+    tiny_model_dir: str, **options: float
+) -> Iterator[tuple[Any, Any, list[SyntheticWorker]]]:
+    """A real router on 127.0.0.1 over two colocated synthetic workers: (its pool, a stub, the
+    workers)."""
+    workers = [SyntheticWorker(f"colocated-{i}", Role.COLOCATED, **options) for i in range(2)]
+    config = RouterConfig(model_dir=tiny_model_dir, load_refresh_interval_s=0.02)
+    with RouterThread(config, lambda: (workers, [])) as server:
+        assert server.router is not None
+        with grpc.insecure_channel(server.address) as channel:
+            yield server.router.pool, pb_grpc.GenerationStub(channel), workers
+
+
+def _wait_uncounted(pool: Any) -> None:
+    """Until no request is counted on any instance (bounded: 10 s)."""
     deadline = time.monotonic() + 10
     while any(s.num_active_requests or s.num_outstanding_prompt_tokens
               for s in pool.prefill_candidates()):  # fmt: skip
