@@ -109,17 +109,15 @@ class Dispatcher:
                 decode_instance=decode_id or "",
                 slo=request.slo or (self._default_slo if self.placer is not None else None),
             )
-            num_tokens = self._note_placed(request, worker_request.request_id, prefill_id,
-                                           decode_id, placement)  # fmt: skip
+            key = worker_request.request_id
+            num_tokens = self._note_placed(request, key, prefill_id, decode_id, placement)
             try:
                 failed_id, overloaded = await self._place(
                     worker_request, channel, prefill_id, decode_id
                 )
             except BaseException:  # cancelled (the client went away): the caller aborts it
-                self._unnote_placed(worker_request.request_id, prefill_id, decode_id, placement,
-                                    num_tokens)  # fmt: skip
+                self._unnote_placed(key, prefill_id, decode_id, placement, num_tokens)
                 raise
-            key = worker_request.request_id
             if failed_id is None:
                 return Dispatch(prefill_id, decode_id, num_tokens, num_failed, placement, key)
             self._unnote_placed(key, prefill_id, decode_id, placement, num_tokens)
