@@ -7,8 +7,8 @@ or check is the router: its dispatch, streaming, cancellation and overhead.
     SyntheticDecode   reserve() allocates blocks for prompt + max_tokens (Overloaded if it
                       cannot); one event per running request per step of `step_interval_s`.
     SyntheticPrefill  submit() (answered after `submit_delay_s`) holds blocks for the prompt
-                      for `prefill_delay_s`, emits the first
-                      token, hands the request to the decode instance named in the ticket, frees.
+                      for `prefill_delay_s`, emits the first token, hands the request to the
+                      decode instance named in the ticket, frees.
     SyntheticColocated both in one instance (ticket=None).
 
 Tokens cycle through ids [3, vocab_size) from a per-request offset; `emit_times[request_id]`
