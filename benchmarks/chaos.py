@@ -75,14 +75,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cluster_spec(model_dir: str) -> Any:
-    config = parse_config({
-        "model": model_dir, "dtype": "float64",
-        "prefill": {"instances": 1, "tensor_parallel_size": 2}, "decode": {"instances": 2},
-        "kv_cache": {"num_blocks": 512, "block_size": 16},
-        "kv_transfer": {"transfer_timeout_s": KV_DEADLINE_S, "start_timeout_s": KV_DEADLINE_S},
-        "router": {"port": 0, "worker_timeout_s": KV_DEADLINE_S, "shutdown_grace_s": 1.0},
-        "ray": {"enabled": False},
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "model": model_dir,
+            "dtype": "float64",
+            "prefill": {"instances": 1, "tensor_parallel_size": 2},
+            "decode": {"instances": 2},
+            "kv_cache": {"num_blocks": 512, "block_size": 16},
+            "kv_transfer": {"transfer_timeout_s": KV_DEADLINE_S, "start_timeout_s": KV_DEADLINE_S},
+            "router": {"port": 0, "worker_timeout_s": KV_DEADLINE_S, "shutdown_grace_s": 1.0},
+            "ray": {"enabled": False},
+        }
+    )
     return build_cluster_spec(config)
 
 
@@ -96,12 +100,14 @@ def reference(address: str, prompt_set: list[list[int]], max_tokens: int) -> lis
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         return [
-            list(stub.GenerateUnary(
-                pb.GenerateRequest(token_ids=p, max_tokens=max_tokens, ignore_eos=True),
-                timeout=120,
-            ).token_ids)
+            list(
+                stub.GenerateUnary(
+                    pb.GenerateRequest(token_ids=p, max_tokens=max_tokens, ignore_eos=True),
+                    timeout=120,
+                ).token_ids
+            )
             for p in prompt_set
-        ]  # fmt: skip
+        ]
 
 
 def serving(address: str) -> bool:
@@ -137,9 +143,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         parent, child = mp.get_context("spawn").Pipe(duplex=False)
         load = mp.get_context("spawn").Process(
             target=run_load,
-            args=(child, address, prompt_set, args.max_tokens, args.duration_s,
-                  args.concurrency, args.seed),
-        )  # fmt: skip
+            args=(
+                child,
+                address,
+                prompt_set,
+                args.max_tokens,
+                args.duration_s,
+                args.concurrency,
+                args.seed,
+            ),
+        )
         load.start()
         faults = Faults(cluster, lambda: serving(address), rng, KV_DEADLINE_S)
         began = time.monotonic()
@@ -158,9 +171,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(
-    counts: dict[str, Any], faults: list[dict[str, Any]], leaked: int,
-    rss_start: dict[str, float], rss_end: dict[str, float], args: argparse.Namespace,
-) -> dict[str, Any]:  # fmt: skip
+    counts: dict[str, Any],
+    faults: list[dict[str, Any]],
+    leaked: int,
+    rss_start: dict[str, float],
+    rss_end: dict[str, float],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     hit = counts["migrated"] + counts["lost_streams"]
     completed = 100.0 * counts["migrated"] / hit if hit else 100.0
     growth = {
@@ -181,9 +198,12 @@ def report(
         "examples": counts["examples"],
     }
     targets = (
-        ("failed_before_first_token", 0), ("lost_streams", 0),
-        ("repeated_or_skipped_tokens", 0), ("leaked_blocks", 0), ("hangs", 0),
-    )  # fmt: skip
+        ("failed_before_first_token", 0),
+        ("lost_streams", 0),
+        ("repeated_or_skipped_tokens", 0),
+        ("leaked_blocks", 0),
+        ("hangs", 0),
+    )
     result["ok"] = (
         all(result[key] == value for key, value in targets)
         and completed >= 95.0

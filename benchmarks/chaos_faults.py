@@ -90,8 +90,10 @@ class Faults:
         local, remote, owner = self._rng.choice(links)
         done = subprocess.run(
             ["ss", "-K", "-tn", "src", local, "dst", remote],
-            capture_output=True, text=True, timeout=10,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if done.returncode != 0 or local.split(":")[1] not in done.stdout:
             raise RuntimeError(f"ss -K could not abort {local} -> {remote}: {done.stderr.strip()}")
         return {"target": f"{local} -> {remote} ({decode[owner]})"}

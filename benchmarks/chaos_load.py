@@ -68,9 +68,14 @@ async def _one(stub: pb_grpc.GenerationStub, record: Record, prompt: list[int], 
 
 
 async def _client(
-    address: str, prompts: list[list[int]], max_tokens: int, until: float, seed: int,
-    records: list[Record], max_requests: int,
-) -> None:  # fmt: skip
+    address: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    until: float,
+    seed: int,
+    records: list[Record],
+    max_requests: int,
+) -> None:
     rng = random.Random(seed)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
@@ -90,9 +95,15 @@ async def _client(
 
 
 def run_load(
-    conn: Connection, address: str, prompts: list[list[int]], max_tokens: int,
-    duration_s: float, concurrency: int, seed: int, max_requests: int = 10**9,
-) -> None:  # fmt: skip
+    conn: Connection,
+    address: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    duration_s: float,
+    concurrency: int,
+    seed: int,
+    max_requests: int = 10**9,
+) -> None:
     """The child's entry point: run the load for `duration_s` or `max_requests`, whichever
     ends first, send the records, exit."""
     records: list[Record] = []
@@ -116,10 +127,21 @@ def run_load(
 def classify(records: list[dict[str, Any]], reference: list[list[int]]) -> dict[str, Any]:
     """The benchmark's counts from the records (see benchmarks/chaos.py for the definitions)."""
     counts = dict.fromkeys(
-        ("requests", "completed", "cancelled_by_client", "client_deadline", "overloaded",
-         "failed_before_first_token", "lost_streams", "repeated_or_skipped_tokens", "hangs",
-         "retried", "migrated"), 0,
-    )  # fmt: skip
+        (
+            "requests",
+            "completed",
+            "cancelled_by_client",
+            "client_deadline",
+            "overloaded",
+            "failed_before_first_token",
+            "lost_streams",
+            "repeated_or_skipped_tokens",
+            "hangs",
+            "retried",
+            "migrated",
+        ),
+        0,
+    )
     examples: list[dict[str, Any]] = []
     for record in records:
         counts["requests"] += 1

@@ -48,17 +48,33 @@ def build_model() -> tuple[str, float, bool]:
 
 def one_run(args: argparse.Namespace, model_dir: str, timeout_s: float) -> dict[str, object]:
     port = free_port()
-    command = [sys.executable, "-m", "deploy.cli.main", "serve", "--config", args.config,
-               "--model", model_dir, "--port", str(port), "--metrics-port", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "deploy.cli.main",
+        "serve",
+        "--config",
+        args.config,
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+    ]
     if args.no_ray:
         command.append("--no-ray")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "proto")])}
     lines: list[tuple[float, str]] = []
     launched = time.perf_counter()
     process = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
     def read() -> None:
         assert process.stdout is not None

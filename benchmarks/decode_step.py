@@ -133,8 +133,11 @@ def compare_groups(engine: LLMEngine, num_warmup: int, num_steps: int) -> dict[s
     finally:
         torch_backend.GROUP_COST_TOKENS = grouped_cost
     one, grouped = statistics.median(medians["one_group"]), statistics.median(medians["grouped"])
-    return {"one_group_step_ms": round(one, 3), "grouped_step_ms": round(grouped, 3),
-            "grouped_speedup": round(one / grouped, 3)}  # fmt: skip
+    return {
+        "one_group_step_ms": round(one, 3),
+        "grouped_step_ms": round(grouped, 3),
+        "grouped_speedup": round(one / grouped, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -31,8 +31,13 @@ BLOCK_SIZE = 16
 
 def build_model(model_dir: str) -> None:
     config = LlamaConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(model_dir)
@@ -51,15 +56,17 @@ def ours_decode_ms(executor: Executor, batch_size: int, num_steps: int) -> float
     num_blocks = -(-(CONTEXT_LEN + num_steps + 1) // BLOCK_SIZE)
     tables = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(batch_size)]
     prompts = torch.randint(3, 8192, (batch_size, CONTEXT_LEN)).tolist()
-    executor.execute(ScheduledBatch([
-        SequenceChunk(str(i), prompts[i], 0, tables[i]) for i in range(batch_size)
-    ]))
+    executor.execute(
+        ScheduledBatch([SequenceChunk(str(i), prompts[i], 0, tables[i]) for i in range(batch_size)])
+    )
     position = [CONTEXT_LEN]
 
     def step() -> None:
-        executor.execute(ScheduledBatch([
-            SequenceChunk(str(i), [7], position[0], tables[i]) for i in range(batch_size)
-        ]))
+        executor.execute(
+            ScheduledBatch(
+                [SequenceChunk(str(i), [7], position[0], tables[i]) for i in range(batch_size)]
+            )
+        )
         position[0] += 1
 
     return median_ms(step, num_steps)
@@ -90,7 +97,10 @@ def main() -> None:
     build_model(model_dir)
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = EngineConfig(
-        model_dir=model_dir, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=32 * 24,
+        model_dir=model_dir,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=32 * 24,
         num_threads=args.threads,
     )
     result: dict[str, float] = {}
@@ -104,12 +114,17 @@ def main() -> None:
             print(f"decode b={batch_size}: pdserve {ours:.2f} ms, hf {theirs:.2f} ms", flush=True)
         prompt = torch.randint(3, 8192, (512,)).tolist()
         table = list(range(512 // BLOCK_SIZE))
-        ours = median_ms(lambda: executor.execute(
-            ScheduledBatch([SequenceChunk("p", prompt, 0, table)])), max(3, args.steps // 4))
+        ours = median_ms(
+            lambda: executor.execute(ScheduledBatch([SequenceChunk("p", prompt, 0, table)])),
+            max(3, args.steps // 4),
+        )
     with torch.no_grad():
         theirs = median_ms(lambda: hf(torch.tensor([prompt])), max(3, args.steps // 4))
-    result.update(prefill_512_ms=round(ours, 3), hf_prefill_512_ms=round(theirs, 3),
-                  prefill_512_speedup=round(theirs / ours, 3))
+    result.update(
+        prefill_512_ms=round(ours, 3),
+        hf_prefill_512_ms=round(theirs, 3),
+        prefill_512_speedup=round(theirs / ours, 3),
+    )
     print(f"prefill 512: pdserve {ours:.2f} ms, hf {theirs:.2f} ms", flush=True)
     line = json.dumps(result)
     print(line)

@@ -52,11 +52,18 @@ async def _http_stream(
     port: int, model: str, request_id: str, num_tokens: int
 ) -> tuple[str, list[float]]:
     """One streamed completion; every token's receive time."""
-    body = json.dumps({
-        "model": model, "prompt": f"client {request_id}", "max_tokens": num_tokens,
-        "ignore_eos": True, "temperature": 0, "stream": True, "request_id": request_id,
-        "stream_options": {"continuous_usage_stats": True},
-    }).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": f"client {request_id}",
+            "max_tokens": num_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "request_id": request_id,
+            "stream_options": {"continuous_usage_stats": True},
+        }
+    ).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"

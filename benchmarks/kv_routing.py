@@ -89,20 +89,31 @@ def _run_conversation(
         e2e_s = time.perf_counter() - sent
         seen_system = number > 0 or index >= args.system_prompts
         reusable = before - 1 if number > 0 else (len(system) if seen_system else 0)
-        turns.append(Turn(
-            index, number, len(prompt), response.usage.cached_prompt_tokens,
-            reusable // args.block_size * args.block_size, response.prefill_instance,
-            response.timings.first_token_s, e2e_s,
-        ))  # fmt: skip
+        turns.append(
+            Turn(
+                index,
+                number,
+                len(prompt),
+                response.usage.cached_prompt_tokens,
+                reusable // args.block_size * args.block_size,
+                response.prefill_instance,
+                response.timings.first_token_s,
+                e2e_s,
+            )
+        )
         history = prompt + list(response.token_ids)
     return turns
 
 
 def run_policy(policy: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec = layouts.cluster_spec(
-        "colocated", model_dir, pin_cpus=not args.no_pin, enable_prefix_caching=True,
-        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-    )  # fmt: skip
+        "colocated",
+        model_dir,
+        pin_cpus=not args.no_pin,
+        enable_prefix_caching=True,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+    )
     router = dataclasses.replace(spec.router, prefill_policy=policy)
     spec = dataclasses.replace(spec, router=router, num_colocated_instances=args.replicas)
     token_range = layouts.prompt_token_range(model_dir)
@@ -122,7 +133,7 @@ def run_policy(policy: str, model_dir: Path, args: argparse.Namespace) -> dict[s
                         systems[index % len(systems)],
                         messages[index],
                         args,
-                    )  # fmt: skip
+                    )
                     for index in range(args.conversations)
                 ]
                 turns = [turn for future in futures for turn in future.result()]
@@ -141,7 +152,7 @@ def _warm_up(stub: Any, token_range: tuple[int, int]) -> None:
             token_ids=[rng.randrange(*token_range) for _ in range(24)],
             max_tokens=4,
             ignore_eos=True,
-        )  # fmt: skip
+        )
         for _ in range(2)
     ]
     with ThreadPoolExecutor(2) as pool:
@@ -205,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             "system_len": args.system_len,
             "reply_len": args.reply_len,
             "concurrency": args.concurrency,
-            "replicas": args.replicas, "num_kv_blocks_per_replica": args.num_kv_blocks,
+            "replicas": args.replicas,
+            "num_kv_blocks_per_replica": args.num_kv_blocks,
             "block_size": args.block_size,
-        },  # fmt: skip
+        },
         "hit_rate": {policy: result["hit_rate"] for policy, result in results.items()},
         "policies": results,
     }

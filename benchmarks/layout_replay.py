@@ -41,8 +41,11 @@ def calibrated_model(raw: dict[str, Any], profile: Path) -> LatencyModel:
     model = LatencyModel.from_file(str(profile))
     slo = raw["slo"]
     classes = slo.get("classes", {})  # a mix: the class whose calibration prompt is longest
-    calibration = slo["calibration"] if "calibration" in slo else max(
-        (c["calibration"] for c in classes.values()), key=lambda c: c["prompt_len"])
+    calibration = (
+        slo["calibration"]
+        if "calibration" in slo
+        else max((c["calibration"] for c in classes.values()), key=lambda c: c["prompt_len"])
+    )
     n = int(calibration["prompt_len"])
     model.speed = calibration["prefill_s"] / model.prefill_s(n)
     model.decode_speed = 1e3 * calibration["decode_step_s"] / model.step.decode_stage_ms(1, n)
@@ -52,8 +55,9 @@ def calibrated_model(raw: dict[str, Any], profile: Path) -> LatencyModel:
 ARRIVAL, END = 0, 1
 
 
-def _events(records: list[RequestRecord], slos: SLOs, start: float
-            ) -> list[tuple[float, int, RequestRecord, tuple[float, float]]]:  # fmt: skip
+def _events(
+    records: list[RequestRecord], slos: SLOs, start: float
+) -> list[tuple[float, int, RequestRecord, tuple[float, float]]]:
     """What the router sees, in order: (at, ARRIVAL, record, (0, 0)), and when it ends (at,
     END, record, (its TTFT, its TPOT, each over its SLO))."""
     events = []
@@ -68,8 +72,9 @@ def _events(records: list[RequestRecord], slos: SLOs, start: float
     return sorted(events, key=lambda e: (e[0], e[1]))
 
 
-def _running(records: list[RequestRecord], local: list[bool], slos: SLOs, start: float,
-             at: float) -> list[Running]:  # fmt: skip
+def _running(
+    records: list[RequestRecord], local: list[bool], slos: SLOs, start: float, at: float
+) -> list[Running]:
     """The local requests decoding at `at` (since `start`): their first token out, not yet
     their last."""
     running = []
@@ -80,21 +85,31 @@ def _running(records: list[RequestRecord], local: list[bool], slos: SLOs, start:
         seen = [t for t in times if t - start <= at]
         ttft_slo_s, tpot_slo_s = slos.of(record)
         tpot = (seen[-1] - seen[0]) / (len(seen) - 1) / tpot_slo_s if len(seen) > 1 else 0.0
-        running.append(Running(record.send_time - start, len(seen),
-                               (times[0] - record.send_time) / ttft_slo_s, tpot))  # fmt: skip
+        running.append(
+            Running(
+                record.send_time - start,
+                len(seen),
+                (times[0] - record.send_time) / ttft_slo_s,
+                tpot,
+            )
+        )
     return running
 
 
-def replay(raw: dict[str, Any], profile: Path, window_s: float, source: str = "adaptive"
-           ) -> list[dict[str, Any]]:  # fmt: skip
+def replay(
+    raw: dict[str, Any], profile: Path, window_s: float, source: str = "adaptive"
+) -> list[dict[str, Any]]:
     slos = slos_of(raw["slo"])
     layouts = raw["layouts"]
     num_instances = int(layouts["adaptive"].get("num_devices", 2))
     model = calibrated_model(raw, profile)
     fixed = {
-        name: {round(p["rate"], 6): attainment(records_of(p), slos) for p in layouts[name]["points"]}
-        for name in ("colocated", "disaggregated", "adaptive") if name in layouts
-    }  # fmt: skip
+        name: {
+            round(p["rate"], 6): attainment(records_of(p), slos) for p in layouts[name]["points"]
+        }
+        for name in ("colocated", "disaggregated", "adaptive")
+        if name in layouts
+    }
     rows = []
     for point in sorted(layouts[source]["points"], key=lambda p: p["rate"]):
         layout = LayoutModel(model, window_s)
@@ -111,16 +126,19 @@ def replay(raw: dict[str, Any], profile: Path, window_s: float, source: str = "a
                 layout.note(Arrival(at, record.prompt_len, record.output_len, objectives))
                 running = _running(records, local, slos, start, at)
                 chosen.append(layout.update(num_instances, at, running))
-        rows.append({
-            "rate_per_device": point["rate_per_device"],
-            "split_share": sum(k > 0 for k in chosen) / len(chosen),
-            "forecasts": [
-                {"prefill_instances": f.prefill_instances, "at_risk": f.at_risk, "load": f.load}
-                for f in layout.last
-            ],
-            "measured": {name: by_rate.get(round(point["rate"], 6))
-                         for name, by_rate in fixed.items()},
-        })  # fmt: skip
+        rows.append(
+            {
+                "rate_per_device": point["rate_per_device"],
+                "split_share": sum(k > 0 for k in chosen) / len(chosen),
+                "forecasts": [
+                    {"prefill_instances": f.prefill_instances, "at_risk": f.at_risk, "load": f.load}
+                    for f in layout.last
+                ],
+                "measured": {
+                    name: by_rate.get(round(point["rate"], 6)) for name, by_rate in fixed.items()
+                },
+            }
+        )
     return rows
 
 
@@ -129,8 +147,12 @@ def main() -> None:
     parser.add_argument("run", type=Path, help="a bench --compare output folder (raw/*.json.gz)")
     parser.add_argument("--profile", type=Path, default=DEFAULT_LATENCY_PROFILE)
     parser.add_argument("--window-s", type=float, default=10.0)
-    parser.add_argument("--source", choices=("adaptive", "colocated"), default="adaptive",
-                        help="whose records give the local decodes' TPOT")
+    parser.add_argument(
+        "--source",
+        choices=("adaptive", "colocated"),
+        default="adaptive",
+        help="whose records give the local decodes' TPOT",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     result: dict[str, Any] = {"run": str(args.run), "regimes": {}}
@@ -140,10 +162,14 @@ def main() -> None:
         result["regimes"][raw["regime"]] = rows
         for row in rows:
             measured = " ".join(f"{k} {v:.2f}" for k, v in row["measured"].items() if v is not None)
-            forecasts = " ".join(f"k={f['prefill_instances']} {f['at_risk']:.2f}/{f['load']:.2f}"
-                                 for f in row["forecasts"])  # fmt: skip
-            print(f"{raw['regime']:>13} {row['rate_per_device']:5.2f}/dev split "
-                  f"{row['split_share']:4.0%}  {forecasts:<32}  measured {measured}")  # fmt: skip
+            forecasts = " ".join(
+                f"k={f['prefill_instances']} {f['at_risk']:.2f}/{f['load']:.2f}"
+                for f in row["forecasts"]
+            )
+            print(
+                f"{raw['regime']:>13} {row['rate_per_device']:5.2f}/dev split "
+                f"{row['split_share']:4.0%}  {forecasts:<32}  measured {measured}"
+            )
     emit(result, args.out)
 
 

@@ -129,9 +129,12 @@ def report(args: argparse.Namespace, outcome: dict[str, Any], stopped: dict[str,
         "health": health,
         "pools": {**pools, "before": outcome["pools_before"]},
         "shutdown": stopped,
-        "ok": complete and not errors and health["num_lies"] == 0 and pools["returned"]
+        "ok": complete
+        and not errors
+        and health["num_lies"] == 0
+        and pools["returned"]
         and stopped["exit_code"] == 0,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

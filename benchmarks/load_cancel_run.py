@@ -46,18 +46,32 @@ class Phase:
 
     def scaled(self, scale: float) -> Phase:
         in_flight = self.max_in_flight and max(4, round(self.max_in_flight * scale))
-        return replace(self, num_requests=max(2, round(self.num_requests * scale)),
-                       max_in_flight=in_flight)  # fmt: skip
+        return replace(
+            self, num_requests=max(2, round(self.num_requests * scale)), max_in_flight=in_flight
+        )
 
 
 PHASES = (
     Phase("concurrent-600", 600, max_tokens=32, prompt_len=24),
     Phase("concurrent-1500", 1500, max_tokens=32, prompt_len=24),
-    Phase("long-half-cancelled", 200, max_tokens=400, prompt_len=64, cancel_fraction=0.5,
-          cancel_within_s=3.0),
-    Phase("short-10pct-cancelled", 2000, max_tokens=8, prompt_len=16, max_in_flight=200,
-          cancel_fraction=0.1, cancel_within_s=0.5),
-)  # fmt: skip
+    Phase(
+        "long-half-cancelled",
+        200,
+        max_tokens=400,
+        prompt_len=64,
+        cancel_fraction=0.5,
+        cancel_within_s=3.0,
+    ),
+    Phase(
+        "short-10pct-cancelled",
+        2000,
+        max_tokens=8,
+        prompt_len=16,
+        max_in_flight=200,
+        cancel_fraction=0.1,
+        cancel_within_s=0.5,
+    ),
+)
 
 
 @dataclass
@@ -93,9 +107,13 @@ class Server:
         env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
         process = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli.main", "serve", "--config", str(config)],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_echo, args=(process, lines), daemon=True).start()
         deadline = time.monotonic() + start_timeout_s

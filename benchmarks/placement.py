@@ -119,8 +119,13 @@ def _profile(name: str, model: str) -> ModelProfile:
 
 def _distserve_settings(fine: bool) -> SearchSettings:
     options = SimOptions(distserve_compat=True, decode_batch_tokens=DISTSERVE_DECODE_BATCH_TOKENS)
-    return SearchSettings(max_per_gpu_rate=5, absolute_eps=None if fine else 0.25, eps=0.01,
-                          options=options, prune=False)  # fmt: skip
+    return SearchSettings(
+        max_per_gpu_rate=5,
+        absolute_eps=None if fine else 0.25,
+        eps=0.01,
+        options=options,
+        prune=False,
+    )
 
 
 def reproduce_13b(pairs: list[tuple[int, int]], seeds: int) -> dict[str, Any]:
@@ -129,19 +134,30 @@ def reproduce_13b(pairs: list[tuple[int, int]], seeds: int) -> dict[str, Any]:
     slo = SLO(200.0, 100.0, 0.9, "separate")
     cluster = Cluster(1, 4)
     out: dict[str, Any] = {}
-    runs = {"distserve_rule": (False, [0]), "fine_seed0": (True, [0]),
-            "distserve_rule_seeds": (False, list(range(seeds)))}  # fmt: skip
+    runs = {
+        "distserve_rule": (False, [0]),
+        "fine_seed0": (True, [0]),
+        "distserve_rule_seeds": (False, list(range(seeds))),
+    }
     for name, (fine, seed_list) in runs.items():
         configs, rates, coloc, times = Counter(), [], [], []
         for seed in seed_list:
             workload = distserve_workload("sharegpt", pairs, 300, seed=seed)
-            result = plan(dist, workload, slo, cluster, _distserve_settings(fine),
-                          algorithms=("low",), colocated_profile=vllm)  # fmt: skip
+            result = plan(
+                dist,
+                workload,
+                slo,
+                cluster,
+                _distserve_settings(fine),
+                algorithms=("low",),
+                colocated_profile=vllm,
+            )
             assert result.best_disaggregated and result.best_colocated
             configs[result.best_disaggregated.placement.describe()] += 1
             rates.append(result.best_disaggregated.per_gpu_rate)
-            coloc.append((result.best_colocated.placement.describe(),
-                          result.best_colocated.per_gpu_rate))  # fmt: skip
+            coloc.append(
+                (result.best_colocated.placement.describe(), result.best_colocated.per_gpu_rate)
+            )
             times.append(result.search_s)
         best_coloc = statistics.median(r for _, r in coloc)
         out[name] = {
@@ -183,14 +199,24 @@ def placements_66b(pairs: list[tuple[int, int]]) -> dict[str, Any]:
     old_priced = _score(old, dist, workload, slo, priced, 0.0)
 
     def row(p: Any) -> dict[str, Any]:
-        return {"placement": p.placement.describe(), "algorithm": p.placement.algorithm,
-                "per_gpu_goodput": round(p.per_gpu_rate, 4), "gpus": p.placement.num_gpus}  # fmt: skip
+        return {
+            "placement": p.placement.describe(),
+            "algorithm": p.placement.algorithm,
+            "per_gpu_goodput": round(p.per_gpu_rate, 4),
+            "gpus": p.placement.num_gpus,
+        }
 
     # DistServe's own rules (as for OPT-13B): the low-affinity search its simulate.py runs.
     started = time.perf_counter()
-    rule = plan(dist, distserve_workload("sharegpt", pairs, 300, seed=0),
-                SLO(2500.0, 150.0, 0.9, "separate"), cluster, _distserve_settings(False),
-                algorithms=("low",), colocated_profile=vllm)  # fmt: skip
+    rule = plan(
+        dist,
+        distserve_workload("sharegpt", pairs, 300, seed=0),
+        SLO(2500.0, 150.0, 0.9, "separate"),
+        cluster,
+        _distserve_settings(False),
+        algorithms=("low",),
+        colocated_profile=vllm,
+    )
     rule_s = time.perf_counter() - started
     return {
         "slo_ms": [2500, 150],
@@ -199,7 +225,7 @@ def placements_66b(pairs: list[tuple[int, int]]) -> dict[str, Any]:
             **row(rule.best),
             "search_s": round(rule_s, 2),
             "best_colocated_vllm": row(rule.best_colocated),
-        },  # fmt: skip
+        },
         "transfer_free": {
             "best": row(free_plan.best),
             "best_low_affinity": row(
@@ -207,7 +233,7 @@ def placements_66b(pairs: list[tuple[int, int]]) -> dict[str, Any]:
                     (s for s in free_plan.candidates if s.placement.algorithm == "low-affinity"),
                     key=lambda s: s.per_gpu_rate,
                 )
-            ),  # fmt: skip
+            ),
             "best_colocated_vllm": row(free_plan.best_colocated),
         },
         "cross_node_25gbps": {
@@ -228,8 +254,18 @@ def predict_machine(args: argparse.Namespace) -> dict[str, Any]:
         from deploy.cli.main import main as pdserve  # noqa: PLC0415
 
         for path in paths:
-            pdserve(["profile", "--bench-model", str(BENCH_MODEL), "--path", "--out", path,
-                     "--raw-out", str(Path(path).with_suffix(".raw.json"))])  # fmt: skip
+            pdserve(
+                [
+                    "profile",
+                    "--bench-model",
+                    str(BENCH_MODEL),
+                    "--path",
+                    "--out",
+                    path,
+                    "--raw-out",
+                    str(Path(path).with_suffix(".raw.json")),
+                ]
+            )
     from benchmarks.placement_predict import write_table_and_plot  # noqa: PLC0415
 
     result = compare_profiles([load_profile(path) for path in paths], measured_run(args))
@@ -251,18 +287,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(RESULTS / "placement.json"))
     parser.add_argument("--seeds", type=int, default=10)
-    parser.add_argument("--measured",
-                        help="reuse this `pdserve bench --compare` output folder (summary.json, "
-                             f"raw/), e.g. {MEASURED.relative_to(ROOT)}; without it a run is "
-                             "made now (about 18 minutes on 2 cores)")  # fmt: skip
-    parser.add_argument("--bench-out", default=str(RESULTS / "bench"),
-                        help="where the run made without --measured goes")  # fmt: skip
-    parser.add_argument("--profile", default=",".join(str(p) for p in PROFILES),
-                        help="this machine's `pdserve profile --path` of the benchmark's model; "
-                             "several, comma-separated, give the median and the spread")  # fmt: skip
-    parser.add_argument("--reprofile", action="store_true",
-                        help="measure each --profile again first (pdserve profile --path, "
-                             "about 3 minutes each)")  # fmt: skip
+    parser.add_argument(
+        "--measured",
+        help="reuse this `pdserve bench --compare` output folder (summary.json, "
+        f"raw/), e.g. {MEASURED.relative_to(ROOT)}; without it a run is "
+        "made now (about 18 minutes on 2 cores)",
+    )
+    parser.add_argument(
+        "--bench-out",
+        default=str(RESULTS / "bench"),
+        help="where the run made without --measured goes",
+    )
+    parser.add_argument(
+        "--profile",
+        default=",".join(str(p) for p in PROFILES),
+        help="this machine's `pdserve profile --path` of the benchmark's model; "
+        "several, comma-separated, give the median and the spread",
+    )
+    parser.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure each --profile again first (pdserve profile --path, about 3 minutes each)",
+    )
     args = parser.parse_args(argv)
     lengths = sharegpt_lengths()
     pairs = [(int(p), int(o)) for p, o in lengths["pairs"]]

@@ -115,17 +115,27 @@ def load_measured(directory: str | Path = MEASURED) -> list[Regime]:
                 now += request["unit_gap_s"]
             offsets.append(now)
         workload = Workload(
-            name, tuple(r["prompt_len"] for r in requests),
-            tuple(r["output_len"] for r in requests), tuple(offsets),
-        )  # fmt: skip
-        regimes.append(Regime(
-            name, workload, 1e3 * raw["slo"]["ttft_s"], 1e3 * raw["slo"]["tpot_s"],
-            raw["slo"]["calibration"],
-            {"disaggregated": entry["goodput_disaggregated"],
-             "colocated": entry["goodput_colocated"]},
-            raw["config"], {layout: measured_interval(raw, layout) for layout in LAYOUTS},
-            SweepPolicy.of_run(raw["config"], raw["slo"]["start_rate"]),
-        ))  # fmt: skip
+            name,
+            tuple(r["prompt_len"] for r in requests),
+            tuple(r["output_len"] for r in requests),
+            tuple(offsets),
+        )
+        regimes.append(
+            Regime(
+                name,
+                workload,
+                1e3 * raw["slo"]["ttft_s"],
+                1e3 * raw["slo"]["tpot_s"],
+                raw["slo"]["calibration"],
+                {
+                    "disaggregated": entry["goodput_disaggregated"],
+                    "colocated": entry["goodput_colocated"],
+                },
+                raw["config"],
+                {layout: measured_interval(raw, layout) for layout in LAYOUTS},
+                SweepPolicy.of_run(raw["config"], raw["slo"]["start_rate"]),
+            )
+        )
     return regimes
 
 
@@ -150,10 +160,14 @@ def sim_options(profile: ModelProfile, regime: Regime) -> tuple[SimOptions, Link
     config, tp1 = regime.config, profile.tp(1)
     budget = config.get("max_num_batched_tokens", 2048)
     options = SimOptions(
-        colocated_policy="chunked", chunk_size=config.get("chunk_size", 512),
-        max_num_batched_tokens=budget, max_num_seqs=64, prefill_max_tokens=budget,
-        ttft_path_ms=ttft_path_ms(profile), reserve_before_prefill=True,
-    )  # fmt: skip
+        colocated_policy="chunked",
+        chunk_size=config.get("chunk_size", 512),
+        max_num_batched_tokens=budget,
+        max_num_seqs=64,
+        prefill_max_tokens=budget,
+        ttft_path_ms=ttft_path_ms(profile),
+        reserve_before_prefill=True,
+    )
     return options, measured_link(tp1)
 
 
@@ -190,13 +204,28 @@ def predict(profile: ModelProfile, regime: Regime) -> dict[str, float]:
 def plan_regime(profile: ModelProfile, regime: Regime) -> dict[str, Any]:
     """What `pdserve plan` picks on this machine (1 node x 2 cores) for the regime."""
     options, link = sim_options(profile, regime)
-    settings = SearchSettings(max_per_gpu_rate=20.0, link=link, options=options, pp_choices=(1,),
-                              relay=relay_of(profile), colocated_fill=True)  # fmt: skip
+    settings = SearchSettings(
+        max_per_gpu_rate=20.0,
+        link=link,
+        options=options,
+        pp_choices=(1,),
+        relay=relay_of(profile),
+        colocated_fill=True,
+    )
     slo = SLO(regime.ttft_slo_ms, regime.tpot_slo_ms, 0.9)
-    result = plan(apply_serving_path(profile), regime.workload, slo, Cluster(1, NUM_DEVICES),
-                  settings, algorithms=("low",))  # fmt: skip
-    return {"best": result.best.placement.describe(), "layout": result.best.placement.layout,
-            "ratio": round(result.winner_ratio, 3)}  # fmt: skip
+    result = plan(
+        apply_serving_path(profile),
+        regime.workload,
+        slo,
+        Cluster(1, NUM_DEVICES),
+        settings,
+        algorithms=("low",),
+    )
+    return {
+        "best": result.best.placement.describe(),
+        "layout": result.best.placement.layout,
+        "ratio": round(result.winner_ratio, 3),
+    }
 
 
 def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str, Any]:
@@ -211,21 +240,31 @@ def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str
         predicted = predict(full, regime)
         engine_only = predict(bare, regime)
         for layout, measured in regime.measured.items():
-            rows.append({
-                "regime": regime.name, "layout": layout, "measured": round(measured, 3),
-                "measured_interval90": [round(v, 3) for v in regime.interval[layout]],
-                "predicted": round(predicted[layout], 3),
-                "predicted_engine_only": round(engine_only[layout], 3),
-                "error": round(predicted[layout] / measured - 1, 3) if measured else None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "regime": regime.name,
+                    "layout": layout,
+                    "measured": round(measured, 3),
+                    "measured_interval90": [round(v, 3) for v in regime.interval[layout]],
+                    "predicted": round(predicted[layout], 3),
+                    "predicted_engine_only": round(engine_only[layout], 3),
+                    "error": round(predicted[layout] / measured - 1, 3) if measured else None,
+                }
+            )
         chosen = plan_regime(full, regime)
         best_measured = max(regime.measured, key=lambda k: regime.measured[k])
-        plans[regime.name] = {**chosen, "measured_best": best_measured,
-                              "agrees": chosen["layout"] == best_measured}  # fmt: skip
+        plans[regime.name] = {
+            **chosen,
+            "measured_best": best_measured,
+            "agrees": chosen["layout"] == best_measured,
+        }
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
-    return {"serving_path": {k: round(v, 3) for k, v in full.tp(1).serving_path.items()},
-            "rows": rows, "plans": plans,
-            "cpu_prediction_error": round(max(errors), 3) if errors else None}  # fmt: skip
+    return {
+        "serving_path": {k: round(v, 3) for k, v in full.tp(1).serving_path.items()},
+        "rows": rows,
+        "plans": plans,
+        "cpu_prediction_error": round(max(errors), 3) if errors else None,
+    }
 
 
 def compare_profiles(
@@ -241,22 +280,33 @@ def compare_profiles(
         median = statistics.median(predicted)
         engine_only = statistics.median(run["rows"][index]["predicted_engine_only"] for run in runs)
         measured = row["measured"]
-        rows.append({
-            **row, "predicted": round(median, 3),
-            "predicted_range": [min(predicted), max(predicted)],
-            "predicted_engine_only": round(engine_only, 3),
-            "error": round(median / measured - 1, 3) if measured else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                **row,
+                "predicted": round(median, 3),
+                "predicted_range": [min(predicted), max(predicted)],
+                "predicted_engine_only": round(engine_only, 3),
+                "error": round(median / measured - 1, 3) if measured else None,
+            }
+        )
     plans = {}
     for name, entry in runs[0]["plans"].items():
         agreeing = sum(run["plans"][name]["agrees"] for run in runs)
-        plans[name] = {**entry, "layouts": [run["plans"][name]["layout"] for run in runs],
-                       "agrees": 2 * agreeing > len(runs), "agree_count": agreeing}  # fmt: skip
+        plans[name] = {
+            **entry,
+            "layouts": [run["plans"][name]["layout"] for run in runs],
+            "agrees": 2 * agreeing > len(runs),
+            "agree_count": agreeing,
+        }
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
-    return {"num_profiles": len(runs), "serving_path": [run["serving_path"] for run in runs],
-            "rows": rows, "plans": plans,
-            "cpu_prediction_error": round(max(errors), 3) if errors else None,
-            "cpu_prediction_error_per_profile": [r["cpu_prediction_error"] for r in runs]}  # fmt: skip
+    return {
+        "num_profiles": len(runs),
+        "serving_path": [run["serving_path"] for run in runs],
+        "rows": rows,
+        "plans": plans,
+        "cpu_prediction_error": round(max(errors), 3) if errors else None,
+        "cpu_prediction_error_per_profile": [r["cpu_prediction_error"] for r in runs],
+    }
 
 
 def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
@@ -268,21 +318,29 @@ def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[P
 
     out_dir = Path(out_dir)
     count = result.get("num_profiles", 1)
-    lines = [f"| regime | layout | measured (req/s/core) | its 90% interval | predicted (median of "
-             f"{count}) | range | error | engine only |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"| regime | layout | measured (req/s/core) | its 90% interval | predicted (median of "
+        f"{count}) | range | error | engine only |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in result["rows"]:
         low, high = row.get("predicted_range", [row["predicted"]] * 2)
         m_low, m_high = row["measured_interval90"]
-        lines.append(f"| {row['regime']} | {row['layout']} | {row['measured']:.2f} | "
-                     f"{m_low:.2f}-{m_high:.2f} | {row['predicted']:.2f} | {low:.2f}-{high:.2f} | "
-                     f"{100 * row['error']:+.0f}% | {row['predicted_engine_only']:.2f} |")  # fmt: skip
-    lines += ["", "| regime | `pdserve plan` picks | measured best | agrees |",
-              "| --- | --- | --- | --- |"]  # fmt: skip
+        lines.append(
+            f"| {row['regime']} | {row['layout']} | {row['measured']:.2f} | "
+            f"{m_low:.2f}-{m_high:.2f} | {row['predicted']:.2f} | {low:.2f}-{high:.2f} | "
+            f"{100 * row['error']:+.0f}% | {row['predicted_engine_only']:.2f} |"
+        )
+    lines += [
+        "",
+        "| regime | `pdserve plan` picks | measured best | agrees |",
+        "| --- | --- | --- | --- |",
+    ]
     for name, entry in result["plans"].items():
         agree = entry.get("agree_count", int(entry["agrees"]))
-        lines.append(f"| {name} | {entry['best']} | {entry['measured_best']} | "
-                     f"{agree} of {count} profiles |")  # fmt: skip
+        lines.append(
+            f"| {name} | {entry['best']} | {entry['measured_best']} | {agree} of {count} profiles |"
+        )
     table = out_dir / "prediction.md"
     table.write_text("\n".join(lines) + "\n", encoding="utf-8")
     figure, axis = plt.subplots(figsize=(7, 4))
@@ -291,16 +349,32 @@ def write_table_and_plot(result: dict[str, Any], out_dir: str | Path) -> tuple[P
     xs = range(len(labels))
     measured = [r["measured"] for r in result["rows"]]
     intervals = [r["measured_interval90"] for r in result["rows"]]
-    noise = [[m - lo for m, (lo, _) in zip(measured, intervals, strict=True)],
-             [hi - m for m, (_, hi) in zip(measured, intervals, strict=True)]]  # fmt: skip
-    axis.bar([x - 0.2 for x in xs], measured, 0.4, yerr=noise, capsize=3,
-             label="measured (pdserve bench --compare: 90% bootstrap interval)")  # fmt: skip
+    noise = [
+        [m - lo for m, (lo, _) in zip(measured, intervals, strict=True)],
+        [hi - m for m, (_, hi) in zip(measured, intervals, strict=True)],
+    ]
+    axis.bar(
+        [x - 0.2 for x in xs],
+        measured,
+        0.4,
+        yerr=noise,
+        capsize=3,
+        label="measured (pdserve bench --compare: 90% bootstrap interval)",
+    )
     predicted = [r["predicted"] for r in result["rows"]]
     ranges = [r.get("predicted_range", [r["predicted"]] * 2) for r in result["rows"]]
-    spread = [[p - lo for p, (lo, _) in zip(predicted, ranges, strict=True)],
-              [hi - p for p, (_, hi) in zip(predicted, ranges, strict=True)]]  # fmt: skip
-    axis.bar([x + 0.2 for x in xs], predicted, 0.4, yerr=spread, capsize=3,
-             label=f"predicted (pdserve profile x{count} + simulator: median, range)")  # fmt: skip
+    spread = [
+        [p - lo for p, (lo, _) in zip(predicted, ranges, strict=True)],
+        [hi - p for p, (_, hi) in zip(predicted, ranges, strict=True)],
+    ]
+    axis.bar(
+        [x + 0.2 for x in xs],
+        predicted,
+        0.4,
+        yerr=spread,
+        capsize=3,
+        label=f"predicted (pdserve profile x{count} + simulator: median, range)",
+    )
     axis.set_xticks(list(xs), labels, fontsize=8)
     axis.set_ylabel("goodput, requests/s per core")
     axis.set_title(f"This machine: worst error {100 * result['cpu_prediction_error']:.0f}%")

@@ -53,11 +53,14 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
-    config = parse_config({
-        "model": args.model, "prefill": {"tensor_parallel_size": 2},
-        "kv_cache": {"num_blocks": 256},
-        "router": {"port": 0, "shutdown_grace_s": 5},
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "model": args.model,
+            "prefill": {"tensor_parallel_size": 2},
+            "kv_cache": {"num_blocks": 256},
+            "router": {"port": 0, "shutdown_grace_s": 5},
+        }
+    )
     with RayCluster(build_cluster_spec(config)) as cluster:
         cluster.start()
         time.sleep(3)

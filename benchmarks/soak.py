@@ -46,15 +46,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _load(address: str, args: argparse.Namespace, prompt_set: list[list[int]], num: int,
-          seed: int) -> list[dict[str, Any]]:  # fmt: skip
+def _load(
+    address: str, args: argparse.Namespace, prompt_set: list[list[int]], num: int, seed: int
+) -> list[dict[str, Any]]:
     context = mp.get_context("spawn")
     parent, child = context.Pipe(duplex=False)
     process = context.Process(
         target=run_load,
-        args=(child, address, prompt_set, args.max_tokens, args.time_limit_s,
-              args.concurrency, seed, num),
-    )  # fmt: skip
+        args=(
+            child,
+            address,
+            prompt_set,
+            args.max_tokens,
+            args.time_limit_s,
+            args.concurrency,
+            seed,
+            num,
+        ),
+    )
     process.start()
     records = parent.recv() if parent.poll(args.time_limit_s + 400) else []
     process.join(30)
@@ -91,9 +100,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "examples": counts["examples"],
     }
     result["ok"] = (
-        errors == 0 and leaked == 0 and counts["repeated_or_skipped_tokens"] == 0
+        errors == 0
+        and leaked == 0
+        and counts["repeated_or_skipped_tokens"] == 0
         and len(records) == args.num_requests
-    )  # fmt: skip
+    )
     return result
 
 

@@ -76,21 +76,52 @@ def aiperf(url: str, args: argparse.Namespace, model_dir: Path, model_name: str)
     out = args.out / "aiperf"
     shutil.rmtree(out, ignore_errors=True)
     command = [
-        args.aiperf, "profile", "--model", model_name, "--url", url,
-        "--endpoint-type", "completions", "--streaming", "--tokenizer", str(model_dir),
-        "--isl", str(args.isl), "--isl-stddev", "0", "--osl", str(args.osl), "--osl-stddev", "0",
-        "--request-rate", str(args.rate), "--request-rate-mode", "constant",
+        args.aiperf,
+        "profile",
+        "--model",
+        model_name,
+        "--url",
+        url,
+        "--endpoint-type",
+        "completions",
+        "--streaming",
+        "--tokenizer",
+        str(model_dir),
+        "--isl",
+        str(args.isl),
+        "--isl-stddev",
+        "0",
+        "--osl",
+        str(args.osl),
+        "--osl-stddev",
+        "0",
+        "--request-rate",
+        str(args.rate),
+        "--request-rate-mode",
+        "constant",
         "--use-server-token-count",
-        "--request-count", str(args.num_requests), "--warmup-request-count", "4",
+        "--request-count",
+        str(args.num_requests),
+        "--warmup-request-count",
+        "4",
         # The same stream options as pdserve bench's client (http_client.STREAM_OPTIONS): a
         # chunk for every token. (--per-chunk-usage does this on AIPerf's chat endpoint only.)
-        "--extra-inputs", json.dumps({"ignore_eos": True, "stream_options": STREAM_OPTIONS}),
-        "--random-seed", str(args.seed),
-        "--artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics",
+        "--extra-inputs",
+        json.dumps({"ignore_eos": True, "stream_options": STREAM_OPTIONS}),
+        "--random-seed",
+        str(args.seed),
+        "--artifact-dir",
+        str(out),
+        "--ui-type",
+        "none",
+        "--no-server-metrics",
         # One worker and one record processor: on a small machine AIPerf's services would
         # otherwise take the cores the server runs on.
-        "--workers-max", "1", "--record-processors", "1",
-    ]  # fmt: skip
+        "--workers-max",
+        "1",
+        "--record-processors",
+        "1",
+    ]
     subprocess.run(command, check=True, timeout=args.timeout_s)
     summary_file = out / "profile_export_aiperf.json"
     metrics = json.loads(summary_file.read_text())
@@ -128,14 +159,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("ttft_mean_s", "ttft_p50_s", "output_tokens_per_s")
     ratios = {key: theirs[key] / ours[key] for key in keys}
     return {
-        "tool": "aiperf", "rate": args.rate, "num_requests": args.num_requests,
-        "isl": args.isl, "osl": args.osl, "pdserve_bench": ours, "aiperf": theirs,
-        "pdserve_bench_before": before, "pdserve_bench_after": after,
+        "tool": "aiperf",
+        "rate": args.rate,
+        "num_requests": args.num_requests,
+        "isl": args.isl,
+        "osl": args.osl,
+        "pdserve_bench": ours,
+        "aiperf": theirs,
+        "pdserve_bench_before": before,
+        "pdserve_bench_after": after,
         "ratio_aiperf_over_pdserve": ratios,
-        "agree": all(abs(ratios[key] - 1.0) <= TOLERANCE
-                     for key in ("ttft_mean_s", "output_tokens_per_s")),
+        "agree": all(
+            abs(ratios[key] - 1.0) <= TOLERANCE for key in ("ttft_mean_s", "output_tokens_per_s")
+        ),
         "finished_at": time.time(),
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,9 +81,14 @@ class DecodeRank:
         except KVTransferError as exc:
             error, cancelled = str(exc), isinstance(exc, KVTransferCancelled)
         return RecvReport(
-            ticket.request_id, ticket.transfer_id, self.rank, first_token_id, error, cancelled,
+            ticket.request_id,
+            ticket.transfer_id,
+            self.rank,
+            first_token_id,
+            error,
+            cancelled,
             first_token_at,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         self.channel_host.close()

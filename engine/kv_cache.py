@@ -68,7 +68,14 @@ class KVCacheSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
+        return (
+            self.num_layers,
+            2,
+            self.num_kv_heads,
+            self.num_blocks,
+            self.block_size,
+            self.head_dim,
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -77,7 +84,11 @@ class KVCacheSpec:
 
     @staticmethod
     def num_blocks_for_budget(
-        budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
         dtype: torch.dtype,
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

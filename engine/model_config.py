@@ -70,7 +70,9 @@ class ModelConfig:
         """Read `model_dir/config.json` (and `generation_config.json` if present)."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{model_dir} has no config.json; is it a Hugging Face model folder?")
+            raise FileNotFoundError(
+                f"{model_dir} has no config.json; is it a Hugging Face model folder?"
+            )
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         architectures = list(getattr(hf_config, "architectures", None) or [])
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)

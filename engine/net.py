@@ -21,7 +21,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def create_store(
-    host: str, port: int, world_size: int | None, is_master: bool, timeout_s: float,
+    host: str,
+    port: int,
+    world_size: int | None,
+    is_master: bool,
+    timeout_s: float,
     wait_for_workers: bool = True,
 ) -> dist.TCPStore:
     """A TCPStore client, or a server listening on (host, port) only; port 0 picks a free one
@@ -40,6 +44,12 @@ def create_store(
         raise
     # the store owns the descriptor from here on (detach: Python must not close it)
     return dist.TCPStore(
-        host, bound_port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers,
-        master_listen_fd=sock.detach(), use_libuv=True,
+        host,
+        bound_port,
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=wait_for_workers,
+        master_listen_fd=sock.detach(),
+        use_libuv=True,
     )

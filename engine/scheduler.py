@@ -348,10 +348,13 @@ class Scheduler:
                 handed_off = status == RequestStatus.FINISHED_HANDED_OFF
                 outputs.append(
                     StepOutput(
-                        request.request_id, [token_id], True, FINISH_REASONS.get(status),
+                        request.request_id,
+                        [token_id],
+                        True,
+                        FINISH_REASONS.get(status),
                         handed_off=handed_off,
                     )
-                )  # fmt: skip
+                )
         if num_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

@@ -140,8 +140,9 @@ class StepWindow:
         return deadline - 2 * self.step_s - (1 + MARGIN_FRACTION) * left_s
 
 
-def decode_slack_s(request: Request, now: float, step_s: float, target: float = TPOT_TARGET
-                   ) -> float | None:  # fmt: skip
+def decode_slack_s(
+    request: Request, now: float, step_s: float, target: float = TPOT_TARGET
+) -> float | None:
     """How much longer the decode may be stalled before its TPOT passes `target` x its SLO
     (None: it has no SLO, or no first token yet)."""
     if request.slo is None or request.first_token_at is None:

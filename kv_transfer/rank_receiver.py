@@ -69,9 +69,7 @@ class RecvHandle:
             trailer.first_token_at if trailer is not None else None,
         )
 
-    def _lane_finished(
-        self, trailer: Trailer | None, error: KVTransferError | None
-    ) -> None:
+    def _lane_finished(self, trailer: Trailer | None, error: KVTransferError | None) -> None:
         with self._lock:
             if trailer is not None:
                 self._trailers.append(trailer)
@@ -240,9 +238,7 @@ class _Lane:
         ((work, message, _),) = self._posted
         self.channel.wait(work, self.deadline, self.what)
         try:
-            status, trailer = self.view.unpack(
-                message, self.ticket.transfer_id, self.what
-            )
+            status, trailer = self.view.unpack(message, self.ticket.transfer_id, self.what)
         except KVTransferError:
             self.channel.mark_broken()  # the two sides disagree: trust nothing on this channel
             raise

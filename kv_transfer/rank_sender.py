@@ -214,9 +214,13 @@ class SendHandle:
             return
         first = -1 if first_token_id is None else first_token_id
         message = lane.view.pack(
-            self._staging, self.ticket.transfer_id, status, first, self.ticket.num_tokens,
+            self._staging,
+            self.ticket.transfer_id,
+            status,
+            first,
+            self.ticket.num_tokens,
             sent_at_us,
-        )  # fmt: skip
+        )
         self._post(lane, message, 0, "packed KV", staged=True)
 
     def _wait_all(self) -> None:

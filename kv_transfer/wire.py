@@ -331,9 +331,7 @@ class WireView:
         trailer.copy_(control_message(values, self.cache.device))
         return message
 
-    def unpack(
-        self, message: torch.Tensor, transfer_id: int, what: str
-    ) -> tuple[int, Trailer]:
+    def unpack(self, message: torch.Tensor, transfer_id: int, what: str) -> tuple[int, Trailer]:
         """Check a received packed message and scatter its KV (unless cancelled).
         Returns (status, trailer)."""
         header, payload, trailer = self._packed_parts(message)

@@ -28,8 +28,11 @@ def build_parser(prog: str = "pdserve plan") -> argparse.ArgumentParser:
     plan.add_argument("--max-num-tokens", help="DistServe's max_num_tokens.csv (KV memory)")
     plan.add_argument("--nodes", type=int, default=1)
     plan.add_argument("--gpus-per-node", type=int, default=1)
-    plan.add_argument("--workload", default="chatbot",
-                      help="chatbot | code | summarization, or a JSON list of [prompt, output]")  # fmt: skip
+    plan.add_argument(
+        "--workload",
+        default="chatbot",
+        help="chatbot | code | summarization, or a JSON list of [prompt, output]",
+    )
     plan.add_argument("--num-requests", type=int, default=500)
     plan.add_argument("--max-model-len", type=int, default=1024)
     plan.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
@@ -39,8 +42,12 @@ def build_parser(prog: str = "pdserve plan") -> argparse.ArgumentParser:
     plan.add_argument("--tpot-ms", type=float, required=True)
     plan.add_argument("--attainment", type=float, default=0.9)
     plan.add_argument("--criterion", choices=("joint", "separate"), default="joint")
-    plan.add_argument("--pp", default=None, help="pipeline depths to try, e.g. 1,2,4 (default "
-                      "1,2,4,8; 1 with --write: pdserve serves pp=1)")  # fmt: skip
+    plan.add_argument(
+        "--pp",
+        default=None,
+        help="pipeline depths to try, e.g. 1,2,4 (default "
+        "1,2,4,8; 1 with --write: pdserve serves pp=1)",
+    )
     plan.add_argument("--cross-node-gbps", type=float, help="price KV transfer across nodes")
     plan.add_argument("--intra-node-GBps", type=float, default=300.0)
     plan.add_argument("--colocated-policy", choices=("vllm", "chunked"), default="chunked")
@@ -63,10 +70,22 @@ def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         # a list of [prompt, output] lengths, or a lengths file with them under "pairs"
         # (benchmarks/results/placement/sharegpt-lengths.json)
         pairs = [(int(p), int(o)) for p, o in (data["pairs"] if isinstance(data, dict) else data)]
-        return make_workload(args.workload, pairs, args.num_requests, arrival=args.arrival,
-                             cv=args.cv, seed=args.seed)  # fmt: skip
-    return synthetic_workload(args.workload, args.num_requests, args.max_model_len,
-                              arrival=args.arrival, cv=args.cv, seed=args.seed)  # fmt: skip
+        return make_workload(
+            args.workload,
+            pairs,
+            args.num_requests,
+            arrival=args.arrival,
+            cv=args.cv,
+            seed=args.seed,
+        )
+    return synthetic_workload(
+        args.workload,
+        args.num_requests,
+        args.max_model_len,
+        arrival=args.arrival,
+        cv=args.cv,
+        seed=args.seed,
+    )
 
 
 def _load(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
@@ -94,9 +113,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # A profile measured with `pdserve profile --path` carries the serving path's costs.
     options = SimOptions(colocated_policy=args.colocated_policy, ttft_path_ms=ttft_path_ms(profile))
     settings = SearchSettings(
-        link=link, pp_choices=tuple(int(p) for p in pp_text.split(",")), options=options,
-        relay=relay_of(profile), colocated_fill=args.colocated_fill,
-    )  # fmt: skip
+        link=link,
+        pp_choices=tuple(int(p) for p in pp_text.split(",")),
+        options=options,
+        relay=relay_of(profile),
+        colocated_fill=args.colocated_fill,
+    )
     profile = apply_serving_path(profile)
     coloc = apply_serving_path(coloc) if coloc else None
     slo = SLO(args.ttft_ms, args.tpot_ms, args.attainment, args.criterion)
@@ -114,9 +136,12 @@ def _summary(result: Any) -> dict[str, Any]:
     def one(scored: Any) -> dict[str, Any] | None:
         if scored is None:
             return None
-        return {"placement": scored.placement.describe(), "algorithm": scored.placement.algorithm,
-                "per_gpu_goodput": round(scored.per_gpu_rate, 4),
-                "gpus": scored.placement.num_gpus}  # fmt: skip
+        return {
+            "placement": scored.placement.describe(),
+            "algorithm": scored.placement.algorithm,
+            "per_gpu_goodput": round(scored.per_gpu_rate, 4),
+            "gpus": scored.placement.num_gpus,
+        }
 
     return {
         "best": one(result.best),

@@ -27,7 +27,7 @@ def _lstsq(columns: list[np.ndarray], times_ms: np.ndarray) -> np.ndarray:
     for _ in range(MAX_REFITS + 1):
         coeffs, *_ = np.linalg.lstsq(
             design[keep] * weights[keep, None], times_ms[keep] * weights[keep], rcond=None
-        )  # fmt: skip
+        )
         relative = (times_ms - design @ coeffs) * weights
         spread = 1.4826 * np.median(np.abs(relative[keep] - np.median(relative[keep])))
         fits = relative <= max(OUTLIER_SIGMAS * spread, MIN_OUTLIER)

@@ -24,8 +24,13 @@ from typing import Any
 ATTAINMENT_TARGET = 0.9
 PERCENTILES = (50, 90, 99)
 BREAKDOWN_STAGES = (
-    "router_queue", "prefill_queue", "prefill", "transfer", "decode_queue", "decode",
-)  # fmt: skip
+    "router_queue",
+    "prefill_queue",
+    "prefill",
+    "transfer",
+    "decode_queue",
+    "decode",
+)
 
 
 @dataclass
@@ -192,9 +197,12 @@ def goodput(points: Sequence[tuple[float, float]], target: float = ATTAINMENT_TA
 
 
 def goodput_interval(
-    points: Sequence[tuple[float, Sequence[bool]]], confidence: float = 0.9,
-    resamples: int = 1000, seed: int = 0, target: float = ATTAINMENT_TARGET,
-) -> tuple[float, float]:  # fmt: skip
+    points: Sequence[tuple[float, Sequence[bool]]],
+    confidence: float = 0.9,
+    resamples: int = 1000,
+    seed: int = 0,
+    target: float = ATTAINMENT_TARGET,
+) -> tuple[float, float]:
     """How far a sweep's goodput moves on the luck of its requests: a percentile bootstrap that
     redraws each rate's requests (with replacement; `points` are (rate per device, each
     request met its SLOs)) and recomputes `goodput`. It counts a point's requests as independent
@@ -206,8 +214,10 @@ def goodput_interval(
     rng = random.Random(seed)
     rates = []
     for _ in range(resamples):
-        drawn = [(rate, sum(rng.choices(met, k=len(met))) / len(met) if met else 0.0)
-                 for rate, met in points]  # fmt: skip
+        drawn = [
+            (rate, sum(rng.choices(met, k=len(met))) / len(met) if met else 0.0)
+            for rate, met in points
+        ]
         rates.append(goodput(drawn, target).rate)
     tail = (1 - confidence) / 2
     return percentile(rates, 100 * tail), percentile(rates, 100 * (1 - tail))

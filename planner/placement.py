@@ -102,8 +102,11 @@ def simulate(
     prefill = _instances(profile, placement.prefill, placement.prefill_nodes, memory)
     decode = _instances(profile, placement.decode, placement.decode_nodes, memory)
     return Simulator(
-        prompts, outputs, arrivals,
+        prompts,
+        outputs,
+        arrivals,
         prefill=prefill if phase != "decode" else None,
         decode=decode if phase != "prefill" else None,
-        link=link, options=options,
-    ).run()  # fmt: skip
+        link=link,
+        options=options,
+    ).run()

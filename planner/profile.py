@@ -126,7 +126,7 @@ class TPProfile:
                 _triple(f"{where}.chunked_prefill", data["chunked_prefill"])
                 if data.get("chunked_prefill") is not None
                 else None
-            ),  # fmt: skip
+            ),
             kv_bytes_per_token=data.get("kv_bytes_per_token"),
             max_num_tokens={int(k): int(v) for k, v in (data.get("max_num_tokens") or {}).items()},
             overhead=tuple(data.get("overhead", DISTSERVE_OVERHEAD)),  # type: ignore[arg-type]
@@ -187,10 +187,13 @@ def load_profiles(path: str | Path) -> dict[str, ModelProfile]:
         }
         kv = KV_BYTES_PER_TOKEN.get(model)
         by_tp = {
-            tp: (p if p.kv_bytes_per_token is not None or kv is None
-                 else replace(p, kv_bytes_per_token=float(kv)))
+            tp: (
+                p
+                if p.kv_bytes_per_token is not None or kv is None
+                else replace(p, kv_bytes_per_token=float(kv))
+            )
             for tp, p in by_tp.items()
-        }  # fmt: skip
+        }
         models[model] = ModelProfile(model, by_tp)
     return models
 

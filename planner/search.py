@@ -139,21 +139,33 @@ def _runnable(profile: ModelProfile, tp: int, pp: int) -> bool:
 
 
 def _score(
-    placement: Placement, profile: ModelProfile, workload: Workload, slo: SLO,
-    settings: SearchSettings, floor: float, phase: str = "both",
-) -> float:  # fmt: skip
+    placement: Placement,
+    profile: ModelProfile,
+    workload: Workload,
+    slo: SLO,
+    settings: SearchSettings,
+    floor: float,
+    phase: str = "both",
+) -> float:
     gpus = placement.num_gpus
     mean_output = sum(workload.output_lens) / len(workload)
 
     def passes(per_gpu: float) -> bool:
         def run(options: SimOptions) -> SimResult:
             return simulate(
-                placement, profile, workload, per_gpu * gpus, link=settings.link,
-                options=options, memory=settings.memory, phase=phase,
-            )  # fmt: skip
+                placement,
+                profile,
+                workload,
+                per_gpu * gpus,
+                link=settings.link,
+                options=options,
+                memory=settings.memory,
+                phase=phase,
+            )
 
-        result = simulate_relayed(run, settings.options, settings.relay, per_gpu * gpus,
-                                  mean_output, gpus)  # fmt: skip
+        result = simulate_relayed(
+            run, settings.options, settings.relay, per_gpu * gpus, mean_output, gpus
+        )
         return slo.met(result, phase)
 
     return max_per_gpu_rate(
@@ -162,9 +174,12 @@ def _score(
 
 
 def search_colocated(
-    profile: ModelProfile, workload: Workload, slo: SLO, cluster: Cluster,
+    profile: ModelProfile,
+    workload: Workload,
+    slo: SLO,
+    cluster: Cluster,
     settings: SearchSettings,
-) -> list[Scored]:  # fmt: skip
+) -> list[Scored]:
     """One colocated instance per (tp, pp) that fits the cluster, as DistServe's vLLM search.
     The chunked policy (our colocated worker) has no pipeline: it tries pp = 1 only."""
     scored: list[Scored] = []
@@ -182,9 +197,12 @@ def search_colocated(
 
 
 def search_low_affinity(
-    profile: ModelProfile, workload: Workload, slo: SLO, cluster: Cluster,
+    profile: ModelProfile,
+    workload: Workload,
+    slo: SLO,
+    cluster: Cluster,
     settings: SearchSettings,
-) -> list[Scored]:  # fmt: skip
+) -> list[Scored]:
     """Alg. 2: a prefill and a decode instance share each node segment (KV over NVLink)."""
     tps = [t for t in sorted(profile.by_tp) if t <= cluster.gpus_per_node]
     pps = [p for p in settings.pp_choices if p <= cluster.gpus_per_node]
@@ -197,9 +215,13 @@ def search_low_affinity(
         if not (_runnable(profile, tp_p, cross * pp_p) and _runnable(profile, tp_d, cross * pp_d)):
             continue
         placement = Placement(
-            "disaggregated", Parallel(tp_p, cross * pp_p), Parallel(tp_d, cross * pp_d),
-            prefill_nodes=(0,), decode_nodes=(0,), algorithm="low-affinity",
-        )  # fmt: skip
+            "disaggregated",
+            Parallel(tp_p, cross * pp_p),
+            Parallel(tp_d, cross * pp_d),
+            prefill_nodes=(0,),
+            decode_nodes=(0,),
+            algorithm="low-affinity",
+        )
         rate = _score(placement, profile, workload, slo, settings, best)
         scored.append(Scored(placement, rate))
         best = max(best, rate)
@@ -207,9 +229,13 @@ def search_low_affinity(
 
 
 def _phase_best(
-    profile: ModelProfile, workload: Workload, slo: SLO, cluster: Cluster,
-    settings: SearchSettings, phase: str,
-) -> list[tuple[Parallel, float]]:  # fmt: skip
+    profile: ModelProfile,
+    workload: Workload,
+    slo: SLO,
+    cluster: Cluster,
+    settings: SearchSettings,
+    phase: str,
+) -> list[tuple[Parallel, float]]:
     """(instance parallelism, goodput per instance in req/s) of one phase simulated alone."""
     out = []
     for tp, pp in product(sorted(profile.by_tp), settings.pp_choices):
@@ -237,9 +263,12 @@ def _pack_nodes(cluster: Cluster, sizes: list[int]) -> list[int]:
 
 
 def search_high_affinity(
-    profile: ModelProfile, workload: Workload, slo: SLO, cluster: Cluster,
+    profile: ModelProfile,
+    workload: Workload,
+    slo: SLO,
+    cluster: Cluster,
     settings: SearchSettings,
-) -> list[Scored]:  # fmt: skip
+) -> list[Scored]:
     """Alg. 1: the best instance of each phase alone, replicated to balance the two, then the
     best combinations simulated whole (with the transfer between their nodes)."""
     pre = _phase_best(profile, workload, slo, cluster, settings, "prefill")
@@ -267,9 +296,13 @@ def search_high_affinity(
         seen.add(key)
         nodes = _pack_nodes(cluster, [p.gpus] * p.count + [d.gpus] * d.count)
         placement = Placement(
-            "disaggregated", p, d, prefill_nodes=tuple(nodes[: p.count]),
-            decode_nodes=tuple(nodes[p.count :]), algorithm="high-affinity",
-        )  # fmt: skip
+            "disaggregated",
+            p,
+            d,
+            prefill_nodes=tuple(nodes[: p.count]),
+            decode_nodes=tuple(nodes[p.count :]),
+            algorithm="high-affinity",
+        )
         rate = _score(placement, profile, workload, slo, settings, 0.0)
         scored.append(Scored(placement, rate))
         best = max(best, rate)
@@ -277,10 +310,15 @@ def search_high_affinity(
 
 
 def plan(
-    profile: ModelProfile, workload: Workload, slo: SLO, cluster: Cluster,
-    settings: SearchSettings | None = None, *, algorithms: tuple[str, ...] = ("low", "high"),
+    profile: ModelProfile,
+    workload: Workload,
+    slo: SLO,
+    cluster: Cluster,
+    settings: SearchSettings | None = None,
+    *,
+    algorithms: tuple[str, ...] = ("low", "high"),
     colocated_profile: ModelProfile | None = None,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """Search the chosen algorithms and the colocated layout; the best per-GPU goodput wins."""
     settings = settings or SearchSettings()
     started = time.perf_counter()

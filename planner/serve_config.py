@@ -26,8 +26,9 @@ def _section(par: Parallel, role: str) -> dict[str, Any]:
 
 def serve_config_dict(placement: Placement, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config mapping for `placement`, over `base` (which it does not change)."""
-    data: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v)
-                            for k, v in (base or {}).items()}  # fmt: skip
+    data: dict[str, Any] = {
+        k: (dict(v) if isinstance(v, dict) else v) for k, v in (base or {}).items()
+    }
     data["mode"] = placement.layout
     if placement.colocated is not None:
         data["colocated"] = {

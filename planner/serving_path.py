@@ -35,15 +35,17 @@ def apply_serving_path(profile: ModelProfile) -> ModelProfile:
         path = entry.serving_path
         if path:
             step = max(path.get("worker_step_ms", 0.0), path.get("worker_step_wall_ms", 0.0))
-            entry = replace(entry, overhead=(step, 0.0),
-                            overhead_per_seq=path.get("worker_seq_ms", 0.0))  # fmt: skip
+            entry = replace(
+                entry, overhead=(step, 0.0), overhead_per_seq=path.get("worker_seq_ms", 0.0)
+            )
         by_tp[tp] = entry
     return replace(profile, by_tp=by_tp)
 
 
 def ttft_path_ms(profile: ModelProfile) -> float:
-    return max((e.serving_path.get("path_ttft_ms", 0.0) for e in profile.by_tp.values()),
-               default=0.0)  # fmt: skip
+    return max(
+        (e.serving_path.get("path_ttft_ms", 0.0) for e in profile.by_tp.values()), default=0.0
+    )
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,22 @@ def relay_of(profile: ModelProfile) -> Relay:
     """The relay's costs from the TP=1 entry (or the first)."""
     entry = profile.by_tp.get(1) or next(iter(profile.by_tp.values()))
     path = entry.serving_path
-    return Relay(path.get("relay_request_ms", 0.0), path.get("relay_token_ms", 0.0),
-                 path.get("relay_step_ms", 0.0), path.get("relay_idle_ms_per_s", 0.0))  # fmt: skip
+    return Relay(
+        path.get("relay_request_ms", 0.0),
+        path.get("relay_token_ms", 0.0),
+        path.get("relay_step_ms", 0.0),
+        path.get("relay_idle_ms_per_s", 0.0),
+    )
 
 
 def relay_scale(
-    relay: Relay, rate: float, mean_output: float, num_cores: int, steps_per_s: float = 0.0,
+    relay: Relay,
+    rate: float,
+    mean_output: float,
+    num_cores: int,
+    steps_per_s: float = 0.0,
     all_busy: float = 1.0,
-) -> float:  # fmt: skip
+) -> float:
     """How much longer each step takes while the relay shares `num_cores` at `rate` req/s,
     `all_busy` the chance that it finds no core idle."""
     cores = relay.busy_cores(rate, mean_output, steps_per_s) * all_busy
@@ -82,9 +92,13 @@ def relay_scale(
 
 
 def simulate_relayed(
-    run: Callable[[SimOptions], SimResult], options: SimOptions, relay: Relay, rate: float,
-    mean_output: float, num_cores: int,
-) -> SimResult:  # fmt: skip
+    run: Callable[[SimOptions], SimResult],
+    options: SimOptions,
+    relay: Relay,
+    rate: float,
+    mean_output: float,
+    num_cores: int,
+) -> SimResult:
     """`run(options)` with the relay's share of the cores in `step_scale`. Its per-step cost
     needs the steps a second and what it takes off the instances needs how busy they are,
     which the simulation gives: a first pass that charges it all but its per-step cost, a
@@ -94,8 +108,9 @@ def simulate_relayed(
     result = run(replace(options, step_scale=relay_scale(relay, rate, mean_output, num_cores)))
     if result.end_ms > 0:
         steps_per_s = result.num_steps / (result.end_ms / 1e3)
-        scale = relay_scale(relay, rate, mean_output, num_cores, steps_per_s,
-                            result.all_busy(num_cores))  # fmt: skip
+        scale = relay_scale(
+            relay, rate, mean_output, num_cores, steps_per_s, result.all_busy(num_cores)
+        )
         result = run(replace(options, step_scale=scale))
     return result
 
@@ -108,9 +123,11 @@ def measured_link(entry: TPProfile) -> LinkSpec | None:
         return None
     path = entry.serving_path
     return LinkSpec(
-        kv, entry.transfer_GBps, entry.transfer_GBps, entry.transfer_per_message_ms,
+        kv,
+        entry.transfer_GBps,
+        entry.transfer_GBps,
+        entry.transfer_per_message_ms,
         handoff_ms=path.get("handoff_ms", 0.0),
         send_cpu_ms=(path.get("kv_send_ms", 0.0), path.get("kv_send_ms_per_token", 0.0)),
-        receive_cpu_ms=(path.get("kv_receive_ms", 0.0),
-                        path.get("kv_receive_ms_per_token", 0.0)),
-    )  # fmt: skip
+        receive_cpu_ms=(path.get("kv_receive_ms", 0.0), path.get("kv_receive_ms_per_token", 0.0)),
+    )

@@ -233,8 +233,9 @@ class Simulator:
         link = self.link
         same_node = source.spec.node == target.spec.node
         bandwidth = link.intra_node_GBps if same_node else link.cross_node_GBps
-        cost = transfer_ms(self.table.prompt[rid], link.bytes_per_token, bandwidth,
-                           link.per_message_ms)  # fmt: skip
+        cost = transfer_ms(
+            self.table.prompt[rid], link.bytes_per_token, bandwidth, link.per_message_ms
+        )
         key = (id(source), id(target))
         start = max(now, self.link_free.get(key, 0.0))
         self.link_free[key] = start + cost
@@ -366,5 +367,6 @@ class Simulator:
         pipes = self.colocated + self.prefill + self.decode
         busy = tuple(p.busy_ms for p in pipes)
         devices = tuple(p.spec.tp * p.spec.model.pp for p in pipes)
-        return SimResult(ttft, tpot, preemptions, end, self.transfer_total, self.num_steps, busy,
-                         devices)  # fmt: skip
+        return SimResult(
+            ttft, tpot, preemptions, end, self.transfer_total, self.num_steps, busy, devices
+        )

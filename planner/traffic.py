@@ -54,8 +54,15 @@ SHAPES: dict[str, LengthShape] = {
     shape.name: shape
     for shape in (
         LengthShape(
-            "chatbot", 160, 0.8, (16, 640), 64, 0.7, (8, 256),
-            ttft_slo_factor=4.0, tpot_slo_factor=3.0,
+            "chatbot",
+            160,
+            0.8,
+            (16, 640),
+            64,
+            0.7,
+            (8, 256),
+            ttft_slo_factor=4.0,
+            tpot_slo_factor=3.0,
             source=(
                 "ShareGPT conversations (DistServe's chatbot workload): medium prompts, long "
                 "and widely spread answers; SLOs as for chatbot OPT-13B (TTFT 0.25 s, TPOT "
@@ -63,16 +70,30 @@ SHAPES: dict[str, LengthShape] = {
             ),
         ),
         LengthShape(
-            "code", 96, 0.5, (16, 320), 48, 0.6, (8, 192),
-            ttft_slo_factor=2.5, tpot_slo_factor=5.0,
+            "code",
+            96,
+            0.5,
+            (16, 320),
+            48,
+            0.6,
+            (8, 192),
+            ttft_slo_factor=2.5,
+            tpot_slo_factor=5.0,
             source=(
                 "HumanEval (DistServe's code-completion workload): a signature and docstring "
                 "in, a function body out; tight TTFT (0.125 s), loose TPOT (0.2 s)"
             ),
         ),
         LengthShape(
-            "summarization", 448, 0.3, (192, 896), 16, 0.5, (4, 64),
-            ttft_slo_factor=10.0, tpot_slo_factor=2.0,
+            "summarization",
+            448,
+            0.3,
+            (192, 896),
+            16,
+            0.5,
+            (4, 64),
+            ttft_slo_factor=10.0,
+            tpot_slo_factor=2.0,
             source=(
                 "LongBench (DistServe's summarization workload): long documents in, short "
                 "summaries out; loose TTFT (15 s), tight TPOT (0.15 s), the regime where "
@@ -80,7 +101,7 @@ SHAPES: dict[str, LengthShape] = {
             ),
         ),
     )
-}  # fmt: skip
+}
 
 
 def unit_rate_gaps(num_requests: int, arrival: str, cv: float, seed: int) -> list[float]:
@@ -149,8 +170,9 @@ class Mix:
         if self.interleaved:
             rng = random.Random(seed + 7)
             return [rng.choice(self.shapes) for _ in range(num_requests)]
-        return [self.shapes[index * len(self.shapes) // num_requests]
-                for index in range(num_requests)]  # fmt: skip
+        return [
+            self.shapes[index * len(self.shapes) // num_requests] for index in range(num_requests)
+        ]
 
     def point_indices(self, available: int, num: int) -> list[int]:
         """Which of a workload of `available` requests (laid out by `classes(available)`) a
@@ -159,18 +181,29 @@ class Mix:
         if self.interleaved or num >= available:
             return list(range(min(num, available)))
         layout, wanted = self.classes(available, 0), self.classes(num, 0)
-        return [index for shape in self.shapes
-                for index in [i for i, c in enumerate(layout) if c == shape][:wanted.count(shape)]]  # fmt: skip
+        return [
+            index
+            for shape in self.shapes
+            for index in [i for i, c in enumerate(layout) if c == shape][: wanted.count(shape)]
+        ]
 
 
 MIXES: dict[str, Mix] = {
     mix.name: mix
     for mix in (
-        Mix("mixed", ("chatbot", "code", "summarization"), interleaved=True,
+        Mix(
+            "mixed",
+            ("chatbot", "code", "summarization"),
+            interleaved=True,
             source="chatbot, code and summarization requests interleaved at random, each held "
-                   "to its own shape's SLOs"),
-        Mix("shift", ("summarization", "chatbot"), interleaved=False,
+            "to its own shape's SLOs",
+        ),
+        Mix(
+            "shift",
+            ("summarization", "chatbot"),
+            interleaved=False,
             source="summarization for the first half of each rate's requests, then chatbot: the "
-                   "traffic moves from long prompts to long outputs"),
+            "traffic moves from long prompts to long outputs",
+        ),
     )
-}  # fmt: skip
+}

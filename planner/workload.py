@@ -41,8 +41,9 @@ class Workload:
         """The first `num` requests (a benchmark point at a low rate sends only those)."""
         if num >= len(self):
             return self
-        return Workload(self.name, self.prompt_lens[:num], self.output_lens[:num],
-                        self.unit_offsets_s[:num])  # fmt: skip
+        return Workload(
+            self.name, self.prompt_lens[:num], self.output_lens[:num], self.unit_offsets_s[:num]
+        )
 
     def arrivals_ms(self, rate: float) -> list[float]:
         """Arrival times in ms at `rate` requests/s (the same sequence, compressed)."""
@@ -89,9 +90,14 @@ def distserve_workload(
 
 
 def synthetic_workload(
-    shape: str, num_requests: int, max_model_len: int, *, arrival: str = "poisson",
-    cv: float = 1.0, seed: int = 0,
-) -> Workload:  # fmt: skip
+    shape: str,
+    num_requests: int,
+    max_model_len: int,
+    *,
+    arrival: str = "poisson",
+    cv: float = 1.0,
+    seed: int = 0,
+) -> Workload:
     """One of the benchmark's synthetic shapes (chatbot, code, summarization)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")

@@ -133,16 +133,19 @@ class AdaptivePlacer:
             self._learn_decode_step(state, views[state.instance_id])
         free_blocks = {state.instance_id: state.num_free_blocks_estimate for state in candidates}
         options = [
-            self._predict.option(a, views[a], b, views[b], num_prompt_tokens, cached.get(a, 0),
-                                 max_tokens, slo, now)
+            self._predict.option(
+                a, views[a], b, views[b], num_prompt_tokens, cached.get(a, 0), max_tokens, slo, now
+            )
             for a, b in self._pairs(ids, views, num_prompt_tokens, max_tokens, slo, now)
-        ]  # fmt: skip
+        ]
         fits = [o for o in options if free_blocks.get(o.decode_id, 1) > 0] or options
         # An exact tie (an idle cluster: every instance predicts the same) goes to the instances
         # chosen longest ago, so idle traffic spreads and every engine learns its step costs.
         used = self._last_chosen
-        best = min(fits, key=lambda o: (o.score(slo), used.get(o.decode_id, -1.0),
-                                        used.get(o.prefill_id, -1.0)))  # fmt: skip
+        best = min(
+            fits,
+            key=lambda o: (o.score(slo), used.get(o.decode_id, -1.0), used.get(o.prefill_id, -1.0)),
+        )
         used[best.prefill_id] = used[best.decode_id] = now
         if best.remote:
             self._remote_prefills.append((now, best.prefill_id))
@@ -150,13 +153,27 @@ class AdaptivePlacer:
         uncached = num_prompt_tokens - cached.get(best.prefill_id, 0)
         prefill = views[best.prefill_id]
         return Placement(
-            best.prefill_id, best.decode_id, best.ttft_s, best.tpot_s, len(self.prefill_role),
+            best.prefill_id,
+            best.decode_id,
+            best.ttft_s,
+            best.tpot_s,
+            len(self.prefill_role),
             self.model.profiled_prefill_s(uncached, *prefill.decode_load()),
-            self.model.decode_bias, best.handoff_s, best.lag_s, now,
-        )  # fmt: skip
+            self.model.decode_bias,
+            best.handoff_s,
+            best.lag_s,
+            now,
+        )
 
-    def _pairs(self, ids: list[str], views: Mapping[str, InstanceView], num_prompt_tokens: int,
-               max_tokens: int, slo: RequestSLO, now: float) -> list[tuple[str, str]]:  # fmt: skip
+    def _pairs(
+        self,
+        ids: list[str],
+        views: Mapping[str, InstanceView],
+        num_prompt_tokens: int,
+        max_tokens: int,
+        slo: RequestSLO,
+        now: float,
+    ) -> list[tuple[str, str]]:
         """The (prefill, decode) pairs the cluster's layout allows (router/layout_model.py):
         every pair when it is not split, else prefill on a prefill-only instance and decode on
         another. The prefill-only instances stay the same while their number does; new ones
@@ -165,9 +182,12 @@ class AdaptivePlacer:
         if self.layout is None:
             return every
         self.layout.note(Arrival(now, num_prompt_tokens, max_tokens, slo))
-        running = (Running(d.placed_at, d.num_tokens, d.ttft_objective(), d.tpot_objective())
-                   for view in views.values() for d in view.decoding.values()
-                   if d.local and d.first_token_at is not None)  # fmt: skip
+        running = (
+            Running(d.placed_at, d.num_tokens, d.ttft_objective(), d.tpot_objective())
+            for view in views.values()
+            for d in view.decoding.values()
+            if d.local and d.first_token_at is not None
+        )
         k = self.layout.update(len(ids), now, running)
         if k == 0:
             self.split_prefill = ()
@@ -189,8 +209,11 @@ class AdaptivePlacer:
         measured_s = state.load.extra.get("decode_step_s")
         batch = int(state.load.extra.get("decode_batch", 0))
         if measured_s and batch > 0:
-            contexts = [d.num_prompt_tokens + d.num_tokens for d in view.decoding.values()
-                        if d.first_token_at is not None]  # fmt: skip
+            contexts = [
+                d.num_prompt_tokens + d.num_tokens
+                for d in view.decoding.values()
+                if d.first_token_at is not None
+            ]
             mean_ctx = sum(contexts) / len(contexts) if contexts else 0.0
             self.model.observe_decode_step(batch, mean_ctx * batch, measured_s)
 
@@ -206,8 +229,9 @@ class AdaptivePlacer:
 
     # -- the request's life -----------------------------------------------------------------
 
-    def placed(self, key: str, placement: Placement, num_prompt: int, max_tokens: int,
-               slo: RequestSLO) -> None:  # fmt: skip
+    def placed(
+        self, key: str, placement: Placement, num_prompt: int, max_tokens: int, slo: RequestSLO
+    ) -> None:
         """The request is being submitted as `placement` says (router/dispatch.py counts it
         before the submission lands, so the arrivals meanwhile see it; `release` takes it back
         if it does not land). Its TTFT counts from the choice, as the prediction did: the
@@ -220,17 +244,26 @@ class AdaptivePlacer:
         decode = self._instances.setdefault(placement.decode_id, InstanceView())
         compute_s = self.model.speed * placement.profiled_compute_s
         model_ttft_s = placement.predicted_ttft_s - placement.predicted_lag_s
-        prefill.queued[key] = Queued(compute_s, now + slo.ttft_s, now, model_ttft_s,
-                                     remote=placement.kind == "remote")  # fmt: skip
+        prefill.queued[key] = Queued(
+            compute_s, now + slo.ttft_s, now, model_ttft_s, remote=placement.kind == "remote"
+        )
         prefill.note_prompt(now, compute_s, slo.ttft_s - compute_s)
-        decode.decoding[key] = Decoding(num_prompt, max_tokens, slo.tpot_s, placed_at=now,
-                                        ttft_slo_s=slo.ttft_s,
-                                        local=placement.kind == "local")  # fmt: skip
+        decode.decoding[key] = Decoding(
+            num_prompt,
+            max_tokens,
+            slo.tpot_s,
+            placed_at=now,
+            ttft_slo_s=slo.ttft_s,
+            local=placement.kind == "local",
+        )
         if self._metrics is not None:
             self._metrics.observe_placement(
-                placement.kind, placement.predicted_ttft_s, placement.predicted_tpot_s,
-                placement.prefill_role_instances, self.model.speed,
-            )  # fmt: skip
+                placement.kind,
+                placement.predicted_ttft_s,
+                placement.predicted_tpot_s,
+                placement.prefill_role_instances,
+                self.model.speed,
+            )
 
     def prefilled(self, key: str, placement: Placement, measured_s: float | None) -> None:
         """The first token is in (`measured_s`: the worker's prefill compute, when told)."""
@@ -252,8 +285,12 @@ class AdaptivePlacer:
             return
         now = self._clock()
         first_at = decoding.first_token_at
-        if (placement.kind == "remote" and first_at is not None and decoding.num_tokens < 2
-                and num_tokens == 2):  # fmt: skip
+        if (
+            placement.kind == "remote"
+            and first_at is not None
+            and decoding.num_tokens < 2
+            and num_tokens == 2
+        ):
             self._predict.observe_handoff(placement.predicted_handoff_s, now - first_at, now)
         decode.note_tokens(decoding, num_tokens, now)
 
@@ -263,8 +300,13 @@ class AdaptivePlacer:
         decode = self._instances.get(placement.decode_id)
         decoding = decode.decoding.get(key) if decode is not None else None
         if self.layout is not None and decoding is not None and decoding.first_token_at is not None:
-            self.layout.note_ended(self._clock(), placement.kind == "local", decoding.placed_at,
-                                   decoding.ttft_objective(), decoding.tpot_objective())  # fmt: skip
+            self.layout.note_ended(
+                self._clock(),
+                placement.kind == "local",
+                decoding.placed_at,
+                decoding.ttft_objective(),
+                decoding.tpot_objective(),
+            )
         for instance_id in (placement.prefill_id, placement.decode_id):
             instance = self._instances.get(instance_id)
             if instance is not None:
@@ -284,5 +326,9 @@ def adaptive_placer(config: RouterConfig, metrics: RouterMetrics | None = None) 
             "to a file `pdserve profile` wrote for this model and device"
         )
     model = LatencyModel.from_file(config.latency_profile, config.latency_profile_model)
-    return AdaptivePlacer(model, metrics, window_s=config.adaptive_window_s,
-                          layout_search=config.adaptive_layout_search)  # fmt: skip
+    return AdaptivePlacer(
+        model,
+        metrics,
+        window_s=config.adaptive_window_s,
+        layout_search=config.adaptive_layout_search,
+    )

@@ -105,7 +105,8 @@ class AdmissionController:
             interval = now - self._last_start
             previous = self._start_interval_s
             self._start_interval_s = (
-                interval if previous is None
+                interval
+                if previous is None
                 else (1 - _RATE_SMOOTHING) * previous + _RATE_SMOOTHING * interval
-            )  # fmt: skip
+            )
         self._last_start = now if len(self._waiting) > 1 else None

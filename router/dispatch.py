@@ -126,8 +126,14 @@ class Dispatcher:
             num_failed += int(not overloaded)
             self._abandon(channel)
 
-    def _note_placed(self, request: ValidatedRequest, key: str, prefill_id: str,
-                     decode_id: str | None, placement: Placement | None) -> int:  # fmt: skip
+    def _note_placed(
+        self,
+        request: ValidatedRequest,
+        key: str,
+        prefill_id: str,
+        decode_id: str | None,
+        placement: Placement | None,
+    ) -> int:
         """Count the placement on its instances before its submission is awaited (returns the
         prompt tokens the prefill instance computes). The submission waits for the instances
         to be between steps, and the arrivals meanwhile must see it: counted only once it had
@@ -145,8 +151,14 @@ class Dispatcher:
             self.placer.placed(key, placement, len(prompt), request.params.max_tokens, slo)
         return num_tokens
 
-    def _unnote_placed(self, key: str, prefill_id: str, decode_id: str | None,
-                       placement: Placement | None, num_tokens: int) -> None:  # fmt: skip
+    def _unnote_placed(
+        self,
+        key: str,
+        prefill_id: str,
+        decode_id: str | None,
+        placement: Placement | None,
+        num_tokens: int,
+    ) -> None:
         """Take back `_note_placed` for a placement that did not land."""
         self._pool.note_prefilled(prefill_id, num_tokens)
         self._pool.note_done(prefill_id)

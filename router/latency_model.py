@@ -68,8 +68,9 @@ class LatencyModel:
         speed = self.speed if self.base_speed is None else min(self.base_speed, self.speed)
         return speed * self.profiled_prefill_s(num_tokens)
 
-    def profiled_prefill_s(self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0
-                           ) -> float:  # fmt: skip
+    def profiled_prefill_s(
+        self, num_tokens: int, batch_size: int = 0, sum_ctx: float = 0.0
+    ) -> float:
         """The same at the profile's own speed."""
         if num_tokens <= 0:
             return 0.0
@@ -82,10 +83,15 @@ class LatencyModel:
         profile = self.step.profile
         if profile.transfer_GBps is None or profile.kv_bytes_per_token is None:
             return 0.0
-        return transfer_ms(
-            num_tokens, profile.kv_bytes_per_token, profile.transfer_GBps,
-            profile.transfer_per_message_ms,
-        ) / 1000.0  # fmt: skip
+        return (
+            transfer_ms(
+                num_tokens,
+                profile.kv_bytes_per_token,
+                profile.transfer_GBps,
+                profile.transfer_per_message_ms,
+            )
+            / 1000.0
+        )
 
     def observe(self, profiled_s: float, measured_s: float) -> None:
         """A prompt's measured compute against its profiled one (`profiled_prefill_s`)."""

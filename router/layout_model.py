@@ -213,8 +213,9 @@ class LayoutModel:
         self.arrivals.append(arrival)
         self._forget(arrival.at)
 
-    def note_ended(self, at: float, local: bool, placed_at: float, ttft: float, tpot: float
-                   ) -> None:  # fmt: skip
+    def note_ended(
+        self, at: float, local: bool, placed_at: float, ttft: float, tpot: float
+    ) -> None:
         """A request placed at `placed_at` ended at `at`, local or remote, its TTFT and TPOT
         `ttft` and `tpot` over their SLOs. A remote one counts for the split only if it was
         placed after the split (a remote placement of the local layout is not the split's); a
@@ -241,14 +242,20 @@ class LayoutModel:
         return (len(self.arrivals) - 1) / span if span > 0 else None
 
     @staticmethod
-    def missed(ended: Sequence[Ended | Running], tpot_only: bool = False,
-               ttft_only: bool = False) -> float | None:  # fmt: skip
+    def missed(
+        ended: Sequence[Ended | Running], tpot_only: bool = False, ttft_only: bool = False
+    ) -> float | None:
         """The share of `ended` that missed an SLO, or (`tpot_only`, `ttft_only`) that one
         (None: too few to tell)."""
         if len(ended) < MIN_DECODES:
             return None
-        worst = ((lambda e: e.tpot) if tpot_only else (lambda e: e.ttft) if ttft_only
-                 else (lambda e: max(e.ttft, e.tpot)))  # fmt: skip
+        worst = (
+            (lambda e: e.tpot)
+            if tpot_only
+            else (lambda e: e.ttft)
+            if ttft_only
+            else (lambda e: max(e.ttft, e.tpot))
+        )
         return sum(worst(e) > 1.0 for e in ended) / len(ended)
 
     def local_so_far(self, running: Iterable[Running] = ()) -> list[Ended | Running]:
@@ -270,8 +277,12 @@ class LayoutModel:
         self._forget(now)
         rate = self.rate()
         if self.prefill_instances >= num_instances:  # instances left: split fewer, or none
-            self._change(max(0, num_instances - 1) if num_instances > 1 else 0, now, rate,
-                         f"{num_instances} instances left")  # fmt: skip
+            self._change(
+                max(0, num_instances - 1) if num_instances > 1 else 0,
+                now,
+                rate,
+                f"{num_instances} instances left",
+            )
         if num_instances < 2 or now - self.changed_at < DWELL * self.window_s:
             return self.prefill_instances
         current = self.prefill_instances
@@ -301,11 +312,15 @@ class LayoutModel:
                     self.split_tail = self.missed(local) or 0.0
                     ttft_tail = self.missed([*self.local, *running], ttft_only=True)
                     self.split_ttft_tail = ttft_tail or 0.0
-                    self._change(split.prefill_instances, now, rate,
-                                 f"{tail:.0%} of local requests missed their TPOT SLO, their "
-                                 f"median TTFT {ttft:.2f} of its SLO; the split predicts "
-                                 f"{split.at_risk:.0%} at risk, its prefill instances "
-                                 f"{split.utilisation:.0%} busy")  # fmt: skip
+                    self._change(
+                        split.prefill_instances,
+                        now,
+                        rate,
+                        f"{tail:.0%} of local requests missed their TPOT SLO, their "
+                        f"median TTFT {ttft:.2f} of its SLO; the split predicts "
+                        f"{split.at_risk:.0%} at risk, its prefill instances "
+                        f"{split.utilisation:.0%} busy",
+                    )
             return self.prefill_instances
         # the local layout's misses are the bar only at the load they were measured at: under a
         # lower one the split must meet TAIL itself; under a higher one the local layout misses
@@ -315,32 +330,61 @@ class LayoutModel:
         split_tail = self.missed(self.split, ttft_only=higher)
         same = SAME_LOAD * self.split_rate <= rate
         bar = self.split_ttft_tail if higher else self.split_tail if same else 0.0
-        if (split_tail is not None and split_tail > max(TAIL, bar)
-                and round(split_tail * len(self.split)) >= MIN_MISSES):  # fmt: skip
+        if (
+            split_tail is not None
+            and split_tail > max(TAIL, bar)
+            and round(split_tail * len(self.split)) >= MIN_MISSES
+        ):
             self.failed_splits += 1  # it did worse: back, and no split for a while
-            self.refused_until = now + REFUSE_WINDOWS * self.window_s * 2 ** (self.failed_splits - 1)
-            self._change(0, now, rate, f"{split_tail:.0%} of the split's requests missed "
-                         f"{'their TTFT SLO' if higher else 'an SLO'}, against {bar:.0%} "
-                         "local")  # fmt: skip
+            self.refused_until = now + REFUSE_WINDOWS * self.window_s * 2 ** (
+                self.failed_splits - 1
+            )
+            self._change(
+                0,
+                now,
+                rate,
+                f"{split_tail:.0%} of the split's requests missed "
+                f"{'their TTFT SLO' if higher else 'an SLO'}, against {bar:.0%} "
+                "local",
+            )
         elif self.last[current - 1].utilisation >= 1.0:
-            self._change(0, now, rate, f"{current} prefill instances cannot carry the prompts "
-                         f"(utilisation {self.last[current - 1].utilisation:.2f})")  # fmt: skip
+            self._change(
+                0,
+                now,
+                rate,
+                f"{current} prefill instances cannot carry the prompts "
+                f"(utilisation {self.last[current - 1].utilisation:.2f})",
+            )
         elif rate < BACK_RATE * self.split_rate:
             self.failed_splits = 0
             self._change(0, now, rate, f"the rate fell from {self.split_rate:.2f}/s")
-        elif (split and split.prefill_instances != current
-              and split.at_risk < self.last[current - 1].at_risk):  # fmt: skip
-            self._change(split.prefill_instances, now, rate,
-                         f"{split.prefill_instances} prefill instances predict fewer at risk")
+        elif (
+            split
+            and split.prefill_instances != current
+            and split.at_risk < self.last[current - 1].at_risk
+        ):
+            self._change(
+                split.prefill_instances,
+                now,
+                rate,
+                f"{split.prefill_instances} prefill instances predict fewer at risk",
+            )
         return self.prefill_instances
 
     def _change(self, k: int, now: float, rate: float | None, reason: str) -> None:
         if k == self.prefill_instances:
             return
-        logger.info("layout: %d prefill-only instances (was %d) at %.2f requests/s: %s (model "
-                    "speed %.2f, base %.2f, decode %.2f)", k, self.prefill_instances,
-                    rate or 0.0, reason, self.model.speed, self.model.base_speed or 0.0,
-                    self.model.decode_speed or self.model.speed)  # fmt: skip
+        logger.info(
+            "layout: %d prefill-only instances (was %d) at %.2f requests/s: %s (model "
+            "speed %.2f, base %.2f, decode %.2f)",
+            k,
+            self.prefill_instances,
+            rate or 0.0,
+            reason,
+            self.model.speed,
+            self.model.base_speed or 0.0,
+            self.model.decode_speed or self.model.speed,
+        )
         self.prefill_instances = k
         self.changed_at = now
         self.split.clear()

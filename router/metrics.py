@@ -13,9 +13,30 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from router.worker_api import InstanceLoad, Role
 
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class RouterMetrics:
@@ -86,10 +107,12 @@ class RouterMetrics:
     def _init_placement_metrics(self, histogram: Callable[[str, str], Histogram]) -> None:
         """An adaptive cluster's decisions (router/adaptive.py)."""
         self.placements = Counter(
-            "pdserve:placements", "Requests placed by an adaptive cluster, by kind (local: "
-            "prefill and decode on one instance; remote: KV moved).", ["kind"],
+            "pdserve:placements",
+            "Requests placed by an adaptive cluster, by kind (local: "
+            "prefill and decode on one instance; remote: KV moved).",
+            ["kind"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.predicted_ttft = histogram(
             "pdserve:placement_predicted_ttft_seconds", "TTFT predicted at placement, seconds."
         )
@@ -107,8 +130,9 @@ class RouterMetrics:
             registry=self.registry,
         )
 
-    def observe_placement(self, kind: str, ttft_s: float, tpot_s: float, roles: int,
-                          speed: float) -> None:  # fmt: skip
+    def observe_placement(
+        self, kind: str, ttft_s: float, tpot_s: float, roles: int, speed: float
+    ) -> None:
         self.placements.labels(kind).inc()
         self.predicted_ttft.observe(ttft_s)
         self.predicted_tpot.observe(tpot_s)

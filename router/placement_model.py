@@ -282,9 +282,17 @@ class PlacementModel:
         return self.handoff_excess_s if self.handoff_at >= now - self.window_s else 0.0
 
     def option(
-        self, prefill_id: str, prefill: InstanceView, decode_id: str, decode: InstanceView,
-        num_tokens: int, num_cached: int, max_tokens: int, slo: RequestSLO, now: float,
-    ) -> Option:  # fmt: skip
+        self,
+        prefill_id: str,
+        prefill: InstanceView,
+        decode_id: str,
+        decode: InstanceView,
+        num_tokens: int,
+        num_cached: int,
+        max_tokens: int,
+        slo: RequestSLO,
+        now: float,
+    ) -> Option:
         model = self.model
         remote = prefill is not decode
         own_s = model.prefill_s(num_tokens - num_cached, *prefill.decode_load())
@@ -297,7 +305,7 @@ class PlacementModel:
         prefill_step_s = model.decode_step_s(*prefill.decode_load())
         crowding = sum(  # the share of A's decodes' slack its prompt takes
             _share(own_s, d.slack_s(now, prefill_step_s)) for d in prefill.decoding.values()
-        )  # fmt: skip
+        )
 
         batch, sum_ctx = decode.decode_load()
         step_s = model.decode_step_s(batch + 1, sum_ctx + num_tokens)
@@ -320,21 +328,24 @@ class PlacementModel:
         handoff_s = transfer_s + step_s / 2 + step_s if remote else 0.0
         return Option(prefill_id, decode_id, ttft_s, tpot_s, harm, crowding, handoff_s, lag_s)
 
-    def _hold(self, view: InstanceView, own_s: float, budget_s: float, now: float
-              ) -> tuple[float, int]:  # fmt: skip
+    def _hold(
+        self, view: InstanceView, own_s: float, budget_s: float, now: float
+    ) -> tuple[float, int]:
         """(how long the instance's gate holds the prompt, the decodes it is run onto)."""
         step_s = self.model.decode_step_s(*view.decode_load())
         runs = [
-            (d.remaining() * step_s, d.slo_slack_s(now, step_s)) for d in view.decoding.values()
+            (d.remaining() * step_s, d.slo_slack_s(now, step_s))
+            for d in view.decoding.values()
             if 0 <= d.slack_s(now, step_s) < (1 + MARGIN_FRACTION) * own_s
-        ]  # fmt: skip
+        ]
         saved = [run_s for run_s, _ in runs if run_s <= budget_s]  # the gate waits for these
         # and runs onto the rest: harmed are those it takes past their SLO itself
         broken = sum(1 for run_s, slo_slack_s in runs if run_s > budget_s and slo_slack_s < own_s)
         return max(saved, default=0.0), broken
 
-    def _forced_s(self, view: InstanceView, window_s: float, start_s: float, now: float,
-                  queue_ahead: bool) -> float:  # fmt: skip
+    def _forced_s(
+        self, view: InstanceView, window_s: float, start_s: float, now: float, queue_ahead: bool
+    ) -> float:
         """Prompt compute the gate will run beside a decode of `window_s` starting in `start_s`
         on this instance: queued prompts that cannot wait until it ends (none when they are
         ahead of it, prefilled before it starts), and the window's placements there, pro rata,
@@ -342,8 +353,9 @@ class PlacementModel:
         forced_s = 0.0
         if not queue_ahead:
             end = now + start_s + window_s
-            forced_s += sum(q.compute_s for q in view.queued.values()
-                            if q.deadline - q.compute_s < end)  # fmt: skip
+            forced_s += sum(
+                q.compute_s for q in view.queued.values() if q.deadline - q.compute_s < end
+            )
         urgent_s = sum(p.compute_s for p in view.prompts if p.wait_s < window_s)
         return forced_s + urgent_s * min(1.0, window_s / self.window_s)
 

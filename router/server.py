@@ -143,10 +143,13 @@ class Router:
         server.add_generic_rpc_handlers((self._servicer.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             server,
-        )  # fmt: skip
+        )
         self.port = self._bind(server)
         await server.start()
         self._server = server
@@ -158,8 +161,10 @@ class Router:
             await self._start_http()
         logger.info(
             "router listening on %s (metrics port %s, HTTP port %s)",
-            self.address, self.metrics_port, self.http_port,
-        )  # fmt: skip
+            self.address,
+            self.metrics_port,
+            self.http_port,
+        )
 
     def _start_metrics_http(self) -> None:
         config = self.config
@@ -169,21 +174,32 @@ class Router:
         if public and config.tls_cert_file and config.tls_key_file:
             tls_files = (config.tls_cert_file, config.tls_key_file)
         self._metrics_http = MetricsHttpServer.start(
-            self.metrics.registry, config.metrics_host, config.metrics_port,
-            token=config.auth_token if public else None, tls_files=tls_files,
-        )  # fmt: skip
+            self.metrics.registry,
+            config.metrics_host,
+            config.metrics_port,
+            token=config.auth_token if public else None,
+            tls_files=tls_files,
+        )
         self.metrics_port = self._metrics_http.port
 
     async def _start_http(self) -> None:
         front = OpenAIFrontDoor(
-            self.config, self.limits, self._validator, self._runner, self.metrics,
+            self.config,
+            self.limits,
+            self._validator,
+            self._runner,
+            self.metrics,
             is_serving=lambda: not self._stopping and self.pool.healthy(),
-        )  # fmt: skip
+        )
         config = self.config
         self._http = HttpServer(
-            build_app(front), config.http_host, config.http_port or 0, config.shutdown_grace_s,
-            ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file,
-        )  # fmt: skip
+            build_app(front),
+            config.http_host,
+            config.http_port or 0,
+            config.shutdown_grace_s,
+            ssl_certfile=config.tls_cert_file,
+            ssl_keyfile=config.tls_key_file,
+        )
         self.http_port = await self._http.start()
 
     def _bind(self, server: grpc.aio.Server) -> int:

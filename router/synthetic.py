@@ -105,9 +105,18 @@ class SyntheticWorker:
         num_tokens = len(request.prompt_token_ids) + request.params.max_tokens
         blocks = self._allocate(request, num_tokens)
         return KVTicket(
-            request.request_id, 0, tuple(blocks), len(request.prompt_token_ids),
-            request.prefill_instance, 1, self.instance_id, 1, (), False, 0.0,
-        )  # fmt: skip
+            request.request_id,
+            0,
+            tuple(blocks),
+            len(request.prompt_token_ids),
+            request.prefill_instance,
+            1,
+            self.instance_id,
+            1,
+            (),
+            False,
+            0.0,
+        )
 
     async def submit(self, request: WorkerRequest, ticket: KVTicket | None) -> None:
         if self.submit_delay_s:

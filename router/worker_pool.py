@@ -387,7 +387,9 @@ def _check_roles(
             f"{prefill_roles}"
         )
     if Role.ADAPTIVE in prefill_roles and decode_handles:
-        raise ValueError("ADAPTIVE handles decode themselves and for each other; pass no decode handles")
+        raise ValueError(
+            "ADAPTIVE handles decode themselves and for each other; pass no decode handles"
+        )
     if any(h.role != Role.DECODE for h in decode_handles):
         raise ValueError("decode handles must have role DECODE")
     if Role.PREFILL in prefill_roles and not decode_handles:

@@ -13,9 +13,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = (
-    "engine", "kv_transfer", "prefill_worker", "decode_worker", "worker", "router", "deploy", "planner",
+    "engine",
+    "kv_transfer",
+    "prefill_worker",
+    "decode_worker",
+    "worker",
+    "router",
+    "deploy",
+    "planner",
     "benchmarks",
-)  # fmt: skip
+)
 # (file, function) pairs whose imports do not count: `pdserve bench|plan|profile` forwarding.
 DISPATCH = {
     ("deploy/cli/main.py", "_run_bench"),

@@ -41,8 +41,10 @@ class WorkerConfig:
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
         for name, minimum in (
-            ("max_queued_tokens", 1), ("max_waiting_requests", 1), ("watermark_blocks", 0)
-        ):  # fmt: skip
+            ("max_queued_tokens", 1),
+            ("max_waiting_requests", 1),
+            ("watermark_blocks", 0),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

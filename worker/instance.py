@@ -108,9 +108,15 @@ class Worker(WorkerLoop):
             sides.add(self.sending)
         if receives:
             self.receiving = ReceiveConnector(
-                instance_id, executor, pool, config.kv_transfer, config.watermark_blocks,
-                config.engine.seed, self._tell, self._emit,
-            )  # fmt: skip
+                instance_id,
+                executor,
+                pool,
+                config.kv_transfer,
+                config.watermark_blocks,
+                config.engine.seed,
+                self._tell,
+                self._emit,
+            )
             sides.add(self.receiving)
         self._tracked: dict[str, TrackedRequest] = {}  # loop thread only, like the engine
         self._not_started: dict[str, TrackedRequest] = {}  # prompts no step has computed yet
@@ -254,9 +260,13 @@ class Worker(WorkerLoop):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._check_queue(len(request.prompt_token_ids))
             engine_request = self.engine.add_request(
-                request_id, request.prompt_token_ids, request.params, request.arrival_time,
-                decodes_here=ticket is None, slo=request.slo,
-            )  # fmt: skip
+                request_id,
+                request.prompt_token_ids,
+                request.params,
+                request.arrival_time,
+                decodes_here=ticket is None,
+                slo=request.slo,
+            )
         except (Overloaded, ValueError):
             if sending is not None and ticket is not None:
                 sending.cancel(ticket)  # the decode side frees the reservation at once
@@ -325,9 +335,13 @@ class Worker(WorkerLoop):
         if error is not None and not output.new_token_ids:
             return TokenEvent(request_id, [], "error", error, self.instance_id, timings)
         return TokenEvent(
-            request_id, list(output.new_token_ids), output.finish_reason, output.error,
-            self.instance_id, timings,
-        )  # fmt: skip
+            request_id,
+            list(output.new_token_ids),
+            output.finish_reason,
+            output.error,
+            self.instance_id,
+            timings,
+        )
 
     def _tell(self, peer_id: str, message: ControlMessage) -> None:
         """A control message to a peer, best effort: each side of a transfer has a deadline that

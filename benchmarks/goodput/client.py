@@ -25,9 +25,15 @@ from benchmarks.goodput.workloads import BenchRequest
 from planner.metrics import RequestRecord
 
 TIMING_FIELDS = (
-    "router_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s",
-    "first_token_s", "per_token_s", "e2e_s",
-)  # fmt: skip
+    "router_queue_s",
+    "prefill_queue_s",
+    "prefill_s",
+    "kv_transfer_s",
+    "decode_queue_s",
+    "first_token_s",
+    "per_token_s",
+    "e2e_s",
+)
 _FINISH_REASONS = {0: "", 1: "stop", 2: "length", 3: "abort", 4: "error"}
 
 
@@ -68,14 +74,20 @@ async def _one_request(
     from pdserve_proto.v1 import generation_pb2 as pb
 
     message = pb.GenerateRequest(
-        token_ids=list(request.prompt_token_ids), max_tokens=request.output_len,
-        ignore_eos=True, request_id=request.request_id,
-        ttft_slo_s=request.ttft_slo_s, tpot_slo_s=request.tpot_slo_s,  # None leaves them unset
-    )  # fmt: skip
+        token_ids=list(request.prompt_token_ids),
+        max_tokens=request.output_len,
+        ignore_eos=True,
+        request_id=request.request_id,
+        ttft_slo_s=request.ttft_slo_s,
+        tpot_slo_s=request.tpot_slo_s,  # None leaves them unset
+    )
     record = RequestRecord(
-        request.request_id, len(request.prompt_token_ids), request.output_len, clock.now(),
+        request.request_id,
+        len(request.prompt_token_ids),
+        request.output_len,
+        clock.now(),
         shard=shard,
-    )  # fmt: skip
+    )
     try:
         async for response in stub.Generate(message, timeout=timeout_s):
             now = clock.now()
@@ -111,9 +123,9 @@ async def run_shard_async(
             delay = start_wall_time + request.send_offset_s - clock.now()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(
-                _one_request(stub, request, clock, shard, request_timeout_s)
-            ))  # fmt: skip
+            tasks.append(
+                asyncio.create_task(_one_request(stub, request, clock, shard, request_timeout_s))
+            )
         records = await asyncio.gather(*tasks)
     by_id = {record.request_id: record for record in records}
     return [by_id[request.request_id] for request in requests]
@@ -140,7 +152,10 @@ def run_shard(
     return {
         "records": [record.to_json() for record in records],
         "clock": {
-            "shard": shard, "host": socket.gethostname(), "pid": os.getpid(),
-            "wall_anchor": clock.wall_anchor, "monotonic_anchor": clock.monotonic_anchor,
+            "shard": shard,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "wall_anchor": clock.wall_anchor,
+            "monotonic_anchor": clock.monotonic_anchor,
         },
-    }  # fmt: skip
+    }

@@ -55,16 +55,20 @@ def _regime_prompts(
         data = read_sharegpt(resolve_sharegpt_path(args.sharegpt))
         source.update(data.to_json())
         if data.num_dropped:
-            print(f"[bench] {data.path}: {data.num_entries} complete conversations kept, "
-                  f"{data.num_dropped} cut off at the end dropped ({data.dropped_bytes} bytes)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"[bench] {data.path}: {data.num_entries} complete conversations kept, "
+                f"{data.num_dropped} cut off at the end dropped ({data.dropped_bytes} bytes)",
+                file=sys.stderr,
+            )
         encode = layouts.make_encoder(model_dir)
         return sharegpt_prompts(data.pairs, encode, num, max_model_len, args.seed)
     if name == "humaneval":
         return humaneval_prompts(layouts.make_encoder(model_dir), num, max_model_len, args.seed)
     if name in MIXES:  # request i takes the i-th draw of its own shape
-        draws = {shape: synthetic_lengths(SHAPES[shape], num, max_model_len, args.seed + index)
-                 for index, shape in enumerate(MIXES[name].shapes)}  # fmt: skip
+        draws = {
+            shape: synthetic_lengths(SHAPES[shape], num, max_model_len, args.seed + index)
+            for index, shape in enumerate(MIXES[name].shapes)
+        }
         lengths = [draws[shape][i] for i, shape in enumerate(regime_classes(args, name, num))]
     else:
         lengths = synthetic_lengths(SHAPES[name], num, max_model_len, args.seed)
@@ -96,9 +100,14 @@ def slo_base_prompt_len(prompt_lens: list[int]) -> int:
 
 
 def _slo_and_start(
-    args, model_dir: Path, name: str, prompts: list, classes: list[str], driver,
+    args,
+    model_dir: Path,
+    name: str,
+    prompts: list,
+    classes: list[str],
+    driver,
     address: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The regime's SLOs (given, or shape factors x calibration) and the sweep's start rate;
     a mix's SLOs per class, each its shape's factors times a calibration on its own prompts.
 
@@ -116,8 +125,11 @@ def _slo_and_start(
         work_s += len(mine) / len(prompts) * 0.6 / entry.pop("start_rate")
         through = entry.pop("calibrated_through")
         per_class[shape] = entry
-    return {"classes": per_class, "calibrated_through": through,
-            "start_rate": args.start_rate or 0.6 / work_s}  # fmt: skip
+    return {
+        "classes": per_class,
+        "calibrated_through": through,
+        "start_rate": args.start_rate or 0.6 / work_s,
+    }
 
 
 def _class_slo(
@@ -132,9 +144,10 @@ def _class_slo(
         base = calibrate_via_router(driver, address, prompt_len, token_range)
     else:
         config = layouts.engine_config(
-            model_dir, chunk_size=args.chunk_size,
+            model_dir,
+            chunk_size=args.chunk_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
-        )  # fmt: skip
+        )
         base = calibrate(config, prompt_len, token_range)
     shape = SHAPES[shape_name]  # ShareGPT is chatbot traffic, HumanEval code
     ttft_slo = args.ttft_slo or shape.ttft_slo_factor * base.prefill_s
@@ -143,12 +156,14 @@ def _class_slo(
     # sustains starts both layouts under their knees (the sweep climbs from there).
     work_s = base.prefill_s + output_len * base.decode_step_s / 4
     return {
-        "ttft_s": ttft_slo, "tpot_s": tpot_slo, "calibration": base.to_json(),
+        "ttft_s": ttft_slo,
+        "tpot_s": tpot_slo,
+        "calibration": base.to_json(),
         "calibrated_through": "engine" if address is None else "router",
         "ttft_factor": None if args.ttft_slo else shape.ttft_slo_factor,
         "tpot_factor": None if args.tpot_slo else shape.tpot_slo_factor,
         "start_rate": args.start_rate or 0.6 / work_s,
-    }  # fmt: skip
+    }
 
 
 def _targets(args: argparse.Namespace) -> list[tuple[str, str | None, int]]:
@@ -170,10 +185,13 @@ def _start_layouts(
         if address is None:
             bar.set_description(f"{regime}: starting {layout}")
             spec = layouts.cluster_spec(
-                layout, model_dir, pin_cpus=not args.no_pin,
-                latency_profile=args.latency_profile, chunk_size=args.chunk_size,
+                layout,
+                model_dir,
+                pin_cpus=not args.no_pin,
+                latency_profile=args.latency_profile,
+                chunk_size=args.chunk_size,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-            )  # fmt: skip
+            )
             cluster = layouts.start_local_cluster(spec)
             clusters.append(cluster)
             address = cluster.address
@@ -186,8 +204,7 @@ def _start_layouts(
     return started, slo
 
 
-def _sweep_interleaved(sweeps: dict[str, RateSweep], policy: SweepPolicy, regime: str, bar
-                       ) -> None:  # fmt: skip
+def _sweep_interleaved(sweeps: dict[str, RateSweep], policy: SweepPolicy, regime: str, bar) -> None:
     """Every layout's sweep, one point of each in turn (each sweep picks its own next rate):
     a machine whose speed drifts over the regime then moves every layout alike, instead of
     whichever ran last (on this 2-core machine two runs of one layout moved 20-40% apart)."""
@@ -226,11 +243,21 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
         policy = SweepPolicy.of_run(vars(args), slo["start_rate"])
         mix = MIXES.get(regime)
         sweeps = {
-            layout: RateSweep(driver, address, prompts, gaps, f"{regime}-{layout}", num_devices,
-                              slos_of(slo), policy, on_point, classes=classes,
-                              pick=mix.point_indices if mix else None)
+            layout: RateSweep(
+                driver,
+                address,
+                prompts,
+                gaps,
+                f"{regime}-{layout}",
+                num_devices,
+                slos_of(slo),
+                policy,
+                on_point,
+                classes=classes,
+                pick=mix.point_indices if mix else None,
+            )
             for layout, address, num_devices in started
-        }  # fmt: skip
+        }
         _sweep_interleaved(sweeps, policy, regime, bar)
     finally:
         for cluster in clusters:
@@ -241,25 +268,39 @@ def run_regime(args, model_dir: Path, regime: str, driver: LoadDriver, bar: Any)
     addresses = {layout: address for layout, address, _ in started}
     summary = regime_summary(points_by_layout, slos_of(slo), args.slo_scales)
     workload = {
-        "regime": regime, "source": _source(regime),
-        "synthetic": regime in SHAPES or regime in MIXES, "data": source or None,
-        "arrival": args.arrival, "cv": args.cv, "seed": args.seed,
+        "regime": regime,
+        "source": _source(regime),
+        "synthetic": regime in SHAPES or regime in MIXES,
+        "data": source or None,
+        "arrival": args.arrival,
+        "cv": args.cv,
+        "seed": args.seed,
         "num_requests": args.num_requests,
         "mean_prompt_len": statistics.mean(len(ids) for ids, _ in prompts),
         "mean_output_len": statistics.mean(out for _, out in prompts),
-    }  # fmt: skip
+    }
     summary.update(slo=slo, workload=workload, load_average_before=list(load_before))
     summary["devices"] = devices
     raw = {
-        "schema": RAW_SCHEMA, "regime": regime, "config": _jsonable(vars(args)),
-        "model_dir": str(model_dir), "slo": slo, "workload": workload,
-        "requests": [{"prompt_len": len(ids), "output_len": out, "unit_gap_s": gap,
-                      "slo_class": slo_class}
-                     for (ids, out), gap, slo_class in zip(prompts, gaps, classes, strict=False)],
-        "layouts": {layout: {"num_devices": devices[layout], "address": addresses[layout],
-                             "points": [p.to_json() for p in points]}
-                    for layout, points in points_by_layout.items()},
-    }  # fmt: skip
+        "schema": RAW_SCHEMA,
+        "regime": regime,
+        "config": _jsonable(vars(args)),
+        "model_dir": str(model_dir),
+        "slo": slo,
+        "workload": workload,
+        "requests": [
+            {"prompt_len": len(ids), "output_len": out, "unit_gap_s": gap, "slo_class": slo_class}
+            for (ids, out), gap, slo_class in zip(prompts, gaps, classes, strict=False)
+        ],
+        "layouts": {
+            layout: {
+                "num_devices": devices[layout],
+                "address": addresses[layout],
+                "points": [p.to_json() for p in points],
+            }
+            for layout, points in points_by_layout.items()
+        },
+    }
     (args.out / "raw").mkdir(parents=True, exist_ok=True)
     (args.out / "raw" / f"{regime}.json").write_text(json.dumps(raw))
     summary["plots"] = plot_regime(args.out, regime, points_by_layout, slos_of(slo), summary)
@@ -313,18 +354,24 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             results[regime] = run_regime(args, model_dir, regime, driver, bar)
     main = results[regimes[0]]
     summary = {
-        "schema": SUMMARY_SCHEMA, "main_regime": regimes[0],
+        "schema": SUMMARY_SCHEMA,
+        "main_regime": regimes[0],
         "goodput_disaggregated": main.get("goodput_disaggregated"),
         "goodput_colocated": main.get("goodput_colocated"),
         "goodput_ratio": main.get("goodput_ratio"),
         "goodputs": main["goodputs"],
-        "goodput_unit": "requests/s per device", "slo": main["slo"], "workload": main["workload"],
+        "goodput_unit": "requests/s per device",
+        "slo": main["slo"],
+        "workload": main["workload"],
         "ratios": {regime: result.get("goodput_ratio") for regime, result in results.items()},
-        "adaptive_over_best": {regime: result["adaptive_over_best"]
-                               for regime, result in results.items()},
-        "regimes": results, "config": _jsonable(vars(args)), "model_dir": str(model_dir),
+        "adaptive_over_best": {
+            regime: result["adaptive_over_best"] for regime, result in results.items()
+        },
+        "regimes": results,
+        "config": _jsonable(vars(args)),
+        "model_dir": str(model_dir),
         "duration_s": time.time() - started,
-    }  # fmt: skip
+    }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -332,9 +379,23 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def report(args: argparse.Namespace) -> int:
     """Run, then print the headline as one JSON line (`pdserve bench`); the exit code."""
     summary = run_benchmark(args)
-    print(json.dumps({k: summary[k] for k in (
-        "main_regime", "goodput_disaggregated", "goodput_colocated", "goodput_ratio", "goodputs",
-        "ratios", "adaptive_over_best", "duration_s")}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "main_regime",
+                    "goodput_disaggregated",
+                    "goodput_colocated",
+                    "goodput_ratio",
+                    "goodputs",
+                    "ratios",
+                    "adaptive_over_best",
+                    "duration_s",
+                )
+            }
+        )
+    )
     return 0
 
 

@@ -39,8 +39,12 @@ class LoadDriver:
     """Client shards that outlive one run, so a sweep pays their start-up once."""
 
     def __init__(
-        self, num_processes: int = 1, ray_address: str | None = None, num_ray_shards: int = 0,
-        lead_s: float = 0.5, request_timeout_s: float = 300.0,
+        self,
+        num_processes: int = 1,
+        ray_address: str | None = None,
+        num_ray_shards: int = 0,
+        lead_s: float = 0.5,
+        request_timeout_s: float = 300.0,
     ) -> None:
         if num_processes < 0:
             raise ValueError(f"num_processes must be >= 0, got {num_processes}")
@@ -66,8 +70,11 @@ class LoadDriver:
         num_shards = self.num_shards
         shards = [requests[i::num_shards] for i in range(num_shards)]
         start_wall_time = time.time() + self.lead_s
-        args = [(address, shard, start_wall_time, i, self.request_timeout_s)
-                for i, shard in enumerate(shards) if shard]  # fmt: skip
+        args = [
+            (address, shard, start_wall_time, i, self.request_timeout_s)
+            for i, shard in enumerate(shards)
+            if shard
+        ]
         if self.ray_address is not None:
             results = _run_on_ray(self.ray_address, args)
         elif self._pool is None:
@@ -79,8 +86,9 @@ class LoadDriver:
         self.last_clocks = [result["clock"] for result in results]
         by_id = {
             r["request_id"]: RequestRecord.from_json(r)
-            for result in results for r in result["records"]
-        }  # fmt: skip
+            for result in results
+            for r in result["records"]
+        }
         records = [by_id[request.request_id] for request in requests]
         for record, request in zip(records, requests, strict=True):
             record.slo_class = request.slo_class

@@ -55,18 +55,25 @@ async def _one_request(
     import openai
 
     record = RequestRecord(
-        request.request_id, len(request.prompt_token_ids), request.output_len, clock.now(),
+        request.request_id,
+        len(request.prompt_token_ids),
+        request.output_len,
+        clock.now(),
         shard=shard,
-    )  # fmt: skip
+    )
     arrivals: list[float] = []  # one per token with per-chunk usage, else one per text chunk
     counted = 0  # completion tokens the per-chunk usage has reported so far
     num_tokens = 0
     try:
         stream = await client.completions.create(
-            model=model, prompt=list(request.prompt_token_ids), max_tokens=request.output_len,
-            temperature=0.0, stream=True, stream_options=STREAM_OPTIONS,
+            model=model,
+            prompt=list(request.prompt_token_ids),
+            max_tokens=request.output_len,
+            temperature=0.0,
+            stream=True,
+            stream_options=STREAM_OPTIONS,
             extra_body=_extra_body(request),
-        )  # fmt: skip
+        )
         async for chunk in stream:
             now = clock.now()
             usage = chunk.usage
@@ -97,16 +104,22 @@ async def served_model(client: Any) -> str:
 
 
 async def run_http_shard_async(
-    base_url: str, requests: list[BenchRequest], start_wall_time: float, shard: int,
-    request_timeout_s: float, clock: Any,
-) -> list[RequestRecord]:  # fmt: skip
+    base_url: str,
+    requests: list[BenchRequest],
+    start_wall_time: float,
+    shard: int,
+    request_timeout_s: float,
+    clock: Any,
+) -> list[RequestRecord]:
     """Send each request at start_wall_time + its offset; every record, in request order."""
     import openai
 
     client = openai.AsyncOpenAI(
-        base_url=f"{base_url}/v1", api_key=os.environ.get(API_KEY_ENV) or "none",
-        timeout=request_timeout_s, max_retries=0,
-    )  # fmt: skip
+        base_url=f"{base_url}/v1",
+        api_key=os.environ.get(API_KEY_ENV) or "none",
+        timeout=request_timeout_s,
+        max_retries=0,
+    )
     async with client:
         model = await served_model(client)
         tasks = []

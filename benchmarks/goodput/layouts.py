@@ -50,9 +50,13 @@ _TOKENIZER_CORPUS = [
     "The quick brown fox jumps over the lazy dog; 0123456789 ()[]{} !?.,;:",
 ]
 TINY_MODEL: dict[str, Any] = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-}  # fmt: skip
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
 
 
 def ensure_bench_model(model_dir: str | Path, size: str = "bench") -> Path:
@@ -116,9 +120,12 @@ def engine_config(model_dir: str | Path, **overrides: Any) -> Any:
 
 
 def cluster_spec(
-    layout: str, model_dir: str | Path, pin_cpus: bool = True,
-    latency_profile: str | Path = DEFAULT_LATENCY_PROFILE, **engine: Any,
-) -> Any:  # fmt: skip
+    layout: str,
+    model_dir: str | Path,
+    pin_cpus: bool = True,
+    latency_profile: str | Path = DEFAULT_LATENCY_PROFILE,
+    **engine: Any,
+) -> Any:
     """The deploy ClusterSpec of one layout on this machine (the router on a free port);
     `latency_profile` is what the adaptive layout's router predicts with."""
     from deploy.config.cluster_spec import ClusterSpec
@@ -130,9 +137,13 @@ def cluster_spec(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     config = engine_config(model_dir, **engine)
     router = RouterConfig(
-        model_dir=str(model_dir), port=0, block_size=config.block_size,
-        max_running_requests=1024, max_queued_requests=4096, worker_timeout_s=60.0,
-    )  # fmt: skip
+        model_dir=str(model_dir),
+        port=0,
+        block_size=config.block_size,
+        max_running_requests=1024,
+        max_queued_requests=4096,
+        worker_timeout_s=60.0,
+    )
     if layout in ("colocated", "colocated-slo"):
         gated = layout == "colocated-slo"
         return ClusterSpec(
@@ -147,14 +158,18 @@ def cluster_spec(
     if layout == "adaptive":
         return ClusterSpec(
             router=dataclasses.replace(router, latency_profile=str(latency_profile)),
-            adaptive=WorkerConfig.adaptive(config, kv), num_adaptive_instances=2,
+            adaptive=WorkerConfig.adaptive(config, kv),
+            num_adaptive_instances=2,
             pin_cpus=pin_cpus,
-        )  # fmt: skip
+        )
     return ClusterSpec(
-        router=router, prefill=WorkerConfig.prefill(config, kv),
-        num_prefill_instances=1, decode=WorkerConfig.decode(config, kv),
-        num_decode_instances=1, pin_cpus=pin_cpus,
-    )  # fmt: skip
+        router=router,
+        prefill=WorkerConfig.prefill(config, kv),
+        num_prefill_instances=1,
+        decode=WorkerConfig.decode(config, kv),
+        num_decode_instances=1,
+        pin_cpus=pin_cpus,
+    )
 
 
 def start_local_cluster(spec: Any) -> Any:

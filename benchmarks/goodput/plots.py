@@ -21,8 +21,12 @@ from benchmarks.goodput.sweep import RatePoint
 from benchmarks.goodput.workloads import regime_label
 from planner.metrics import ATTAINMENT_TARGET, SLOs, attainment, breakdown, tpot, ttft
 
-COLORS = {"disaggregated": "tab:blue", "colocated": "tab:orange", "adaptive": "tab:green",
-          "colocated-slo": "tab:purple"}
+COLORS = {
+    "disaggregated": "tab:blue",
+    "colocated": "tab:orange",
+    "adaptive": "tab:green",
+    "colocated-slo": "tab:purple",
+}
 KIND_COLORS = {"local": "tab:green", "remote": "tab:purple", "": "gray"}  # "": never placed
 CLASS_MARKERS = ("o", "^", "s", "D")
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill")
@@ -55,8 +59,11 @@ def plot_regime(
         names.append(_attainment_vs_scale(plt, out_dir, regime, points_by_layout, slos, shared))
         names.append(_latency_cdf(plt, out_dir, regime, points_by_layout, slos, shared))
     names.append(_ttft_breakdown(plt, out_dir, regime, points_by_layout))
-    placed = {layout: points for layout, points in points_by_layout.items()
-              if any(r.placement_kind for p in points for r in p.records)}  # fmt: skip
+    placed = {
+        layout: points
+        for layout, points in points_by_layout.items()
+        if any(r.placement_kind for p in points for r in p.records)
+    }
     if placed:
         names.append(_placements(plt, out_dir, regime, placed))
     return names
@@ -80,9 +87,13 @@ def _attainment_vs_rate(
     figure, axis = plt.subplots(figsize=(6, 4))
     for layout, points in points_by_layout.items():
         ordered = sorted(points, key=lambda p: p.rate)
-        axis.plot([p.rate_per_device for p in ordered],
-                  [100 * attainment(p.records, slos) for p in ordered],
-                  "o-", color=COLORS.get(layout), label=layout)  # fmt: skip
+        axis.plot(
+            [p.rate_per_device for p in ordered],
+            [100 * attainment(p.records, slos) for p in ordered],
+            "o-",
+            color=COLORS.get(layout),
+            label=layout,
+        )
         rate = summary.get(f"goodput_{layout}")
         if rate:
             axis.axvline(rate, color=COLORS.get(layout), linestyle=":", linewidth=1)
@@ -91,8 +102,12 @@ def _attainment_vs_rate(
     notes = [f"goodput ratio {ratio:.2f}x"] if ratio else []
     notes += [f"adaptive {over_best:.2f}x the best fixed"] if over_best else []
     title = f"{regime_label(regime)}: SLO attainment" + (f" ({'; '.join(notes)})" if notes else "")
-    axis.set(xlabel="rate per device (requests/s)", ylabel="SLO attainment (%)", title=title,
-             ylim=(-2, 102))  # fmt: skip
+    axis.set(
+        xlabel="rate per device (requests/s)",
+        ylabel="SLO attainment (%)",
+        title=title,
+        ylim=(-2, 102),
+    )
     axis.legend()
     return _save(plt, figure, out_dir / f"{regime}_attainment_vs_rate.png")
 
@@ -103,12 +118,20 @@ def _attainment_vs_scale(
     figure, axis = plt.subplots(figsize=(6, 4))
     for layout, points in points_by_layout.items():
         records = point_at(points, rate).records
-        axis.plot(SCALES, [100 * attainment(records, slos, scale) for scale in SCALES],
-                  "o-", color=COLORS.get(layout), label=layout)  # fmt: skip
+        axis.plot(
+            SCALES,
+            [100 * attainment(records, slos, scale) for scale in SCALES],
+            "o-",
+            color=COLORS.get(layout),
+            label=layout,
+        )
     axis.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--", linewidth=1)
-    axis.set(xlabel="SLO scale s (TTFT <= s*TTFT_SLO, TPOT <= s*TPOT_SLO)",
-             ylabel="SLO attainment (%)", ylim=(-2, 102),
-             title=f"{regime_label(regime)}: attainment vs SLO scale at {rate:.2f} req/s/device")  # fmt: skip
+    axis.set(
+        xlabel="SLO scale s (TTFT <= s*TTFT_SLO, TPOT <= s*TPOT_SLO)",
+        ylabel="SLO attainment (%)",
+        ylim=(-2, 102),
+        title=f"{regime_label(regime)}: attainment vs SLO scale at {rate:.2f} req/s/device",
+    )
     axis.legend()
     return _save(plt, figure, out_dir / f"{regime}_attainment_vs_scale.png")
 
@@ -116,8 +139,13 @@ def _attainment_vs_scale(
 def _cdf(axis: Any, values: list[float], color: str | None, label: str) -> None:
     ordered = sorted(values)
     if ordered:
-        axis.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))],
-                  where="post", color=color, label=label)  # fmt: skip
+        axis.step(
+            ordered,
+            [(i + 1) / len(ordered) for i in range(len(ordered))],
+            where="post",
+            color=color,
+            label=label,
+        )
 
 
 def _latency_cdf(
@@ -132,11 +160,15 @@ def _latency_cdf(
     for slo_class, (ttft_slo, tpot_slo) in slos.by_class.items():
         style, suffix = next(styles), f" ({slo_class})" if slo_class else ""
         for axis, limit, name in ((axes[0], ttft_slo, "TTFT"), (axes[1], tpot_slo, "TPOT")):
-            axis.axvline(limit, color="gray", linestyle=style, linewidth=1,
-                         label=f"{name} SLO{suffix}")  # fmt: skip
+            axis.axvline(
+                limit, color="gray", linestyle=style, linewidth=1, label=f"{name} SLO{suffix}"
+            )
     for axis, name in ((axes[0], "TTFT"), (axes[1], "TPOT")):
-        axis.set(xlabel=f"{name} (s)", ylabel="fraction of requests",
-                 title=f"{regime_label(regime)}: {name} CDF at {rate:.2f} req/s/device")  # fmt: skip
+        axis.set(
+            xlabel=f"{name} (s)",
+            ylabel="fraction of requests",
+            title=f"{regime_label(regime)}: {name} CDF at {rate:.2f} req/s/device",
+        )
         axis.legend()
     return _save(plt, figure, out_dir / f"{regime}_latency_cdf.png")
 
@@ -161,8 +193,11 @@ def _ttft_breakdown(plt: Any, out_dir: Path, regime: str, points_by_layout: Layo
         axis.bar(range(len(stacks)), heights, bottom=bottoms, label=stage)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=False)]
     axis.set_xticks(range(len(labels)), labels, fontsize=7)
-    axis.set(ylabel="mean TTFT (s)", xlabel="layout, rate per device (req/s)",
-             title=f"{regime_label(regime)}: where the time to first token goes")  # fmt: skip
+    axis.set(
+        ylabel="mean TTFT (s)",
+        xlabel="layout, rate per device (req/s)",
+        title=f"{regime_label(regime)}: where the time to first token goes",
+    )
     axis.legend(fontsize=8)
     return _save(plt, figure, out_dir / f"{regime}_ttft_breakdown.png")
 
@@ -171,8 +206,11 @@ def _placements(plt: Any, out_dir: Path, regime: str, placed: Layouts) -> str:
     """One row per (adaptive layout, rate): each request at its arrival and prompt length,
     colored local or remote (marker by SLO class in a mix), and on the right axis the number of
     instances taking remote prefills, as the router reported it with each placement."""
-    rows = [(layout, point) for layout, points in placed.items()
-            for point in sorted(points, key=lambda p: p.rate)]  # fmt: skip
+    rows = [
+        (layout, point)
+        for layout, points in placed.items()
+        for point in sorted(points, key=lambda p: p.rate)
+    ]
     figure, axes = plt.subplots(len(rows), 1, figsize=(10, 2.4 * len(rows) + 0.6), squeeze=False)
     for axis, (layout, point) in zip(axes[:, 0], rows, strict=True):
         records = point.records
@@ -184,25 +222,40 @@ def _placements(plt: Any, out_dir: Path, regime: str, placed: Layouts) -> str:
                 mine = [r for r in records if r.placement_kind == kind and r.slo_class == slo_class]
                 if mine:
                     label = " ".join(filter(None, (kind or "unplaced", slo_class)))
-                    handles.append(axis.scatter(
-                        [r.send_time - start for r in mine], [r.prompt_len for r in mine],
-                        s=14, color=color, marker=marker, label=label,
-                    ))  # fmt: skip
+                    handles.append(
+                        axis.scatter(
+                            [r.send_time - start for r in mine],
+                            [r.prompt_len for r in mine],
+                            s=14,
+                            color=color,
+                            marker=marker,
+                            label=label,
+                        )
+                    )
         changes = role_changes(records)
         if changes:  # held from each change to the next, the last to the last arrival
             counts = [count for _, count in changes]
             end = max(r.send_time for r in records) - start
             roles = axis.twinx()
-            handles += roles.step([t for t, _ in changes] + [end], counts + counts[-1:],
-                                  where="post", color="black", linewidth=1,
-                                  label="remote-prefill instances")  # fmt: skip
+            handles += roles.step(
+                [t for t, _ in changes] + [end],
+                counts + counts[-1:],
+                where="post",
+                color="black",
+                linewidth=1,
+                label="remote-prefill instances",
+            )
             top = max(2, *counts)
-            roles.set(ylabel="remote-prefill\ninstances", ylim=(-0.2, top + 0.2),
-                      yticks=range(top + 1))  # fmt: skip
+            roles.set(
+                ylabel="remote-prefill\ninstances", ylim=(-0.2, top + 0.2), yticks=range(top + 1)
+            )
         num_remote = sum(r.placement_kind == "remote" for r in records)
-        axis.set(ylabel="prompt tokens", ylim=(0, None),
-                 title=f"{layout} at {point.rate_per_device:.2f} req/s/device: "
-                 f"{num_remote} of {len(records)} remote")  # fmt: skip
+        axis.set(
+            ylabel="prompt tokens",
+            ylim=(0, None),
+            title=f"{layout} at {point.rate_per_device:.2f} req/s/device: "
+            f"{num_remote} of {len(records)} remote",
+        )
         axis.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.1, 1.0))
     axes[-1, 0].set_xlabel("arrival (s since the point's first request)")
     figure.suptitle(f"{regime_label(regime)}: where each request was prefilled")

@@ -63,8 +63,9 @@ def _point_summary(point: RatePoint, slos: SLOs) -> dict[str, Any]:
         "rate_per_device": point.rate_per_device,
         "attainment": attainment(point.records, slos),
         # a mix's classes apart: which of them the point's misses come from
-        "attainment_by_class": {name: attainment(records, slos)
-                                for name, records in by_class.items() if name},  # fmt: skip
+        "attainment_by_class": {
+            name: attainment(records, slos) for name, records in by_class.items() if name
+        },
         "num_requests": len(point.records),
         "num_failed": len(point.records) - len(done),
         "wall_s": point.wall_s,

@@ -10,8 +10,11 @@ from typing import Any
 _NUMBER = {"type": "number"}
 _OPTIONAL_NUMBER = {"type": ["number", "null"]}
 _BOUND = {"enum": ["crossed", "at_least", "below_lowest"]}
-_GOODPUT = {"type": "object", "required": ["rate", "bound"],
-            "properties": {"rate": _NUMBER, "bound": _BOUND}}  # fmt: skip
+_GOODPUT = {
+    "type": "object",
+    "required": ["rate", "bound"],
+    "properties": {"rate": _NUMBER, "bound": _BOUND},
+}
 
 _CLASS_SLO: dict[str, Any] = {
     "type": "object",
@@ -20,25 +23,35 @@ _CLASS_SLO: dict[str, Any] = {
         "ttft_s": {"type": "number", "exclusiveMinimum": 0},
         "tpot_s": {"type": "number", "exclusiveMinimum": 0},
         "calibration": {
-            "type": "object", "required": ["prompt_len", "prefill_s", "decode_step_s"],
+            "type": "object",
+            "required": ["prompt_len", "prefill_s", "decode_step_s"],
         },
     },
-}  # fmt: skip
+}
 # One shape's SLOs, or a mix's per class (planner/traffic.py: MIXES; report.slos_of reads both).
 SLO_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["start_rate"],
-    "properties": {"start_rate": {"type": "number", "exclusiveMinimum": 0},
-                   "classes": {"type": "object", "minProperties": 1,
-                               "additionalProperties": _CLASS_SLO}},
+    "properties": {
+        "start_rate": {"type": "number", "exclusiveMinimum": 0},
+        "classes": {"type": "object", "minProperties": 1, "additionalProperties": _CLASS_SLO},
+    },
     "anyOf": [_CLASS_SLO, {"required": ["classes"]}],
-}  # fmt: skip
+}
 
 WORKLOAD_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["regime", "source", "arrival", "cv", "seed", "num_requests",
-                 "mean_prompt_len", "mean_output_len"],
-}  # fmt: skip
+    "required": [
+        "regime",
+        "source",
+        "arrival",
+        "cv",
+        "seed",
+        "num_requests",
+        "mean_prompt_len",
+        "mean_output_len",
+    ],
+}
 
 # An adaptive layout's placements at one point (placements.py); null from a fixed layout.
 PLACEMENTS_SCHEMA: dict[str, Any] = {
@@ -48,49 +61,93 @@ PLACEMENTS_SCHEMA: dict[str, Any] = {
         "num_local": {"type": "integer", "minimum": 0},
         "num_remote": {"type": "integer", "minimum": 0},
         "num_unplaced": {"type": "integer", "minimum": 0},
-        "by_class": {"type": "object", "additionalProperties": {
-            "type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}},
+        "by_class": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": {"type": "integer", "minimum": 0},
+            },
+        },
         # [seconds since the point's first send, instances taking remote prefills], by time
-        "role_changes": {"type": "array", "items": {
-            "type": "array", "prefixItems": [{"type": "number", "minimum": 0},
-                                             {"type": "integer", "minimum": 0}],
-            "minItems": 2, "maxItems": 2}},
+        "role_changes": {
+            "type": "array",
+            "items": {
+                "type": "array",
+                "prefixItems": [
+                    {"type": "number", "minimum": 0},
+                    {"type": "integer", "minimum": 0},
+                ],
+                "minItems": 2,
+                "maxItems": 2,
+            },
+        },
     },
-}  # fmt: skip
+}
 
 POINT_SUMMARY_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["rate", "rate_per_device", "attainment", "num_requests", "num_failed",
-                 "latency", "breakdown_mean_s", "placements"],
+    "required": [
+        "rate",
+        "rate_per_device",
+        "attainment",
+        "num_requests",
+        "num_failed",
+        "latency",
+        "breakdown_mean_s",
+        "placements",
+    ],
     "properties": {
         "attainment": {"type": "number", "minimum": 0, "maximum": 1},
         "placements": PLACEMENTS_SCHEMA,
         "breakdown_mean_s": {
             "type": "object",
-            "required": ["router_queue", "prefill_queue", "prefill", "transfer",
-                         "decode_queue", "decode"],
+            "required": [
+                "router_queue",
+                "prefill_queue",
+                "prefill",
+                "transfer",
+                "decode_queue",
+                "decode",
+            ],
         },
         "latency": {"type": "object", "required": ["ttft_s", "tpot_s", "itl_s", "e2e_s"]},
     },
-}  # fmt: skip
+}
 
 # A regime's goodput_{layout} keys exist for the layouts that ran (`goodputs` holds them all);
 # adaptive_over_best is adaptive over the better fixed layout, null unless all three ran.
 REGIME_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["points", "goodput_by_scale", "goodputs", "goodput_ratio", "adaptive_over_best",
-                 "slo", "workload", "devices", "plots"],
+    "required": [
+        "points",
+        "goodput_by_scale",
+        "goodputs",
+        "goodput_ratio",
+        "adaptive_over_best",
+        "slo",
+        "workload",
+        "devices",
+        "plots",
+    ],
     "properties": {
-        "points": {"type": "object", "additionalProperties": {
-            "type": "array", "items": POINT_SUMMARY_SCHEMA}},
-        "goodput_by_scale": {"type": "object", "additionalProperties": {
+        "points": {
             "type": "object",
-            "required": ["adaptive_over_best"],
-            "properties": {
-                "disaggregated": _GOODPUT, "colocated": _GOODPUT, "adaptive": _GOODPUT,
-                "ratio": _OPTIONAL_NUMBER, "adaptive_over_best": _OPTIONAL_NUMBER,
+            "additionalProperties": {"type": "array", "items": POINT_SUMMARY_SCHEMA},
+        },
+        "goodput_by_scale": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["adaptive_over_best"],
+                "properties": {
+                    "disaggregated": _GOODPUT,
+                    "colocated": _GOODPUT,
+                    "adaptive": _GOODPUT,
+                    "ratio": _OPTIONAL_NUMBER,
+                    "adaptive_over_best": _OPTIONAL_NUMBER,
+                },
             },
-        }},
+        },
         "goodputs": {"type": "object", "minProperties": 1, "additionalProperties": _NUMBER},
         "goodput_disaggregated": _NUMBER,
         "goodput_colocated": _NUMBER,
@@ -101,13 +158,26 @@ REGIME_SCHEMA: dict[str, Any] = {
         "workload": WORKLOAD_SCHEMA,
         "plots": {"type": "array", "items": {"type": "string", "pattern": r"\.png$"}},
     },
-}  # fmt: skip
+}
 
 SUMMARY_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["schema", "main_regime", "goodput_disaggregated", "goodput_colocated",
-                 "goodput_ratio", "goodputs", "goodput_unit", "slo", "workload", "ratios",
-                 "adaptive_over_best", "regimes", "config", "duration_s"],
+    "required": [
+        "schema",
+        "main_regime",
+        "goodput_disaggregated",
+        "goodput_colocated",
+        "goodput_ratio",
+        "goodputs",
+        "goodput_unit",
+        "slo",
+        "workload",
+        "ratios",
+        "adaptive_over_best",
+        "regimes",
+        "config",
+        "duration_s",
+    ],
     "properties": {
         # /2: goodputs and adaptive_over_best; a fixed layout's goodput null when it did not run
         "schema": {"const": "pdserve.goodput.summary/2"},
@@ -121,12 +191,21 @@ SUMMARY_SCHEMA: dict[str, Any] = {
         "adaptive_over_best": {"type": "object", "additionalProperties": _OPTIONAL_NUMBER},
         "regimes": {"type": "object", "additionalProperties": REGIME_SCHEMA},
     },
-}  # fmt: skip
+}
 
 RECORD_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["request_id", "prompt_len", "output_len", "send_time", "token_times",
-                 "finish_reason", "error", "timings", "shard"],
+    "required": [
+        "request_id",
+        "prompt_len",
+        "output_len",
+        "send_time",
+        "token_times",
+        "finish_reason",
+        "error",
+        "timings",
+        "shard",
+    ],
     "properties": {
         "send_time": _NUMBER,
         "token_times": {"type": "array", "items": _NUMBER},
@@ -139,7 +218,7 @@ RECORD_SCHEMA: dict[str, Any] = {
         "predicted_tpot_s": _OPTIONAL_NUMBER,
         "prefill_role_instances": {"type": ["integer", "null"], "minimum": 0},
     },
-}  # fmt: skip
+}
 
 RAW_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -148,22 +227,45 @@ RAW_SCHEMA: dict[str, Any] = {
         "schema": {"const": "pdserve.goodput.raw/1"},
         "slo": SLO_SCHEMA,
         "workload": WORKLOAD_SCHEMA,
-        "requests": {"type": "array", "items": {
-            "type": "object", "required": ["prompt_len", "output_len", "unit_gap_s"],
-            "properties": {"slo_class": {"type": "string"}}}},
-        "layouts": {"type": "object", "additionalProperties": {
-            "type": "object", "required": ["num_devices", "address", "points"],
-            "properties": {"points": {"type": "array", "items": {
+        "requests": {
+            "type": "array",
+            "items": {
                 "type": "object",
-                "required": ["rate", "rate_per_device", "wall_s", "clocks", "records"],
+                "required": ["prompt_len", "output_len", "unit_gap_s"],
+                "properties": {"slo_class": {"type": "string"}},
+            },
+        },
+        "layouts": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["num_devices", "address", "points"],
                 "properties": {
-                    "records": {"type": "array", "items": RECORD_SCHEMA},
-                    "clocks": {"type": "array", "items": {
-                        "type": "object",
-                        "required": ["shard", "host", "pid", "wall_anchor", "monotonic_anchor"],
-                    }},
+                    "points": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["rate", "rate_per_device", "wall_s", "clocks", "records"],
+                            "properties": {
+                                "records": {"type": "array", "items": RECORD_SCHEMA},
+                                "clocks": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "required": [
+                                            "shard",
+                                            "host",
+                                            "pid",
+                                            "wall_anchor",
+                                            "monotonic_anchor",
+                                        ],
+                                    },
+                                },
+                            },
+                        },
+                    }
                 },
-            }}},
-        }},
+            },
+        },
     },
-}  # fmt: skip
+}

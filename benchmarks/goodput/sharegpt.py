@@ -43,9 +43,12 @@ class ShareGPTFile:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "path": self.path, "num_entries": self.num_entries, "num_pairs": len(self.pairs),
-            "num_dropped": self.num_dropped, "dropped_bytes": self.dropped_bytes,
-        }  # fmt: skip
+            "path": self.path,
+            "num_entries": self.num_entries,
+            "num_pairs": len(self.pairs),
+            "num_dropped": self.num_dropped,
+            "dropped_bytes": self.dropped_bytes,
+        }
 
 
 class ShareGPTError(ValueError):

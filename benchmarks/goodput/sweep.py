@@ -48,10 +48,13 @@ class SweepPolicy:
         """The sweep of a `pdserve bench` run with options `config` (as raw/*.json keeps them)."""
         quick = bool(config.get("quick"))
         return cls(
-            start_rate, config.get("growth") or (1.6 if quick else 1.4),
-            config.get("max_points") or (4 if quick else 6), rates=tuple(config.get("rates") or ()),
-            max_halvings=1 if quick else 2, max_point_s=15.0 if quick else 60.0,
-        )  # fmt: skip
+            start_rate,
+            config.get("growth") or (1.6 if quick else 1.4),
+            config.get("max_points") or (4 if quick else 6),
+            rates=tuple(config.get("rates") or ()),
+            max_halvings=1 if quick else 2,
+            max_point_s=15.0 if quick else 60.0,
+        )
 
     def num_requests(self, rate: float, available: int) -> int:
         """How many of the workload's requests a point at `rate` (total) sends."""
@@ -68,9 +71,12 @@ class RatePoint:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rate": self.rate, "rate_per_device": self.rate_per_device, "wall_s": self.wall_s,
-            "clocks": self.clocks, "records": [record.to_json() for record in self.records],
-        }  # fmt: skip
+            "rate": self.rate,
+            "rate_per_device": self.rate_per_device,
+            "wall_s": self.wall_s,
+            "clocks": self.clocks,
+            "records": [record.to_json() for record in self.records],
+        }
 
 
 class RateSweep:
@@ -79,12 +85,19 @@ class RateSweep:
     (default the first `num`; a phased mix takes the first of each phase, Mix.point_indices)."""
 
     def __init__(
-        self, driver: LoadDriver, address: str, prompts: list[tuple[list[int], int]],
-        unit_gaps: list[float], id_prefix: str, num_devices: int, slos: SLOs,
-        policy: SweepPolicy, on_point: Callable[[RatePoint, float], None] | None = None,
+        self,
+        driver: LoadDriver,
+        address: str,
+        prompts: list[tuple[list[int], int]],
+        unit_gaps: list[float],
+        id_prefix: str,
+        num_devices: int,
+        slos: SLOs,
+        policy: SweepPolicy,
+        on_point: Callable[[RatePoint, float], None] | None = None,
         classes: Sequence[str] = (),
         pick: Callable[[int, int], list[int]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.driver = driver
         self.address = address
         self.prompts = prompts
@@ -103,8 +116,11 @@ class RateSweep:
         chosen = self.pick(len(self.prompts), self.policy.num_requests(rate, len(self.prompts)))
         offsets = arrival_offsets(self.unit_gaps[: len(chosen)], rate)
         requests: list[BenchRequest] = build_requests(
-            [self.prompts[i] for i in chosen], offsets, f"{self.id_prefix}-r{index}",
-            [self.classes[i] for i in chosen], self.slos,
+            [self.prompts[i] for i in chosen],
+            offsets,
+            f"{self.id_prefix}-r{index}",
+            [self.classes[i] for i in chosen],
+            self.slos,
         )
         records = self.driver.run(self.address, requests)
         finished = [t for r in records for t in r.token_times[-1:]] or [records[0].send_time]

@@ -58,22 +58,33 @@ def random_prompts(
 
 
 def build_requests(
-    prompts: list[tuple[list[int], int]], offsets: list[float], id_prefix: str,
-    classes: Sequence[str] = (), slos: SLOs | None = None,
-) -> list[BenchRequest]:  # fmt: skip
+    prompts: list[tuple[list[int], int]],
+    offsets: list[float],
+    id_prefix: str,
+    classes: Sequence[str] = (),
+    slos: SLOs | None = None,
+) -> list[BenchRequest]:
     """Pair each (prompt ids, output length) with its arrival offset (and its SLO class, and
     that class's SLOs from `slos`)."""
     if len(prompts) != len(offsets) or (classes and len(classes) != len(prompts)):
-        raise ValueError(f"{len(prompts)} prompts but {len(offsets)} arrival times and "
-                         f"{len(classes)} classes")  # fmt: skip
+        raise ValueError(
+            f"{len(prompts)} prompts but {len(offsets)} arrival times and {len(classes)} classes"
+        )
     classes = classes or [""] * len(prompts)
     requests = []
     for index, ((ids, output_len), offset, slo_class) in enumerate(
         zip(prompts, offsets, classes, strict=True)
     ):
         ttft_slo_s, tpot_slo_s = slos.of_class(slo_class) if slos else (None, None)
-        requests.append(BenchRequest(
-            f"{id_prefix}-{index}", tuple(ids), output_len, offset, slo_class,
-            ttft_slo_s, tpot_slo_s,
-        ))  # fmt: skip
+        requests.append(
+            BenchRequest(
+                f"{id_prefix}-{index}",
+                tuple(ids),
+                output_len,
+                offset,
+                slo_class,
+                ttft_slo_s,
+                tpot_slo_s,
+            )
+        )
     return requests

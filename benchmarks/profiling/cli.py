@@ -16,9 +16,12 @@ def build_parser(prog: str = "pdserve profile") -> argparse.ArgumentParser:
     profile.add_argument("--out", required=True, help="profile JSON to write")
     profile.add_argument("--tp", default="1", help="TP sizes to measure, e.g. 1,2")
     profile.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
-    profile.add_argument("--bench-model", metavar="DIR",
-                         help="profile `pdserve bench`'s model (built in DIR) with its engine "
-                         "settings instead of --config's")  # fmt: skip
+    profile.add_argument(
+        "--bench-model",
+        metavar="DIR",
+        help="profile `pdserve bench`'s model (built in DIR) with its engine "
+        "settings instead of --config's",
+    )
     profile.add_argument(
         "--clock",
         choices=("auto", "cpu", "wall"),

@@ -40,9 +40,14 @@ from planner.latency import StepModel
 # per-token costs separate; sends at once put many tokens in each step, spaced sends one or two,
 # so that the relay's per-step cost separates from its per-token one.
 BATCHES = (
-    (1, 64, 0.0), (8, 64, 0.0), (24, 32, 0.0), (8, 2, 0.0), (24, 2, 0.0), (8, 32, 0.6),
+    (1, 64, 0.0),
+    (8, 64, 0.0),
+    (24, 32, 0.0),
+    (8, 2, 0.0),
+    (24, 2, 0.0),
+    (8, 32, 0.6),
     (16, 8, 0.15),
-)  # fmt: skip
+)
 QUICK_BATCHES = ((1, 32, 0.0), (8, 32, 0.0), (8, 2, 0.0), (4, 16, 0.2))  # --quick: a smoke run
 STEP_GAP_S = 0.002  # tokens the client receives closer than this came from one worker step
 
@@ -79,8 +84,9 @@ def measure_path(
         address, workers = cluster.address, cluster.process_ids()
 
         def send(batch: int, tag: str, output: int = output_len, gap: float = 0.0) -> list[Any]:
-            prompts = [([rng.randrange(3, vocab) for _ in range(prompt_len)], output)
-                       for _ in range(batch)]  # fmt: skip
+            prompts = [
+                ([rng.randrange(3, vocab) for _ in range(prompt_len)], output) for _ in range(batch)
+            ]
             offsets = [index * gap for index in range(batch)]
             return driver.run(address, build_requests(prompts, offsets, tag))
 
@@ -102,8 +108,10 @@ def measure_path(
             # sent at once, the batch runs as the engine model's batch; spaced, it does not
             extra = worker_ms - _engine_ms(model, batch, prompt_len, output) if not gap else None
             rows.append(PathRow(batch, output, count_steps(records), extra, relay_ms))
-            log(f"path: batch {batch} every {gap} s: worker {worker_ms:.0f} ms CPU, "
-                f"relay {relay_ms:.0f} ms beyond idle")  # fmt: skip
+            log(
+                f"path: batch {batch} every {gap} s: worker {worker_ms:.0f} ms CPU, "
+                f"relay {relay_ms:.0f} ms beyond idle"
+            )
     finally:
         driver.close()
         cluster.shutdown()
@@ -118,9 +126,12 @@ def measure_path(
 
 
 def measure_handoff(
-    model_dir: str, model: StepModel, worker_terms: dict[str, float], log: Any,
+    model_dir: str,
+    model: StepModel,
+    worker_terms: dict[str, float],
+    log: Any,
     quick: bool = False,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """The KV hand-off on a real 1 prefill + 1 decode cluster, one request at a time:
       handoff_ms        from a request's first token to its first decode step, unloaded (the
                         breakdown's transfer and decode queue: the reservation, the dial, the
@@ -162,11 +173,12 @@ def measure_handoff(
                     for after, before, rate in zip(
                         _cpu_each([prefill_pid, decode_pid]), cpu0, idle, strict=True
                     )
-                )  # fmt: skip
+                )
                 engine_prefill = model.prefill_stage_ms(length, length * length) - 1
                 engine_step = model.decode_stage_ms(1, length + 1)
-                rows.append((length, sent - engine_prefill - step_ms,
-                             received - engine_step - step_ms))  # fmt: skip
+                rows.append(
+                    (length, sent - engine_prefill - step_ms, received - engine_step - step_ms)
+                )
                 parts = breakdown(record)
                 waits.append(1e3 * (parts["transfer"] + parts["decode_queue"]))
     finally:
@@ -191,7 +203,7 @@ def fit_handoff(rows: list[tuple[int, float, float]]) -> dict[str, float]:
     for name, column in (("kv_send", 1), ("kv_receive", 2)):
         (per_request, per_token), *_ = np.linalg.lstsq(
             design, np.array([row[column] for row in rows]), rcond=None
-        )  # fmt: skip
+        )
         out[f"{name}_ms"] = float(max(per_request, 0.0))
         out[f"{name}_ms_per_token"] = float(max(per_token, 0.0))
     return out
@@ -261,11 +273,13 @@ def fit_path(rows: list[PathRow], ttfts_ms: list[float], prefill_ms: float) -> d
     relay = np.array([row.relay_ms for row in rows])
     (req_ms, relay_step_ms, tok_ms), *_ = np.linalg.lstsq(design, relay, rcond=None)
     return {
-        "worker_step_ms": float(max(step_ms, 0.0)), "worker_seq_ms": float(max(seq_ms, 0.0)),
-        "relay_request_ms": float(max(req_ms, 0.0)), "relay_token_ms": float(max(tok_ms, 0.0)),
+        "worker_step_ms": float(max(step_ms, 0.0)),
+        "worker_seq_ms": float(max(seq_ms, 0.0)),
+        "relay_request_ms": float(max(req_ms, 0.0)),
+        "relay_token_ms": float(max(tok_ms, 0.0)),
         "relay_step_ms": float(max(relay_step_ms, 0.0)),
         "path_ttft_ms": float(max(statistics.median(ttfts_ms) - prefill_ms, 0.0)),
-    }  # fmt: skip
+    }
 
 
 def engine_vocab(model_dir: str) -> int:

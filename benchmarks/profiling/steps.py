@@ -64,10 +64,14 @@ class Grid:
 BY_BATCH_MAX = 16
 QUICK = Grid((32, 128, 384, 768), (1, 2, 4), (64, 384), (1, 2, 3, 8, 32), (64, 512, 2048), 2, 4)
 FULL = Grid(
-    (16, 64, 128, 256, 512, 768, 1024), (1, 2, 4, 8), (32, 128, 384, 768),
+    (16, 64, 128, 256, 512, 768, 1024),
+    (1, 2, 4, 8),
+    (32, 128, 384, 768),
     (*range(1, BY_BATCH_MAX + 1), 20, 23, 26, 29, 32, 48, 64),
-    (64, 256, 1024, 4096), 3, 8,
-)  # fmt: skip
+    (64, 256, 1024, 4096),
+    3,
+    8,
+)
 
 
 def _params(max_tokens: int) -> Any:
@@ -150,8 +154,9 @@ class EngineProbe:
             for _ in range(repeats):
                 rid, computed, index = self._add(length, 2), 0, 0
                 while computed < length:
-                    sum_ctx = sum(r.num_tokens - 1 for r in scheduler.running
-                                  if r.request_id in rids)  # fmt: skip
+                    sum_ctx = sum(
+                        r.num_tokens - 1 for r in scheduler.running if r.request_id in rids
+                    )
                     began = self.clock()
                     self.engine.step()
                     elapsed = (self.clock() - began) * 1e3
@@ -234,14 +239,20 @@ def profile_tp(
     try:
         started = time.perf_counter()
         prefill = measure_prefill(probe, grid, config.max_num_batched_tokens)
-        log(f"tp={config.tensor_parallel_size}: {len(prefill)} prefill points "
-            f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
+        log(
+            f"tp={config.tensor_parallel_size}: {len(prefill)} prefill points "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
         decode = measure_decode(probe, grid)
-        log(f"tp={config.tensor_parallel_size}: {len(decode)} decode points "
-            f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
+        log(
+            f"tp={config.tensor_parallel_size}: {len(decode)} decode points "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
         mixed = measure_mixed(probe, grid)
-        log(f"tp={config.tensor_parallel_size}: {len(mixed)} mixed-step points "
-            f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
+        log(
+            f"tp={config.tensor_parallel_size}: {len(mixed)} mixed-step points "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
         model = probe.engine.executor.model_config
         blocks = probe.engine.executor.num_kv_blocks * probe.engine.executor.block_size
     finally:
@@ -252,12 +263,20 @@ def profile_tp(
     dtype_bytes = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
     kv_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
     entry = TPProfile(
-        prefill=fit_prefill(prefill), decode_small=small, decode_large=large,
-        kv_bytes_per_token=float(kv_bytes), max_num_tokens={1: blocks}, overhead=(0.0, 0.0),
-        chunked_prefill=chunked, decode_by_batch=by_batch,
-    )  # fmt: skip
-    raw = {"prefill": [[lens, ms] for lens, ms in prefill], "decode": [list(s) for s in decode],
-           "mixed": [list(s) for s in mixed]}  # fmt: skip
+        prefill=fit_prefill(prefill),
+        decode_small=small,
+        decode_large=large,
+        kv_bytes_per_token=float(kv_bytes),
+        max_num_tokens={1: blocks},
+        overhead=(0.0, 0.0),
+        chunked_prefill=chunked,
+        decode_by_batch=by_batch,
+    )
+    raw = {
+        "prefill": [[lens, ms] for lens, ms in prefill],
+        "decode": [list(s) for s in decode],
+        "mixed": [list(s) for s in mixed],
+    }
     return entry, raw
 
 

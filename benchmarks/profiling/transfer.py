@@ -21,11 +21,18 @@ def _ticket(tid: int, tokens: int, block_size: int, tp: int, endpoint: Any) -> A
 
     num_blocks = -(-tokens // block_size)
     return KVTicket(
-        request_id=f"profile-kv-{tid}", transfer_id=tid, block_ids=tuple(range(num_blocks)),
-        num_tokens=tokens, prefill_instance_id="P", prefill_tp_size=tp,
-        decode_instance_id="D", decode_tp_size=tp, decode_endpoints=(endpoint,) * tp,
-        layerwise=False, timeout_s=60.0,
-    )  # fmt: skip
+        request_id=f"profile-kv-{tid}",
+        transfer_id=tid,
+        block_ids=tuple(range(num_blocks)),
+        num_tokens=tokens,
+        prefill_instance_id="P",
+        prefill_tp_size=tp,
+        decode_instance_id="D",
+        decode_tp_size=tp,
+        decode_endpoints=(endpoint,) * tp,
+        layerwise=False,
+        timeout_s=60.0,
+    )
 
 
 # The largest transfer moves at least this much: below it (a test's tiny model: 512 bytes a

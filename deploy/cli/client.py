@@ -42,8 +42,11 @@ class RouterClient:
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         # Reconnect quickly: a router that is still starting refuses the first attempts, and
         # gRPC's default backoff (up to 2 minutes) would hide the moment it starts listening.
-        options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-                   ("grpc.max_reconnect_backoff_ms", 250)]  # fmt: skip
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 250),
+        ]
         if tls_ca_file is not None:
             credentials = grpc.ssl_channel_credentials(Path(tls_ca_file).read_bytes())
             self._channel = grpc.secure_channel(address, credentials, options=options)

@@ -38,8 +38,15 @@ CHAT_QUESTIONS = [
     "Write a haiku about the sea.",
 ]
 OPENAI_QUESTION = "What is the capital of Japan?"
-TABLE_HEADER = ["request", "prompt tok", "output tok", "TTFT ms", "TPOT ms", "KV xfer ms",
-                "workers"]  # fmt: skip
+TABLE_HEADER = [
+    "request",
+    "prompt tok",
+    "output tok",
+    "TTFT ms",
+    "TPOT ms",
+    "KV xfer ms",
+    "workers",
+]
 
 
 @dataclass(frozen=True)
@@ -57,14 +64,16 @@ def demo_config(model: str, use_ray: bool = True) -> ServeConfig:
     """One prefill instance (TP=2 where the heads allow, else 1) and two decode instances, on
     127.0.0.1, a free port."""
     prefill_tp = 2 if 2 in models.allowed_tp_sizes(model) else 1
-    return parse_config({
-        "model": model,
-        "prefill": {"instances": 1, "tensor_parallel_size": prefill_tp},
-        "decode": {"instances": 2, "tensor_parallel_size": 1},
-        "kv_cache": {"memory_mb": 64},
-        "router": {"host": "127.0.0.1", "port": 0, "http_port": 0},
-        "ray": {"enabled": use_ray},
-    })  # fmt: skip
+    return parse_config(
+        {
+            "model": model,
+            "prefill": {"instances": 1, "tensor_parallel_size": prefill_tp},
+            "decode": {"instances": 2, "tensor_parallel_size": 1},
+            "kv_cache": {"memory_mb": 64},
+            "router": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+            "ray": {"enabled": use_ray},
+        }
+    )
 
 
 def choose_demo_model(model: str | None, max_tokens: int | None, out: TextIO) -> DemoModel:
@@ -82,9 +91,11 @@ def choose_demo_model(model: str | None, max_tokens: int | None, out: TextIO) ->
 
 
 def run_demo(
-    model_dir: str | None = None, use_ray: bool = True, max_tokens: int | None = None,
+    model_dir: str | None = None,
+    use_ray: bool = True,
+    max_tokens: int | None = None,
     out: TextIO = sys.stdout,
-) -> None:  # fmt: skip
+) -> None:
     """Start, stream the prompts, print the table, shut down."""
     model = choose_demo_model(model_dir, max_tokens, out)
     config = demo_config(model.path, use_ray)
@@ -139,9 +150,12 @@ def _openai_call(http_port: int, model: DemoModel, out: TextIO) -> None:
         question = OPENAI_QUESTION
         out.write(f"\n> client.chat.completions.create(messages=[{question!r}], stream=True)\n")
         chat = client.chat.completions.create(
-            model=name, messages=[{"role": "user", "content": question}],
-            max_tokens=model.max_tokens, temperature=0.0, stream=True,
-        )  # fmt: skip
+            model=name,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=model.max_tokens,
+            temperature=0.0,
+            stream=True,
+        )
         pieces = (chunk.choices[0].delta.content or "" for chunk in chat if chunk.choices)
     else:
         prompt = model.prompts[0]

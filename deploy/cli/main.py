@@ -32,11 +32,15 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 ROLES = ("prefill", "decode", "colocated")
 # serve's flags (argparse names) and the config keys they set over the file.
 _FLAG_KEYS = {
-    "model": "model", "mode": "mode", "host": "router.host", "port": "router.port",
-    "metrics_port": "router.metrics_port", "http_port": "router.http_port",
+    "model": "model",
+    "mode": "mode",
+    "host": "router.host",
+    "port": "router.port",
+    "metrics_port": "router.metrics_port",
+    "http_port": "router.http_port",
     **{f"{role}_instances": f"{role}.instances" for role in ROLES},
     **{f"{role}_tp": f"{role}.tensor_parallel_size" for role in ROLES},
-}  # fmt: skip
+}
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
@@ -99,9 +103,10 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     # Tests and the cold-start script point the demo at another small model folder.
     demo.add_argument(
-        "--model", default=os.environ.get("PDSERVE_DEMO_MODEL"),
+        "--model",
+        default=os.environ.get("PDSERVE_DEMO_MODEL"),
         help="'smollm2' (the default), 'demo' (the small local model) or a model folder",
-    )  # fmt: skip
+    )
     demo.set_defaults(func=cmd_demo)
 
 
@@ -251,9 +256,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve_proto.v1 import generation_pb2 as pb
 
     request = pb.GenerateRequest(
-        prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-        stop=args.stop, ignore_eos=args.ignore_eos,
-    )  # fmt: skip
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             setattr(request, name, getattr(args, name))

@@ -51,8 +51,10 @@ class ClusterSpec:
         if self.num_adaptive_instances > 0:
             if self.adaptive is None:
                 raise ValueError("adaptive instances need a WorkerConfig in `adaptive`")
-            if self.num_prefill_instances or self.num_decode_instances or (
-                self.num_colocated_instances
+            if (
+                self.num_prefill_instances
+                or self.num_decode_instances
+                or (self.num_colocated_instances)
             ):
                 raise ValueError("an adaptive cluster has adaptive instances only")
             if self.num_adaptive_instances < 2:
@@ -91,9 +93,11 @@ class ClusterSpec:
     def worker_config(self, instance_id: str) -> WorkerConfig:
         """The config instance `instance_id` ("prefill-0", "decode-1", ...) is built with."""
         configs = {
-            "prefill": self.prefill, "decode": self.decode, "colocated": self.colocated,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "colocated": self.colocated,
             "adaptive": self.adaptive,
-        }  # fmt: skip
+        }
         config = configs[instance_id.rsplit("-", 1)[0]]
         assert config is not None, f"no config for {instance_id}"
         return config
@@ -151,16 +155,22 @@ def build_cluster_spec(config: ServeConfig, model_dir: str | None = None) -> Clu
     if config.mode == "colocated":
         engine = engine_config(config, model_dir, config.colocated.tensor_parallel_size)
         return ClusterSpec(
-            router, colocated=WorkerConfig(engine),
-            num_colocated_instances=config.colocated.instances, pin_cpus=pin_cpus, ray=config.ray,
-        )  # fmt: skip
+            router,
+            colocated=WorkerConfig(engine),
+            num_colocated_instances=config.colocated.instances,
+            pin_cpus=pin_cpus,
+            ray=config.ray,
+        )
     kv_transfer = KVTransferConfig(**dataclasses.asdict(config.kv_transfer))  # the same names
     if config.mode == "adaptive":
         engine = engine_config(config, model_dir, config.adaptive.tensor_parallel_size)
         return ClusterSpec(
-            router, adaptive=WorkerConfig.adaptive(engine, kv_transfer),
-            num_adaptive_instances=config.adaptive.instances, pin_cpus=pin_cpus, ray=config.ray,
-        )  # fmt: skip
+            router,
+            adaptive=WorkerConfig.adaptive(engine, kv_transfer),
+            num_adaptive_instances=config.adaptive.instances,
+            pin_cpus=pin_cpus,
+            ray=config.ray,
+        )
     prefill = engine_config(config, model_dir, config.prefill.tensor_parallel_size)
     decode = engine_config(config, model_dir, config.decode.tensor_parallel_size)
     return ClusterSpec(

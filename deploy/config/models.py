@@ -122,9 +122,11 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     # dequantize=True: plain dense weights, so the loader drops its quantizer and the model
     # saves as an ordinary checkpoint (a packed GGUF model refuses save_pretrained).
     model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32,
+        folder,
+        gguf_file=name,
+        dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True),
-    )  # fmt: skip
+    )
     if tokenizer.chat_template is None:
         raise ModelUnavailable(f"{gguf} carries no chat template")
     model.save_pretrained(out_dir)

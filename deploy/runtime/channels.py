@@ -80,9 +80,12 @@ def _failed(worker: Worker, waiting: set[str], timeout_s: float) -> set[str]:
 
 
 def form_all_channels(
-    prefill_ids: list[str], decode_ids: list[str], prefill_tp_size: int, call: PeerCall,
+    prefill_ids: list[str],
+    decode_ids: list[str],
+    prefill_tp_size: int,
+    call: PeerCall,
     timeout_s: float,
-) -> None:  # fmt: skip
+) -> None:
     """At cluster start (before the router polls anyone): a two-token request through every
     (prefill, decode) pair builds each pair's channels (one per prefill rank x decode rank)
     now, not in the first user request. One request per pair, so no channel is dialed twice

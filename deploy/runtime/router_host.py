@@ -85,8 +85,11 @@ class ServingCluster:
     def _start_router(self) -> None:
         """The router on its loop thread, with a handle (`_handle`) per worker."""
         spec, ids = self.spec, self.spec.instance_ids()
-        prefill_tp = {i: spec.worker_config(i).engine.tensor_parallel_size for i in ids
-                      if i.startswith(("prefill", "adaptive"))}  # fmt: skip
+        prefill_tp = {
+            i: spec.worker_config(i).engine.tensor_parallel_size
+            for i in ids
+            if i.startswith(("prefill", "adaptive"))
+        }
         for i in ids:
             role = Role(i.rsplit("-", 1)[0])
             tp = prefill_tp if role in (Role.DECODE, Role.ADAPTIVE) else {}

@@ -50,7 +50,10 @@ class AttentionBackend(ABC):
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter new K/V rows into their flat slots (index_copy_, in place)."""

@@ -40,19 +40,27 @@ class FlashAttentionBackend(AttentionBackend):
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = flash_attn_with_kvcache(
-                q[:num_decodes].unsqueeze(1), key_cache, value_cache,
+                q[:num_decodes].unsqueeze(1),
+                key_cache,
+                value_cache,
                 cache_seqlens=metadata.decode_context_lens.to(torch.int32),
                 block_table=metadata.decode_block_tables.to(torch.int32),
-                softmax_scale=scale, causal=True, window_size=window,
+                softmax_scale=scale,
+                causal=True,
+                window_size=window,
             ).squeeze(1)
         if metadata.prefills:
             out[num_decodes:] = flash_attn_varlen_func(
-                q[num_decodes:], key_cache, value_cache,
+                q[num_decodes:],
+                key_cache,
+                value_cache,
                 cu_seqlens_q=metadata.prefill_query_start_loc,
                 cu_seqlens_k=metadata.prefill_context_start_loc,
                 max_seqlen_q=metadata.max_prefill_query_len,
                 max_seqlen_k=metadata.max_prefill_context_len,
-                softmax_scale=scale, causal=True, window_size=window,
+                softmax_scale=scale,
+                causal=True,
+                window_size=window,
                 block_table=metadata.prefill_block_tables,
             )
         return out

@@ -87,12 +87,16 @@ def build_attention_metadata(
     token_index = torch.arange(int(lens.sum()))
     positions = starts[chunk_of_token] + token_index - token_starts[chunk_of_token]
     tables = pad_block_tables(block_tables, torch.device("cpu"))
-    slot_mapping = tables[chunk_of_token, positions // block_size] * block_size + positions % block_size
+    slot_mapping = (
+        tables[chunk_of_token, positions // block_size] * block_size + positions % block_size
+    )
 
     prefills = [
         PrefillChunkInfo(
-            token_start=int(token_starts[i]), num_tokens=num_new_tokens[i],
-            start_pos=start_positions[i], context_len=start_positions[i] + num_new_tokens[i],
+            token_start=int(token_starts[i]),
+            num_tokens=num_new_tokens[i],
+            start_pos=start_positions[i],
+            context_len=start_positions[i] + num_new_tokens[i],
             block_table=torch.tensor(block_tables[i], dtype=torch.long, device=device),
         )
         for i in range(num_decodes, num_chunks)

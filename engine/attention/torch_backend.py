@@ -55,13 +55,25 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = _decode(
-                q[:num_decodes], key_cache, value_cache, metadata, scale, sliding_window,
+                q[:num_decodes],
+                key_cache,
+                value_cache,
+                metadata,
+                scale,
+                sliding_window,
                 self.group_decodes,
             )
         for chunk in metadata.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = _prefill_chunk(
-                q[rows], k[rows], v[rows], key_cache, value_cache, chunk, metadata, scale,
+                q[rows],
+                k[rows],
+                v[rows],
+                key_cache,
+                value_cache,
+                chunk,
+                metadata,
+                scale,
                 sliding_window,
             )
         return out
@@ -75,8 +87,13 @@ _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBac
 
 
 def _decode(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    metadata: AttentionMetadata, scale: float, sliding_window: int | None, grouped: bool = True,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    grouped: bool = True,
 ) -> torch.Tensor:
     if not grouped:
         mask = _decode_mask(metadata, sliding_window)
@@ -92,9 +109,13 @@ def _decode(
 
 
 def _attend(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
-    mask: torch.Tensor, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[0]
     keys = _gather_blocks(key_cache, tables).transpose(0, 1)
@@ -120,7 +141,7 @@ def split_by_length(lengths: list[int], group_cost: int) -> list[int]:
         choices = (
             (best[start] + (end - start) * lengths[end - 1] + group_cost, start)
             for start in range(end)
-        )  # fmt: skip
+        )
         best[end], cut[end] = min(choices)
     ends, end = [], count
     while end:
@@ -151,8 +172,9 @@ def _decode_groups(
             rows = torch.tensor(order[start:end], dtype=torch.long, device=lens.device)
             width = blocks[order[end - 1]]
             tables = metadata.decode_block_tables[rows, :width]
-            groups.append((rows, tables, _length_mask(lens[rows], width * block_size,
-                                                      sliding_window)))  # fmt: skip
+            groups.append(
+                (rows, tables, _length_mask(lens[rows], width * block_size, sliding_window))
+            )
             start = end
     metadata.mask_cache[key] = groups
     return groups
@@ -193,8 +215,14 @@ def _length_mask(lens: torch.Tensor, width: int, sliding_window: int | None) -> 
 
 
 def _prefill_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-    value_cache: torch.Tensor, chunk: PrefillChunkInfo, metadata: AttentionMetadata, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunk: PrefillChunkInfo,
+    metadata: AttentionMetadata,
+    scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     # SDPA wants 4-D [1, heads, len, head_dim]: with 3-D inputs CPU falls back to the slow math path

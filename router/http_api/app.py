@@ -48,9 +48,22 @@ from router.validation import InvalidRequest, RequestValidator, ValidatedRequest
 
 # Request fields the validator's messages may begin with (see errors.invalid_request).
 _VALIDATED_FIELDS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-     "token_ids", "messages", "request_id", "prompt", "ttft_slo_s", "tpot_slo_s"}
-)  # fmt: skip
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "token_ids",
+        "messages",
+        "request_id",
+        "prompt",
+        "ttft_slo_s",
+        "tpot_slo_s",
+    }
+)
 _CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on; nobody reads it
 
 

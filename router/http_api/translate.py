@@ -168,17 +168,23 @@ class ResponseShape:
                 delta=delta, finish_reason=finish_reason, stop_reason=stop_reason
             )
             body = ChatCompletionChunk.model_construct(
-                id=self.response_id, created=self.created, model=self.model,
-                choices=[choice], usage=chunk_usage,
-            )  # fmt: skip
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=[choice],
+                usage=chunk_usage,
+            )
         else:
             text_choice = CompletionChoice.model_construct(
                 text=chunk.text, finish_reason=finish_reason, stop_reason=stop_reason
             )
             body = Completion.model_construct(
-                id=self.response_id, created=self.created, model=self.model,
-                choices=[text_choice], usage=chunk_usage,
-            )  # fmt: skip
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=[text_choice],
+                usage=chunk_usage,
+            )
         return sse(body.model_dump_json())
 
     def usage_event(self, last: GenerationChunk) -> bytes:
@@ -186,9 +192,12 @@ class ResponseShape:
         body: Completion | ChatCompletionChunk
         kind = ChatCompletionChunk if self.chat else Completion
         body = kind.model_construct(
-            id=self.response_id, created=self.created, model=self.model,
-            choices=[], usage=final_usage(last),
-        )  # fmt: skip
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=final_usage(last),
+        )
         return sse(body.model_dump_json())
 
 

@@ -17,10 +17,20 @@ def run_bench(
 ) -> tuple[dict[str, Any], dict[str, Any], Path]:
     """Run `regime` on local clusters of the tiny model; (summary, its raw file, the out dir)."""
     out = tmp_path_factory.mktemp(f"bench-{regime}")
-    args = parse_bench_args([
-        "--compare", "--out", str(out), "--model-dir", str(out / "model"), "--model-size", "tiny",
-        "--workloads", regime, *flags,
-    ])  # fmt: skip
+    args = parse_bench_args(
+        [
+            "--compare",
+            "--out",
+            str(out),
+            "--model-dir",
+            str(out / "model"),
+            "--model-size",
+            "tiny",
+            "--workloads",
+            regime,
+            *flags,
+        ]
+    )
     summary = run_benchmark(args)
     raw = json.loads((out / "raw" / f"{regime}.json").read_text())
     return summary, raw, out

@@ -27,10 +27,16 @@ def placed(send: float, kind: str, roles: int | None, slo_class: str = "") -> Re
     """A request that met SLO (TTFT 0.5 s, TPOT 0.25 s), placed `kind` with `roles` instances
     taking remote prefills."""
     return RequestRecord(
-        f"r{send}", prompt_len=8, output_len=2, send_time=send,
-        token_times=[send + 0.5, send + 0.75], finish_reason="length", slo_class=slo_class,
-        placement_kind=kind, prefill_role_instances=roles,
-    )  # fmt: skip
+        f"r{send}",
+        prompt_len=8,
+        output_len=2,
+        send_time=send,
+        token_times=[send + 0.5, send + 0.75],
+        finish_reason="length",
+        slo_class=slo_class,
+        placement_kind=kind,
+        prefill_role_instances=roles,
+    )
 
 
 def late(send: float) -> RequestRecord:
@@ -48,10 +54,13 @@ def test_adaptive_over_best_divides_by_the_better_fixed_layout() -> None:
 
 def test_role_changes_follow_send_time_and_keep_only_changes() -> None:
     records = [
-        placed(12.5, "remote", 1), placed(10.0, "local", 0), placed(11.0, "local", 0),
+        placed(12.5, "remote", 1),
+        placed(10.0, "local", 0),
+        placed(11.0, "local", 0),
         placed(11.5, "local", None),  # no count reported (failed before placement): skipped
-        placed(13.0, "remote", 1), placed(14.0, "local", 0),
-    ]  # fmt: skip
+        placed(13.0, "remote", 1),
+        placed(14.0, "local", 0),
+    ]
     assert role_changes(records) == [(0.0, 0), (2.5, 1), (4.0, 0)]
     assert role_changes([]) == []
     assert role_changes([late(1.0)]) == []  # a fixed layout reports none
@@ -59,16 +68,22 @@ def test_role_changes_follow_send_time_and_keep_only_changes() -> None:
 
 def test_placement_breakdown_counts_kinds_per_class_and_the_unplaced() -> None:
     records = [
-        placed(0.0, "remote", 1, "summarization"), placed(1.0, "remote", 1, "summarization"),
-        placed(2.0, "local", 1, "summarization"), placed(3.0, "local", 0, "chatbot"),
+        placed(0.0, "remote", 1, "summarization"),
+        placed(1.0, "remote", 1, "summarization"),
+        placed(2.0, "local", 1, "summarization"),
+        placed(3.0, "local", 0, "chatbot"),
         RequestRecord("failed", 8, 2, 4.0, error="UNAVAILABLE: no instance", slo_class="chatbot"),
-    ]  # fmt: skip
+    ]
     assert placement_breakdown(records) == {
-        "num_local": 2, "num_remote": 2, "num_unplaced": 1,
-        "by_class": {"summarization": {"local": 1, "remote": 2},
-                     "chatbot": {"local": 1, "remote": 0}},
+        "num_local": 2,
+        "num_remote": 2,
+        "num_unplaced": 1,
+        "by_class": {
+            "summarization": {"local": 1, "remote": 2},
+            "chatbot": {"local": 1, "remote": 0},
+        },
         "role_changes": [[0.0, 1], [3.0, 0]],
-    }  # fmt: skip
+    }
     assert placement_breakdown([late(0.0), late(1.0)]) is None  # a fixed layout's point
 
 
@@ -100,19 +115,34 @@ def test_regime_summary_carries_every_goodput_and_adaptive_over_best() -> None:
     # the last point's records carry no placement (as if each failed before it): None
     assert [p["placements"] and p["placements"]["num_local"] for p in adaptive] == [4, 4, 4, None]
     assert adaptive[0]["placements"]["role_changes"] == [[0.0, 0]]
-    summary.update(slo={"ttft_s": 1.0, "tpot_s": 0.25, "start_rate": 1.0,
-                        "calibration": {"prompt_len": 8, "prefill_s": 0.1, "decode_step_s": 0.01}},
-                   workload={"regime": "x", "source": "", "arrival": "poisson", "cv": 1.0,
-                             "seed": 0, "num_requests": 4, "mean_prompt_len": 8.0,
-                             "mean_output_len": 2.0},
-                   devices={name: 2 for name in points}, plots=[])  # fmt: skip
+    summary.update(
+        slo={
+            "ttft_s": 1.0,
+            "tpot_s": 0.25,
+            "start_rate": 1.0,
+            "calibration": {"prompt_len": 8, "prefill_s": 0.1, "decode_step_s": 0.01},
+        },
+        workload={
+            "regime": "x",
+            "source": "",
+            "arrival": "poisson",
+            "cv": 1.0,
+            "seed": 0,
+            "num_requests": 4,
+            "mean_prompt_len": 8.0,
+            "mean_output_len": 2.0,
+        },
+        devices={name: 2 for name in points},
+        plots=[],
+    )
     jsonschema.validate(json.loads(json.dumps(summary)), REGIME_SCHEMA)
 
 
 def test_without_the_adaptive_layout_there_is_no_adaptive_over_best() -> None:
     met = [placed(float(i), "", None) for i in range(4)]
-    summary = regime_summary({"colocated": [point(2.0, met)], "disaggregated": [point(2.0, met)]},
-                             SLO, slo_scales=(1.0,))  # fmt: skip
+    summary = regime_summary(
+        {"colocated": [point(2.0, met)], "disaggregated": [point(2.0, met)]}, SLO, slo_scales=(1.0,)
+    )
     assert summary["adaptive_over_best"] is None
     assert set(summary["goodputs"]) == {"colocated", "disaggregated"}
     for entry in summary["points"]["colocated"]:
@@ -127,9 +157,23 @@ def test_a_record_keeps_its_placement_through_the_raw_json_and_old_records_still
     jsonschema.validate(data, RECORD_SCHEMA)
     assert RequestRecord.from_json(data) == record
     # a record of a run made before the placement fields
-    old = {key: value for key, value in data.items() if key in (
-        "request_id", "prompt_len", "output_len", "send_time", "token_times", "finish_reason",
-        "error", "timings", "shard", "slo_class")}  # fmt: skip
+    old = {
+        key: value
+        for key, value in data.items()
+        if key
+        in (
+            "request_id",
+            "prompt_len",
+            "output_len",
+            "send_time",
+            "token_times",
+            "finish_reason",
+            "error",
+            "timings",
+            "shard",
+            "slo_class",
+        )
+    }
     jsonschema.validate(old, RECORD_SCHEMA)
     loaded = RequestRecord.from_json(old)
     assert (loaded.placement_kind, loaded.prefill_role_instances) == ("", None)
@@ -156,9 +200,11 @@ class FakeStub:
     def Generate(self, message: pb.GenerateRequest, timeout: float) -> Any:  # noqa: N802
         self.sent.append(message)
         last = pb.GenerateResponse(
-            token_ids=[7], finish_reason=pb.FINISH_REASON_LENGTH,
-            prefill_instance="adaptive-0", decode_instance="adaptive-1",
-        )  # fmt: skip
+            token_ids=[7],
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            prefill_instance="adaptive-0",
+            decode_instance="adaptive-1",
+        )
         if self.placement is not None:
             last.placement.CopyFrom(self.placement)
 
@@ -174,16 +220,19 @@ def run_one(stub: FakeStub, request: BenchRequest) -> RequestRecord:
 
 
 def test_the_client_sends_the_slos_and_records_the_placement() -> None:
-    placement = pb.Placement(kind="remote", predicted_ttft_s=0.5, predicted_tpot_s=0.125,
-                             prefill_role_instances=1)  # fmt: skip
+    placement = pb.Placement(
+        kind="remote", predicted_ttft_s=0.5, predicted_tpot_s=0.125, prefill_role_instances=1
+    )
     stub = FakeStub(placement)
     record = run_one(stub, BenchRequest("a", (3, 4), 2, 0.0, "chatbot", 1.5, 0.25))
     (sent,) = stub.sent
     assert (sent.ttft_slo_s, sent.tpot_slo_s) == (1.5, 0.25)
     assert (record.error, record.finish_reason, len(record.token_times)) == ("", "length", 2)
     assert (record.placement_kind, record.predicted_ttft_s, record.predicted_tpot_s) == (
-        "remote", 0.5, 0.125,
-    )  # fmt: skip
+        "remote",
+        0.5,
+        0.125,
+    )
     assert record.prefill_role_instances == 1
     assert (record.prefill_instance, record.decode_instance) == ("adaptive-0", "adaptive-1")
 
@@ -200,8 +249,12 @@ def test_a_request_without_slos_sends_none_and_a_fixed_layout_reports_no_placeme
 def test_the_placements_plot_is_drawn_only_for_a_layout_that_placed(tmp_path) -> None:
     from benchmarks.goodput.plots import plot_regime
 
-    shift = [placed(0.0, "remote", 1, "summarization"), placed(1.0, "remote", 1, "summarization"),
-             placed(2.0, "local", 0, "chatbot"), placed(3.0, "local", 0, "chatbot")]  # fmt: skip
+    shift = [
+        placed(0.0, "remote", 1, "summarization"),
+        placed(1.0, "remote", 1, "summarization"),
+        placed(2.0, "local", 0, "chatbot"),
+        placed(3.0, "local", 0, "chatbot"),
+    ]
     fixed = [placed(float(i), "", None, r.slo_class) for i, r in enumerate(shift)]
     slos = SLOs({"summarization": (1.0, 0.25), "chatbot": (1.0, 0.25)})
     points = {"colocated": [point(2.0, fixed)], "disaggregated": [point(2.0, fixed)]}
@@ -211,7 +264,14 @@ def test_the_placements_plot_is_drawn_only_for_a_layout_that_placed(tmp_path) ->
     points["adaptive"] = [point(2.0, shift), point(4.0, shift)]
     summary = regime_summary(points, slos, slo_scales=(1.0,))
     names = plot_regime(tmp_path, "shift", points, slos, summary)
-    assert sorted(names) == sorted(f"shift_{kind}.png" for kind in (
-        "attainment_vs_rate", "attainment_vs_scale", "latency_cdf", "ttft_breakdown",
-        "placements"))  # fmt: skip
+    assert sorted(names) == sorted(
+        f"shift_{kind}.png"
+        for kind in (
+            "attainment_vs_rate",
+            "attainment_vs_scale",
+            "latency_cdf",
+            "ttft_breakdown",
+            "placements",
+        )
+    )
     assert (tmp_path / "shift_placements.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,9 +14,21 @@ from deploy.cli.main import main as pdserve
 
 def test_bench_subcommand_carries_the_benchmark_options() -> None:
     args = parse_bench_args(
-        ["--compare", "--out", "runs/x", "--quick", "--rates", "1,2.5",
-         "--workloads", "code,chatbot", "--arrival", "gamma", "--cv", "2"]
-    )  # fmt: skip
+        [
+            "--compare",
+            "--out",
+            "runs/x",
+            "--quick",
+            "--rates",
+            "1,2.5",
+            "--workloads",
+            "code,chatbot",
+            "--arrival",
+            "gamma",
+            "--cv",
+            "2",
+        ]
+    )
     assert (args.compare, args.quick, str(args.out)) == (True, True, "runs/x")
     assert args.rates == (1.0, 2.5)
     assert args.workloads == ("code", "chatbot")
@@ -67,28 +79,44 @@ def test_both_layouts_get_one_engine_config_without_prefix_cache(tmp_path) -> No
 
 def test_layouts_run_the_colocated_baseline_first_and_default_to_all_three() -> None:
     assert parse_bench_args(["--out", "x"]).layouts == ("colocated", "disaggregated", "adaptive")
-    args = parse_bench_args(["--out", "x", "--layouts", "adaptive,disaggregated,colocated",
-                             "--workloads", "mixed,shift"])  # fmt: skip
+    args = parse_bench_args(
+        [
+            "--out",
+            "x",
+            "--layouts",
+            "adaptive,disaggregated,colocated",
+            "--workloads",
+            "mixed,shift",
+        ]
+    )
     assert args.layouts == ("colocated", "adaptive", "disaggregated")
     assert args.workloads == ("mixed", "shift")
     assert parse_bench_args(["--out", "x", "--layouts", "colocated, adaptive"]).layouts == (
-        "colocated", "adaptive",
-    )  # fmt: skip
+        "colocated",
+        "adaptive",
+    )
     assert parse_bench_args(
         ["--out", "x", "--layouts", "adaptive", "--calibrate", "engine"]
     ).layouts == ("adaptive",)
     assert _targets(parse_bench_args(["--out", "x", "--layouts", "disaggregated,colocated"])) == [
-        ("colocated", None, 2), ("disaggregated", None, 2),
-    ]  # fmt: skip
+        ("colocated", None, 2),
+        ("disaggregated", None, 2),
+    ]
 
 
-@pytest.mark.parametrize(("flags", "reason"), [
-    (["--layouts", "hybrid"], "unknown layout ['hybrid']"),
-    (["--layouts", ","], "name at least one layout"),
-    (["--layouts", "adaptive,disaggregated"], "calibrated through the colocated baseline"),
-    (["--layouts", "colocated", "--target", "colocated=h:1:2"], "--layouts picks local clusters"),
-    (["--latency-profile", "nowhere.json"], "--latency-profile nowhere.json: no such file"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["--layouts", "hybrid"], "unknown layout ['hybrid']"),
+        (["--layouts", ","], "name at least one layout"),
+        (["--layouts", "adaptive,disaggregated"], "calibrated through the colocated baseline"),
+        (
+            ["--layouts", "colocated", "--target", "colocated=h:1:2"],
+            "--layouts picks local clusters",
+        ),
+        (["--latency-profile", "nowhere.json"], "--latency-profile nowhere.json: no such file"),
+    ],
+)
 def test_bad_layout_choices_are_refused_with_the_reason(
     flags: list[str], reason: str, capsys: pytest.CaptureFixture
 ) -> None:
@@ -98,8 +126,9 @@ def test_bad_layout_choices_are_refused_with_the_reason(
 
 
 def test_a_missing_profile_is_fine_when_the_adaptive_layout_does_not_run() -> None:
-    args = parse_bench_args(["--out", "x", "--layouts", "colocated,disaggregated",
-                             "--latency-profile", "nowhere.json"])  # fmt: skip
+    args = parse_bench_args(
+        ["--out", "x", "--layouts", "colocated,disaggregated", "--latency-profile", "nowhere.json"]
+    )
     assert args.layouts == ("colocated", "disaggregated")
 
 

@@ -24,10 +24,23 @@ NUM_REQUESTS = 8
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], Path]:
     return run_bench(
-        tmp_path_factory, "summarization", "--num-requests", str(NUM_REQUESTS), "--rates", "4,8",
-        "--ttft-slo", str(TTFT_SLO_S), "--tpot-slo", str(TPOT_SLO_S), "--client-processes", "2",
-        "--slo-scales", "0.5,1,2", "--layouts", "disaggregated,colocated",
-    )  # fmt: skip
+        tmp_path_factory,
+        "summarization",
+        "--num-requests",
+        str(NUM_REQUESTS),
+        "--rates",
+        "4,8",
+        "--ttft-slo",
+        str(TTFT_SLO_S),
+        "--tpot-slo",
+        str(TPOT_SLO_S),
+        "--client-processes",
+        "2",
+        "--slo-scales",
+        "0.5,1,2",
+        "--layouts",
+        "disaggregated,colocated",
+    )
 
 
 def test_output_matches_the_schemas_and_the_file_on_disk(run) -> None:
@@ -107,7 +120,9 @@ def test_breakdown_shows_a_transfer_only_where_kv_moves(run) -> None:
 def test_plots_are_png_files(run) -> None:
     summary, _, out = run
     names = summary["regimes"]["summarization"]["plots"]
-    assert sorted(names) == sorted(f"summarization_{kind}.png" for kind in (
-        "attainment_vs_rate", "attainment_vs_scale", "latency_cdf", "ttft_breakdown"))
+    assert sorted(names) == sorted(
+        f"summarization_{kind}.png"
+        for kind in ("attainment_vs_rate", "attainment_vs_scale", "latency_cdf", "ttft_breakdown")
+    )
     for name in names:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

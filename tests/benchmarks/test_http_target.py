@@ -50,13 +50,32 @@ def test_http_and_grpc_targets_run_the_same_humaneval_load(
     model_dir: Path, served: tuple[str, int], tmp_path: Path
 ) -> None:
     grpc_address, http_port = served
-    args = parse_bench_args([
-        "--out", str(tmp_path), "--model-dir", str(model_dir), "--model-size", "tiny",
-        "--workloads", "humaneval", "--num-requests", str(NUM_REQUESTS), "--rates", "4",
-        "--ttft-slo", "2", "--tpot-slo", "0.5", "--client-processes", "0",
-        "--target", f"pd-http=http://127.0.0.1:{http_port}:2",
-        "--target", f"pd-grpc={grpc_address}:2",
-    ])  # fmt: skip
+    args = parse_bench_args(
+        [
+            "--out",
+            str(tmp_path),
+            "--model-dir",
+            str(model_dir),
+            "--model-size",
+            "tiny",
+            "--workloads",
+            "humaneval",
+            "--num-requests",
+            str(NUM_REQUESTS),
+            "--rates",
+            "4",
+            "--ttft-slo",
+            "2",
+            "--tpot-slo",
+            "0.5",
+            "--client-processes",
+            "0",
+            "--target",
+            f"pd-http=http://127.0.0.1:{http_port}:2",
+            "--target",
+            f"pd-grpc={grpc_address}:2",
+        ]
+    )
     summary = run_benchmark(args)
     raw = json.loads((tmp_path / "raw" / "humaneval.json").read_text())
     targets = [request["output_len"] for request in raw["requests"]]

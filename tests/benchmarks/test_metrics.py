@@ -28,10 +28,15 @@ def record(
     send: float, token_times: list[float], error: str = "", **timings: float
 ) -> RequestRecord:
     return RequestRecord(
-        "r", prompt_len=8, output_len=len(token_times), send_time=send,
-        token_times=token_times, finish_reason="" if error else "length", error=error,
+        "r",
+        prompt_len=8,
+        output_len=len(token_times),
+        send_time=send,
+        token_times=token_times,
+        finish_reason="" if error else "length",
+        error=error,
         timings=dict(timings),
-    )  # fmt: skip
+    )
 
 
 def test_ttft_tpot_itl_e2e_follow_distserve_definitions() -> None:
@@ -75,11 +80,11 @@ def test_latency_stats_skip_failed_requests() -> None:
 
 def test_attainment_needs_both_slos_and_scales_them() -> None:
     records = [
-        record(0.0, [0.5, 0.75]),   # ttft 0.5, tpot 0.25: meets both at scale 1
-        record(0.0, [1.5, 1.75]),   # ttft 1.5: misses TTFT at 1, meets at 2
-        record(0.0, [0.5, 1.25]),   # tpot 0.75: misses TPOT at 1 and 2
+        record(0.0, [0.5, 0.75]),  # ttft 0.5, tpot 0.25: meets both at scale 1
+        record(0.0, [1.5, 1.75]),  # ttft 1.5: misses TTFT at 1, meets at 2
+        record(0.0, [0.5, 1.25]),  # tpot 0.75: misses TPOT at 1 and 2
         record(0.0, [], "DEADLINE_EXCEEDED"),  # failed: a miss at every scale
-    ]  # fmt: skip
+    ]
     slos = SLOs.single(1.0, 0.25)
     assert attainment(records, slos) == 0.25
     assert attainment(records, slos, scale=2.0) == 0.5
@@ -139,12 +144,23 @@ def test_goodput_interval_holds_the_goodput_and_is_a_point_when_no_draw_can_diff
 
 
 def test_breakdown_splits_a_disaggregated_request() -> None:
-    r = record(0.0, [1.0, 1.5, 2.0], router_queue_s=0.0625, prefill_queue_s=0.25, prefill_s=0.5,
-               kv_transfer_s=0.125, decode_queue_s=0.25)  # fmt: skip
+    r = record(
+        0.0,
+        [1.0, 1.5, 2.0],
+        router_queue_s=0.0625,
+        prefill_queue_s=0.25,
+        prefill_s=0.5,
+        kv_transfer_s=0.125,
+        decode_queue_s=0.25,
+    )
     assert breakdown(r) == {
-        "router_queue": 0.0625, "prefill_queue": 0.25, "prefill": 0.5,
-        "transfer": 0.125, "decode_queue": 0.25, "decode": 1.0 - 0.125 - 0.25,
-    }  # fmt: skip
+        "router_queue": 0.0625,
+        "prefill_queue": 0.25,
+        "prefill": 0.5,
+        "transfer": 0.125,
+        "decode_queue": 0.25,
+        "decode": 1.0 - 0.125 - 0.25,
+    }
 
 
 def test_breakdown_of_a_colocated_request_has_no_transfer() -> None:

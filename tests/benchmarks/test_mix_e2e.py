@@ -23,8 +23,16 @@ LAYOUTS = ("colocated", "disaggregated", "adaptive")  # the default --layouts, i
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any], Path]:
-    return run_bench(tmp_path_factory, "shift", "--num-requests", str(NUM_REQUESTS), "--rates",
-                     "4", "--client-processes", "1")  # fmt: skip
+    return run_bench(
+        tmp_path_factory,
+        "shift",
+        "--num-requests",
+        str(NUM_REQUESTS),
+        "--rates",
+        "4",
+        "--client-processes",
+        "1",
+    )
 
 
 def test_each_shape_gets_slos_from_its_own_prompts(run) -> None:
@@ -39,15 +47,18 @@ def test_each_shape_gets_slos_from_its_own_prompts(run) -> None:
         assert slo["tpot_s"] == pytest.approx(shape.tpot_slo_factor * base["decode_step_s"])
         lens = [r["prompt_len"] for r in raw["requests"] if r["slo_class"] == name]
         assert min(lens) <= base["prompt_len"] <= max(lens)  # its own prompts' 90th percentile
-    assert classes["summarization"]["calibration"]["prompt_len"] > (
-        classes["chatbot"]["calibration"]["prompt_len"]
+    assert (
+        classes["summarization"]["calibration"]["prompt_len"]
+        > (classes["chatbot"]["calibration"]["prompt_len"])
     )
 
 
 def test_the_requests_shift_halfway_and_every_record_keeps_its_class(run) -> None:
     _, raw, _ = run
     half = NUM_REQUESTS // 2
-    assert [r["slo_class"] for r in raw["requests"]] == ["summarization"] * half + ["chatbot"] * half
+    assert [r["slo_class"] for r in raw["requests"]] == ["summarization"] * half + [
+        "chatbot"
+    ] * half
     assert list(raw["layouts"]) == list(LAYOUTS)
     for layout in LAYOUTS:
         (point,) = raw["layouts"][layout]["points"]
@@ -72,8 +83,10 @@ def test_attainment_recomputed_per_class_equals_the_summary(run) -> None:
     for layout in LAYOUTS:
         (point,) = raw["layouts"][layout]["points"]
         (reported,) = regime["points"][layout]
-        met = {name: [_met(r, classes[name]) for r in point["records"] if r["slo_class"] == name]
-               for name in classes}  # fmt: skip
+        met = {
+            name: [_met(r, classes[name]) for r in point["records"] if r["slo_class"] == name]
+            for name in classes
+        }
         assert reported["attainment_by_class"] == {
             name: sum(flags) / len(flags) for name, flags in met.items()
         }
@@ -107,8 +120,10 @@ def test_every_adaptive_request_says_where_and_how_it_was_placed(run) -> None:
     (placements,) = [p["placements"] for p in regime["points"]["adaptive"]]
     kinds = [r["placement_kind"] for r in records]
     assert (placements["num_local"], placements["num_remote"], placements["num_unplaced"]) == (
-        kinds.count("local"), kinds.count("remote"), 0,
-    )  # fmt: skip
+        kinds.count("local"),
+        kinds.count("remote"),
+        0,
+    )
     assert placements["role_changes"][0][0] == 0.0
     assert [p["placements"] for p in regime["points"]["colocated"]] == [None]
     assert "shift_placements.png" in regime["plots"]

@@ -17,20 +17,30 @@ def _measured_run(folder: Path) -> Path:
     summary = {"regimes": {"chatbot": {"goodput_disaggregated": 2.0, "goodput_colocated": 4.0}}}
     (folder / "summary.json").write_text(json.dumps(summary))
     requests = [{"prompt_len": 64 + 8 * i, "output_len": 8, "unit_gap_s": 1.0} for i in range(20)]
-    slo = {"ttft_s": 0.5, "tpot_s": 0.05,
-           "calibration": {"prompt_len": 200, "prefill_s": 0.1, "decode_step_s": 0.01},
-           "start_rate": 2.0}  # fmt: skip
+    slo = {
+        "ttft_s": 0.5,
+        "tpot_s": 0.05,
+        "calibration": {"prompt_len": 200, "prefill_s": 0.1, "decode_step_s": 0.01},
+        "start_rate": 2.0,
+    }
 
     # Every request meets its SLOs at the lower rate and none at the higher: the goodput is
     # 10% of the way between them, 2 and 4 as the summary says, whatever the redraw.
     def point(rate: float, met: bool) -> dict[str, object]:
         first = 0.1 if met else 1.0
-        record = {"request_id": "r", "prompt_len": 64, "output_len": 3, "send_time": 0.0,
-                  "token_times": [first, first + 0.01, first + 0.02]}  # fmt: skip
+        record = {
+            "request_id": "r",
+            "prompt_len": 64,
+            "output_len": 3,
+            "send_time": 0.0,
+            "token_times": [first, first + 0.01, first + 0.02],
+        }
         return {"rate_per_device": rate, "records": [record] * 10}
 
-    layouts = {"disaggregated": {"points": [point(1.0, True), point(11.0, False)]},
-               "colocated": {"points": [point(3.0, True), point(13.0, False)]}}  # fmt: skip
+    layouts = {
+        "disaggregated": {"points": [point(1.0, True), point(11.0, False)]},
+        "colocated": {"points": [point(3.0, True), point(13.0, False)]},
+    }
     raw = {"requests": requests, "slo": slo, "config": {}, "layouts": layouts}
     (folder / "raw" / "chatbot.json").write_text(json.dumps(raw))
     return folder
@@ -38,8 +48,13 @@ def _measured_run(folder: Path) -> Path:
 
 def _profile(speed: float) -> ModelProfile:
     decode = (10.0 / speed, 0.001, 0.5)
-    entry = TPProfile((5.0 / speed, 0.5 / speed, 0.0), decode, decode, overhead=(0.0, 0.0),
-                      serving_path={"path_ttft_ms": 5.0})  # fmt: skip
+    entry = TPProfile(
+        (5.0 / speed, 0.5 / speed, 0.0),
+        decode,
+        decode,
+        overhead=(0.0, 0.0),
+        serving_path={"path_ttft_ms": 5.0},
+    )
     return ModelProfile("m", {1: entry})
 
 

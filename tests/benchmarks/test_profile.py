@@ -23,13 +23,29 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_quick_profile_loads_and_drives_the_simulator(tiny_model: str, tmp_path) -> None:
     out, raw = tmp_path / "profile.json", tmp_path / "raw.json"
-    code = pdserve(["profile", "--bench-model", tiny_model, "--quick", "--out", str(out),
-                    "--raw-out", str(raw)])  # fmt: skip
+    code = pdserve(
+        [
+            "profile",
+            "--bench-model",
+            tiny_model,
+            "--quick",
+            "--out",
+            str(out),
+            "--raw-out",
+            str(raw),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
     (entry,) = data[tiny_model].values()
-    assert set(entry) >= {"prefill", "decoding_smallbs", "decoding_largebs",
-                          "decoding_large_small_bs_threshold", "transfer", "kv_bytes_per_token"}  # fmt: skip
+    assert set(entry) >= {
+        "prefill",
+        "decoding_smallbs",
+        "decoding_largebs",
+        "decoding_large_small_bs_threshold",
+        "transfer",
+        "kv_bytes_per_token",
+    }
     profile = load_profile(out)
     tp1 = profile.tp(1)
     # The tiny model: 2 layers x 2 KV heads x head_dim 16, K and V, float32.
@@ -59,10 +75,15 @@ def test_fit_path_recovers_planted_costs() -> None:
     # once); relay = B*3 + S*1.5 + B*O*0.25 (spaced sends: S = B*O, one token a step).
     shapes = [(1, 20, 0.0), (4, 20, 0.0), (9, 10, 0.0), (4, 10, 1.0), (8, 4, 1.0)]
     rows = [
-        PathRow(b, o, b * o if gap else o + 1, None if gap else o * 2.0 + b * o * 0.5,
-                b * 3.0 + (b * o if gap else o + 1) * 1.5 + b * o * 0.25)
+        PathRow(
+            b,
+            o,
+            b * o if gap else o + 1,
+            None if gap else o * 2.0 + b * o * 0.5,
+            b * 3.0 + (b * o if gap else o + 1) * 1.5 + b * o * 0.25,
+        )
         for b, o, gap in shapes
-    ]  # fmt: skip
+    ]
     terms = fit_path(rows, [50.0, 52.0, 51.0], prefill_ms=40.0)
     assert terms["worker_step_ms"] == pytest.approx(2.0)
     assert terms["worker_seq_ms"] == pytest.approx(0.5)
@@ -83,8 +104,18 @@ def test_profile_path_measures_the_serving_path_behind_a_real_router(
 ) -> None:
     """`--path` starts one colocated instance behind the router and times the hops."""
     out = tmp_path / "profile.json"
-    code = pdserve(["profile", "--bench-model", tiny_model, "--quick", "--path", "--no-transfer",
-                    "--out", str(out)])  # fmt: skip
+    code = pdserve(
+        [
+            "profile",
+            "--bench-model",
+            tiny_model,
+            "--quick",
+            "--path",
+            "--no-transfer",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     path = load_profile(out).tp(1).serving_path
     assert path["path_ttft_ms"] > 0 and path["relay_token_ms"] + path["relay_step_ms"] > 0
@@ -92,8 +123,10 @@ def test_profile_path_measures_the_serving_path_behind_a_real_router(
     assert path["worker_step_ms"] >= 0 and path["worker_seq_ms"] >= 0
     # the KV hand-off, on a real 1 prefill + 1 decode cluster
     assert path["handoff_ms"] >= 0
-    assert all(path[k] >= 0 for k in ("kv_send_ms", "kv_send_ms_per_token", "kv_receive_ms",
-                                      "kv_receive_ms_per_token"))  # fmt: skip
+    assert all(
+        path[k] >= 0
+        for k in ("kv_send_ms", "kv_send_ms_per_token", "kv_receive_ms", "kv_receive_ms_per_token")
+    )
 
 
 def test_fit_handoff_recovers_known_costs() -> None:

@@ -19,9 +19,13 @@ def run_script(*args: str, timeout_s: float = 240.0) -> dict:
     # As the README runs them: `python -m benchmarks.NAME`, the checkout and its stubs on the path.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
     done = subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout_s,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -29,9 +33,17 @@ def run_script(*args: str, timeout_s: float = 240.0) -> dict:
 def test_router_benchmark_measures_the_router_and_bare_grpc(tmp_path: Path) -> None:
     out = tmp_path / "router.json"
     result = run_script(
-        "-m", "benchmarks.router_load", "--clients", "4", "--tokens", "16", "--rounds", "1",
-        "--out", str(out),
-    )  # fmt: skip
+        "-m",
+        "benchmarks.router_load",
+        "--clients",
+        "4",
+        "--tokens",
+        "16",
+        "--rounds",
+        "1",
+        "--out",
+        str(out),
+    )
     assert json.loads(out.read_text()) == result
     for side in ("router", "baseline_bare_grpc"):
         figures = result[side]
@@ -44,7 +56,7 @@ def test_kv_transfer_benchmark_reports_every_case(tmp_path: Path) -> None:
     out = tmp_path / "kv.json"
     result = run_script(
         "-m", "benchmarks.kv_transfer_speed", "--quick", "--tokens", "64", "--out", str(out)
-    )  # fmt: skip
+    )
     cases = result["cases"]
     # p, d in {1, 2}, two wire modes, five block layouts
     assert len(cases) == 4 * 2 * 5
@@ -59,12 +71,32 @@ def test_kv_transfer_benchmark_reports_every_case(tmp_path: Path) -> None:
 def test_kv_routing_benchmark_reports_hits_per_policy(tmp_path: Path) -> None:
     out = tmp_path / "kv_routing.json"
     result = run_script(
-        "-m", "benchmarks.kv_routing", "--conversations", "4", "--turns", "2",
-        "--system-prompts", "2", "--system-len", "48", "--reply-len", "4", "--concurrency", "2",
-        "--num-kv-blocks", "64", "--replicas", "2", "--model-dir", str(tmp_path / "model"),
-        "--model-size", "tiny",
-        "--no-pin", "--out", str(out),
-    )  # fmt: skip
+        "-m",
+        "benchmarks.kv_routing",
+        "--conversations",
+        "4",
+        "--turns",
+        "2",
+        "--system-prompts",
+        "2",
+        "--system-len",
+        "48",
+        "--reply-len",
+        "4",
+        "--concurrency",
+        "2",
+        "--num-kv-blocks",
+        "64",
+        "--replicas",
+        "2",
+        "--model-dir",
+        str(tmp_path / "model"),
+        "--model-size",
+        "tiny",
+        "--no-pin",
+        "--out",
+        str(out),
+    )
     assert json.loads(out.read_text()) == result
     assert set(result["hit_rate"]) == {"kv_aware", "least_tokens", "round_robin"}
     for policy, figures in result["policies"].items():

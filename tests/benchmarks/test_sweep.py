@@ -35,7 +35,7 @@ class CapacityDriver:
                 r.send_offset_s,
                 [r.send_offset_s + first_token, r.send_offset_s + first_token + 0.05],
                 finish_reason="length",
-            )  # fmt: skip
+            )
             for r in requests
         ]
 

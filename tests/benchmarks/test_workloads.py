@@ -66,7 +66,8 @@ def test_requests_carry_ids_lengths_and_offsets() -> None:
     assert all(3 <= token < 50 for ids, _ in prompts for token in ids)
     requests = build_requests(prompts, [0.0, 0.5], "x")
     assert [(r.request_id, r.output_len, r.send_offset_s) for r in requests] == [
-        ("x-0", 3, 0.0), ("x-1", 9, 0.5)
+        ("x-0", 3, 0.0),
+        ("x-1", 9, 0.5),
     ]
     with pytest.raises(ValueError, match="2 prompts but 1 arrival"):
         build_requests(prompts, [0.0], "x")

@@ -37,9 +37,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def adaptive_spec(model_dir: str, window_s: float = 10.0) -> ClusterSpec:
     router = RouterConfig(
-        model_dir=model_dir, port=0, block_size=8, latency_profile=str(PROFILE),
+        model_dir=model_dir,
+        port=0,
+        block_size=8,
+        latency_profile=str(PROFILE),
         adaptive_window_s=window_s,
-    )  # fmt: skip
+    )
     worker = WorkerConfig.adaptive(engine_config(model_dir), KVTransferConfig(start_timeout_s=8.0))
     return ClusterSpec(router=router, adaptive=worker, num_adaptive_instances=2, pin_cpus=False)
 
@@ -115,16 +118,28 @@ def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(
     while tight decodes run (what each admits beside its decodes moves with the traffic); in the
     second they hold none. No restart, every request of both halves ends well, every pool is
     back to its start."""
-    model = add_tiny_tokenizer(make_tiny_model(
-        tmp_path, "llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-        max_position_embeddings=1024,
-    ))  # fmt: skip
+    model = add_tiny_tokenizer(
+        make_tiny_model(
+            tmp_path,
+            "llama",
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            max_position_embeddings=1024,
+        )
+    )
     # The gates alone: since session 20 the layout search splits the cluster once local
     # requests miss their TPOT (the tight half's 1.6-step TPOT does), and a split taken stays
     # while its requests do well, loose ones included; its moves are router/layout_model.py's
     # tests'.
-    router = RouterConfig(model_dir=model, port=0, block_size=8, latency_profile=str(PROFILE),
-                          adaptive_window_s=2.0, adaptive_layout_search=False)  # fmt: skip
+    router = RouterConfig(
+        model_dir=model,
+        port=0,
+        block_size=8,
+        latency_profile=str(PROFILE),
+        adaptive_window_s=2.0,
+        adaptive_layout_search=False,
+    )
     engine = engine_config(model, dtype="float32", num_kv_blocks=512)
     worker = WorkerConfig.adaptive(engine, KVTransferConfig(start_timeout_s=8.0))
     spec = ClusterSpec(router=router, adaptive=worker, num_adaptive_instances=2, pin_cpus=False)
@@ -135,8 +150,13 @@ def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futures = []
             for i, prompt in enumerate(prompts):
-                request = pb.GenerateRequest(token_ids=prompt, max_tokens=max_tokens,
-                                             ignore_eos=True, request_id=f"{tag}{i}", **slo)
+                request = pb.GenerateRequest(
+                    token_ids=prompt,
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                    request_id=f"{tag}{i}",
+                    **slo,
+                )
                 futures.append(pool.submit(_stream, address, request))
                 time.sleep(gap_s)
             return [future.result(timeout=120)[-1] for future in futures]
@@ -151,15 +171,25 @@ def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(
         for i in range(12):
             if len(prefilled) == len(pids) and min(prefilled.values()) >= 3:
                 break
-            last = _stream(address, pb.GenerateRequest(
-                token_ids=prompts[i % len(prompts)], max_tokens=12, ignore_eos=True,
-                request_id=f"w{i}"))[-1]  # fmt: skip
+            last = _stream(
+                address,
+                pb.GenerateRequest(
+                    token_ids=prompts[i % len(prompts)],
+                    max_tokens=12,
+                    ignore_eos=True,
+                    request_id=f"w{i}",
+                ),
+            )[-1]
             prefilled[last.prefill_instance] += 1
         assert min(prefilled.values()) >= 3 and len(prefilled) == len(pids), prefilled
         arrivals: list[float] = []
-        timed = _stream(address, pb.GenerateRequest(token_ids=prompts[0], max_tokens=12,
-                                                    ignore_eos=True, request_id="calibrate"),
-                        arrivals)  # fmt: skip
+        timed = _stream(
+            address,
+            pb.GenerateRequest(
+                token_ids=prompts[0], max_tokens=12, ignore_eos=True, request_id="calibrate"
+            ),
+            arrivals,
+        )
         assert timed[-1].finish_reason == pb.FINISH_REASON_LENGTH
         tpot_s = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)  # one decode step, alone
         tight = {"ttft_slo_s": 60.0, "tpot_slo_s": 1.6 * tpot_s}
@@ -174,8 +204,7 @@ def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(
         wait_for_pools(cluster, 512)
 
 
-def _stream(address: str, request: pb.GenerateRequest, arrivals: list[float] | None = None
-            ) -> list:  # fmt: skip
+def _stream(address: str, request: pb.GenerateRequest, arrivals: list[float] | None = None) -> list:
     """The responses; `arrivals` gets each one's arrival time (time.monotonic())."""
     responses = []
     with RouterClient(address) as client:

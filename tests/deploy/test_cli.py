@@ -80,9 +80,13 @@ class Child:
     def start(cls, *args: str) -> Child:
         marker = uuid.uuid4().hex
         process = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli.main", *args], cwd=REPO_ROOT, env=_env(marker),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [sys.executable, "-m", "deploy.cli.main", *args],
+            cwd=REPO_ROOT,
+            env=_env(marker),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         child = cls(process, marker)
         threading.Thread(target=child._read, daemon=True).start()
         return child
@@ -133,10 +137,23 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     config_file = tmp_path_factory.mktemp("serve") / "serve.yaml"
     config_file.write_text(f"kv_cache: {{num_blocks: {NUM_KV_BLOCKS}}}\nrouter: {{port: 1}}\n")
     child = Child.start(
-        "serve", "--config", str(config_file), "--no-ray", "--model", model_dir,
-        "--port", "0", "--metrics-port", "0",
-        "--prefill-instances", "1", "--prefill-tp", "2", "--decode-instances", "2",
-    )  # fmt: skip
+        "serve",
+        "--config",
+        str(config_file),
+        "--no-ray",
+        "--model",
+        model_dir,
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--prefill-instances",
+        "1",
+        "--prefill-tp",
+        "2",
+        "--decode-instances",
+        "2",
+    )
     try:
         match = child.wait_for_line(
             r"serving on (\S+), metrics http://(\S+)/metrics", START_TIMEOUT_S
@@ -161,8 +178,16 @@ def test_serve_reports_progress_while_starting(served: Served) -> None:
 def test_generate_streams_the_same_text_as_a_unary_call(
     served: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["generate", "--address", served.address, "--prompt", PROMPT, "--max-tokens", "12",
-            "--ignore-eos"]  # fmt: skip
+    argv = [
+        "generate",
+        "--address",
+        served.address,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+    ]
     assert main(argv) == 0
     streamed = capsys.readouterr()
     unary = _unary(
@@ -176,19 +201,45 @@ def test_generate_streams_the_same_text_as_a_unary_call(
 def test_generate_passes_sampling_flags_and_stop_strings(
     served: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sampled = ["generate", "--address", served.address, "--prompt", PROMPT, "--max-tokens", "10",
-               "--ignore-eos", "--temperature", "0.9", "--top-p", "0.9", "--top-k", "50",
-               "--seed", "7"]  # fmt: skip
+    sampled = [
+        "generate",
+        "--address",
+        served.address,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "10",
+        "--ignore-eos",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "50",
+        "--seed",
+        "7",
+    ]
     assert main(sampled) == 0 and main(sampled) == 0
     first, second = capsys.readouterr().out.split("\n")[:2]
-    request = pb.GenerateRequest(prompt=PROMPT, max_tokens=10, ignore_eos=True, temperature=0.9,
-                                 top_p=0.9, top_k=50, seed=7)  # fmt: skip
+    request = pb.GenerateRequest(
+        prompt=PROMPT, max_tokens=10, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=50, seed=7
+    )
     assert first == second == _unary(served.address, request).text  # seeded: reproducible
     full = _unary(served.address, pb.GenerateRequest(prompt=PROMPT, max_tokens=16, ignore_eos=True))
     stop = full.text[len(full.text) // 2 :][:3]
     cut = full.text[: full.text.index(stop)]
-    argv = ["generate", "--address", served.address, "--prompt", PROMPT, "--max-tokens", "16",
-            "--ignore-eos", "--stop", stop]  # fmt: skip
+    argv = [
+        "generate",
+        "--address",
+        served.address,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "16",
+        "--ignore-eos",
+        "--stop",
+        stop,
+    ]
     assert main(argv) == 0
     result = capsys.readouterr()
     assert result.out == cut + "\n" and result.err.startswith("[stop: ")
@@ -218,8 +269,17 @@ def test_status_shows_every_worker_its_load_kv_usage_and_health(
         assert time.monotonic() < deadline, "\n".join(lines)
         time.sleep(0.2)
     assert lines[0] == f"router {served.address}: SERVING"
-    assert lines[1].split() == ["instance", "role", "health", "waiting", "running", "KV", "blocks",
-                                "KV", "used"]  # fmt: skip
+    assert lines[1].split() == [
+        "instance",
+        "role",
+        "health",
+        "waiting",
+        "running",
+        "KV",
+        "blocks",
+        "KV",
+        "used",
+    ]
     rows = {line.split()[0]: line.split() for line in lines[2:5]}
     assert sorted(rows) == ["decode-0", "decode-1", "prefill-0"]
     for instance_id, row in rows.items():

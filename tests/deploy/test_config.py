@@ -47,14 +47,22 @@ def test_defaults_equal_an_empty_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"prefil": {}}, "unknown key 'prefil' in config (did you mean 'prefill'?); valid keys: "
-                         "model, dtype, device, mode, pin_cpus, prefill, decode"),
-        ({"prefill": {"tp": 2}}, "unknown key 'tp' in prefill; valid keys: instances, "
-                                 "tensor_parallel_size, policy"),
+        (
+            {"prefil": {}},
+            "unknown key 'prefil' in config (did you mean 'prefill'?); valid keys: "
+            "model, dtype, device, mode, pin_cpus, prefill, decode",
+        ),
+        (
+            {"prefill": {"tp": 2}},
+            "unknown key 'tp' in prefill; valid keys: instances, tensor_parallel_size, policy",
+        ),
         ({"router": {"prot": 1}}, "unknown key 'prot' in router (did you mean 'port'?)"),
-        ({"kv_cache": {"memory": 8}}, "unknown key 'memory' in kv_cache (did you mean 'memory_mb'?)"),
+        (
+            {"kv_cache": {"memory": 8}},
+            "unknown key 'memory' in kv_cache (did you mean 'memory_mb'?)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unknown_keys_are_named_with_the_valid_ones(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as error:
         parse_config(data)
@@ -65,41 +73,61 @@ def test_unknown_keys_are_named_with_the_valid_ones(data: dict, message: str) ->
     ("data", "message"),
     [
         ({"prefill": {"instances": -1}}, "prefill.instances must be an integer >= 0, got -1"),
-        ({"decode": {"tensor_parallel_size": 0}},
-         "decode.tensor_parallel_size must be an integer >= 1, got 0"),
-        ({"prefill": {"tensor_parallel_size": "2"}},
-         "prefill.tensor_parallel_size must be an integer >= 1, got '2'"),
-        ({"prefill": {"policy": "random"}},
-         "prefill.policy must be one of least_tokens, round_robin, kv_aware; got 'random'"),
-        ({"decode": {"policy": "least_tokens"}},
-         "decode.policy must be one of least_batch, most_free_blocks; got 'least_tokens'"),
+        (
+            {"decode": {"tensor_parallel_size": 0}},
+            "decode.tensor_parallel_size must be an integer >= 1, got 0",
+        ),
+        (
+            {"prefill": {"tensor_parallel_size": "2"}},
+            "prefill.tensor_parallel_size must be an integer >= 1, got '2'",
+        ),
+        (
+            {"prefill": {"policy": "random"}},
+            "prefill.policy must be one of least_tokens, round_robin, kv_aware; got 'random'",
+        ),
+        (
+            {"decode": {"policy": "least_tokens"}},
+            "decode.policy must be one of least_batch, most_free_blocks; got 'least_tokens'",
+        ),
         ({"dtype": "fp8"}, "config.dtype must be one of float32, float16, bfloat16, float64"),
         ({"device": "tpu"}, "config.device must be 'cpu' or 'cuda', got 'tpu'"),
         ({"router": {"port": 70000}}, "router.port must be a port in [0, 65535], got 70000"),
         ({"router": {"tls_cert_file": "/nonexistent.pem"}}, "router: TLS needs both"),
-        ({"router": {"auth_token_file": "/nonexistent"}},
-         "router.auth_token_file: '/nonexistent' is not a file"),
-        ({"router": {"auth_token": "a", "auth_token_file": "b"}},
-         "router: give auth_token or auth_token_file, not both"),
-        ({"scheduler": {"chunk_size": 4096}},
-         "scheduler.chunk_size (4096) must not exceed scheduler.max_num_batched_tokens (2048)"),
+        (
+            {"router": {"auth_token_file": "/nonexistent"}},
+            "router.auth_token_file: '/nonexistent' is not a file",
+        ),
+        (
+            {"router": {"auth_token": "a", "auth_token_file": "b"}},
+            "router: give auth_token or auth_token_file, not both",
+        ),
+        (
+            {"scheduler": {"chunk_size": 4096}},
+            "scheduler.chunk_size (4096) must not exceed scheduler.max_num_batched_tokens (2048)",
+        ),
         ({"kv_cache": {"num_blocks": 0}}, "kv_cache.num_blocks must be an integer >= 1, got 0"),
         ({"decode": {"instances": 0}}, "mode disaggregated needs prefill.instances >= 1"),
         ({"model": "/no/such/folder"}, "model '/no/such/folder' is not a Hugging Face model"),
         ({"ray": {"enabled": "yes"}}, "ray.enabled must be true or false, got 'yes'"),
         ({"prefill": 2}, "prefill must be a mapping of keys, got 2"),
         ({"kv_cache": {"prefix_caching": "no"}}, "kv_cache.prefix_caching must be true or false"),
-        ({"kv_transfer": {"transfer_timeout_s": 0}},
-         "kv_transfer.transfer_timeout_s must be a number of seconds > 0, got 0"),
-        ({"kv_transfer": {"start_timeout_s": -1}},
-         "kv_transfer.start_timeout_s must be a number of seconds >= 0, got -1"),
+        (
+            {"kv_transfer": {"transfer_timeout_s": 0}},
+            "kv_transfer.transfer_timeout_s must be a number of seconds > 0, got 0",
+        ),
+        (
+            {"kv_transfer": {"start_timeout_s": -1}},
+            "kv_transfer.start_timeout_s must be a number of seconds >= 0, got -1",
+        ),
         ({"ray": {"max_restarts": -2}}, "ray.max_restarts must be an integer >= -1, got -2"),
         ({"ray": {"num_cpus_per_worker": 0}}, "ray.num_cpus_per_worker must be a number > 0"),
-        ({"ray": {"prefill_resources": {"node_a": 0}}},
-         "ray.prefill_resources['node_a'] must be a number > 0, got 0"),
+        (
+            {"ray": {"prefill_resources": {"node_a": 0}}},
+            "ray.prefill_resources['node_a'] must be a number > 0, got 0",
+        ),
         ({"ray": {"decode_resources": ["node_b"]}}, "ray.decode_resources must map resource"),
     ],
-)  # fmt: skip
+)
 def test_bad_values_say_what_to_fix(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as error:
         parse_config(data)
@@ -123,13 +151,29 @@ def test_command_line_flags_override_the_file(tmp_path: Path, model_dir: str) ->
         "prefill: {instances: 2, tensor_parallel_size: 1, policy: round_robin}\n"
         "decode: {instances: 3}\nrouter: {port: 6000, metrics_port: 6001}\n"
     )
-    argv = ["serve", "--config", str(path), "--model", model_dir, "--host", "0.0.0.0",
-            "--port", "7000", "--prefill-tp", "2", "--decode-instances", "1", "--no-ray"]  # fmt: skip
+    argv = [
+        "serve",
+        "--config",
+        str(path),
+        "--model",
+        model_dir,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "7000",
+        "--prefill-tp",
+        "2",
+        "--decode-instances",
+        "1",
+        "--no-ray",
+    ]
     config = serve_config(build_parser().parse_args(argv))
     assert config.model == model_dir
     assert (config.router.host, config.router.port, config.router.metrics_port) == (
-        "0.0.0.0", 7000, 6001,
-    )  # fmt: skip
+        "0.0.0.0",
+        7000,
+        6001,
+    )
     assert config.prefill == config.prefill.__class__(2, 2, "round_robin")  # file kept instances
     assert (config.decode.instances, config.ray.enabled) == (1, False)
 
@@ -155,14 +199,17 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    config = parse_config({
-        "model": model_dir, "dtype": "bfloat16",
-        "prefill": {"instances": 1, "tensor_parallel_size": 2, "policy": "kv_aware"},
-        "decode": {"instances": 3},
-        "kv_cache": {"block_size": 8, "memory_mb": 3},
-        "scheduler": {"chunk_size": 64, "max_num_seqs": 7, "max_num_batched_tokens": 128},
-        "router": {"port": 0, "metrics_port": 0, "auth_token_file": str(token_file)},
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "model": model_dir,
+            "dtype": "bfloat16",
+            "prefill": {"instances": 1, "tensor_parallel_size": 2, "policy": "kv_aware"},
+            "decode": {"instances": 3},
+            "kv_cache": {"block_size": 8, "memory_mb": 3},
+            "scheduler": {"chunk_size": 64, "max_num_seqs": 7, "max_num_batched_tokens": 128},
+            "router": {"port": 0, "metrics_port": 0, "auth_token_file": str(token_file)},
+        }
+    )
     spec = build_cluster_spec(config)
     assert spec.instance_ids() == ["prefill-0", "decode-0", "decode-1", "decode-2"]
     assert spec.prefill is not None and spec.decode is not None
@@ -187,9 +234,14 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
 def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
     """One builder: the limits a user sets reach the router whether Ray runs it or not."""
     router = {
-        "port": 0, "max_running_requests": 3, "max_queued_requests": 2, "max_model_len": 300,
-        "worker_timeout_s": 7.5, "shutdown_grace_s": 12, "http_port": 0,
-    }  # fmt: skip
+        "port": 0,
+        "max_running_requests": 3,
+        "max_queued_requests": 2,
+        "max_model_len": 300,
+        "worker_timeout_s": 7.5,
+        "shutdown_grace_s": 12,
+        "http_port": 0,
+    }
     config = parse_config({"model": model_dir, "router": router})
     plain = LocalCluster(build_cluster_spec(config)).spec.router
     assert plain == RayCluster(build_cluster_spec(config)).spec.router
@@ -209,18 +261,29 @@ def test_both_runtimes_get_the_same_router_config(model_dir: str) -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("max_running_requests", 0), ("max_queued_requests", -1), ("shutdown_grace_s", 0),
-     ("worker_timeout_s", "soon"), ("max_model_len", 1), ("default_tpot_slo_s", float("inf")),
-     ("default_ttft_slo_s", -1.0)],
-)  # fmt: skip
+    [
+        ("max_running_requests", 0),
+        ("max_queued_requests", -1),
+        ("shutdown_grace_s", 0),
+        ("worker_timeout_s", "soon"),
+        ("max_model_len", 1),
+        ("default_tpot_slo_s", float("inf")),
+        ("default_ttft_slo_s", -1.0),
+    ],
+)
 def test_router_limits_are_checked(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"router.{key} must be"):
         parse_config({"router": {key: value}})
 
 
 def test_colocated_layout_has_replicas_and_no_ray(model_dir: str) -> None:
-    config = parse_config({"model": model_dir, "mode": "colocated",
-                           "colocated": {"instances": 3, "policy": "round_robin"}})  # fmt: skip
+    config = parse_config(
+        {
+            "model": model_dir,
+            "mode": "colocated",
+            "colocated": {"instances": 3, "policy": "round_robin"},
+        }
+    )
     spec = build_cluster_spec(config)
     assert spec.is_colocated and spec.instance_ids() == [
         "colocated-0",
@@ -240,10 +303,14 @@ def test_adaptive_layout_needs_a_latency_profile_and_runs_without_ray(model_dir:
     with pytest.raises(ConfigError, match="adaptive.instances must be"):
         parse_config({"mode": "adaptive", "adaptive": {"instances": 1}})
     profile = str(REPO_ROOT / "benchmarks" / "results" / "placement" / "profile-2core.json")
-    config = parse_config({
-        "model": model_dir, "mode": "adaptive", "adaptive": {"instances": 3},
-        "router": {"latency_profile": profile, "default_tpot_slo_s": 0.05},
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "model": model_dir,
+            "mode": "adaptive",
+            "adaptive": {"instances": 3},
+            "router": {"latency_profile": profile, "default_tpot_slo_s": 0.05},
+        }
+    )
     spec = build_cluster_spec(config)
     assert spec.is_adaptive and spec.instance_ids() == ["adaptive-0", "adaptive-1", "adaptive-2"]
     worker = spec.worker_config("adaptive-2")

@@ -83,15 +83,21 @@ def ray_view(cluster: RayCluster, monkeypatch: pytest.MonkeyPatch) -> View:
     # the placement groups hold exactly the workers that get a config
     roles = [instance_id.split("-")[0] for instance_id in workers]
     assert (plan.num_prefill_instances, plan.num_decode_instances) == (
-        roles.count("prefill"), roles.count("decode")
-    )  # fmt: skip
+        roles.count("prefill"),
+        roles.count("decode"),
+    )
     assert plan.prefill_tp_size == workers["prefill-0"].engine.tensor_parallel_size
     assert plan.decode_tp_size == workers["decode-0"].engine.tensor_parallel_size
     assert plan.device == one(config.engine.device for config in workers.values())
     return View(
-        "ray", dict(workers), cluster.spec.router, cluster.spec.pin_cpus, calls[0], plan,
+        "ray",
+        dict(workers),
+        cluster.spec.router,
+        cluster.spec.pin_cpus,
+        calls[0],
+        plan,
         cluster.actor_options(),
-    )  # fmt: skip
+    )
 
 
 def engine(name: str) -> Callable[[View], Any]:
@@ -110,7 +116,9 @@ def ids(view: View) -> list[str]:
     return sorted(view.workers)
 
 
-PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks/results/placement/profile-2core.json")
+PROFILE = str(
+    Path(__file__).resolve().parents[2] / "benchmarks/results/placement/profile-2core.json"
+)
 
 
 @dataclass(frozen=True)
@@ -130,34 +138,53 @@ def table(tmp: Path) -> dict[str, Row]:
         (tmp / name).write_text(text)
     other, cert, key = str(tmp / "other_model"), str(tmp / "cert.pem"), str(tmp / "key.pem")
     return {
-        "model": Row(other, lambda v: (one(e.model_dir for e in engines(v)), v.router.model_dir),
-                     (other, other)),
+        "model": Row(
+            other,
+            lambda v: (one(e.model_dir for e in engines(v)), v.router.model_dir),
+            (other, other),
+        ),
         "dtype": Row("bfloat16", engine("dtype")),
-        "device": Row("cuda", lambda v: (one(e.device for e in engines(v)), v.pin_cpus),
-                      ("cuda", False)),  # pinning hands out CPU cores: not on CUDA
+        "device": Row(
+            "cuda", lambda v: (one(e.device for e in engines(v)), v.pin_cpus), ("cuda", False)
+        ),  # pinning hands out CPU cores: not on CUDA
         "mode": Row("colocated", ids, ["colocated-0"]),
         "pin_cpus": Row(False, lambda v: v.pin_cpus),
         "prefill.instances": Row(2, ids, ["decode-0", "prefill-0", "prefill-1"]),
         "prefill.tensor_parallel_size": Row(
-            2, lambda v: v.workers["prefill-0"].engine.tensor_parallel_size),
+            2, lambda v: v.workers["prefill-0"].engine.tensor_parallel_size
+        ),
         "prefill.policy": Row("round_robin", router("prefill_policy")),
         "decode.instances": Row(2, ids, ["decode-0", "decode-1", "prefill-0"]),
         "decode.tensor_parallel_size": Row(
-            2, lambda v: v.workers["decode-0"].engine.tensor_parallel_size),
+            2, lambda v: v.workers["decode-0"].engine.tensor_parallel_size
+        ),
         "decode.policy": Row("most_free_blocks", router("decode_policy")),
         "colocated.instances": Row(2, ids, ["colocated-0", "colocated-1"], {"mode": "colocated"}),
-        "colocated.tensor_parallel_size": Row(2, engine("tensor_parallel_size"),
-                                              also={"mode": "colocated"}),
-        "colocated.policy": Row("round_robin", router("prefill_policy"),
-                                also={"mode": "colocated"}),
-        "adaptive.instances": Row(3, ids, ["adaptive-0", "adaptive-1", "adaptive-2"],
-                                  {"mode": "adaptive", "router.latency_profile": PROFILE}),
-        "adaptive.tensor_parallel_size": Row(2, engine("tensor_parallel_size"), also={
-            "mode": "adaptive", "router.latency_profile": PROFILE}),
-        "adaptive.policy": Row("kv_aware", router("prefill_policy"), also={
-            "mode": "adaptive", "router.latency_profile": PROFILE}),
-        "kv_cache.block_size": Row(8, lambda v: (one(e.block_size for e in engines(v)),
-                                                 v.router.block_size), (8, 8)),
+        "colocated.tensor_parallel_size": Row(
+            2, engine("tensor_parallel_size"), also={"mode": "colocated"}
+        ),
+        "colocated.policy": Row(
+            "round_robin", router("prefill_policy"), also={"mode": "colocated"}
+        ),
+        "adaptive.instances": Row(
+            3,
+            ids,
+            ["adaptive-0", "adaptive-1", "adaptive-2"],
+            {"mode": "adaptive", "router.latency_profile": PROFILE},
+        ),
+        "adaptive.tensor_parallel_size": Row(
+            2,
+            engine("tensor_parallel_size"),
+            also={"mode": "adaptive", "router.latency_profile": PROFILE},
+        ),
+        "adaptive.policy": Row(
+            "kv_aware",
+            router("prefill_policy"),
+            also={"mode": "adaptive", "router.latency_profile": PROFILE},
+        ),
+        "kv_cache.block_size": Row(
+            8, lambda v: (one(e.block_size for e in engines(v)), v.router.block_size), (8, 8)
+        ),
         "kv_cache.memory_mb": Row(3, engine("kv_cache_memory_bytes"), 3 * 1024 * 1024),
         "kv_cache.num_blocks": Row(100, engine("num_kv_blocks")),
         "kv_cache.prefix_caching": Row(False, engine("enable_prefix_caching")),
@@ -167,8 +194,9 @@ def table(tmp: Path) -> dict[str, Row]:
         "scheduler.max_num_seqs": Row(7, engine("max_num_seqs")),
         "scheduler.max_num_batched_tokens": Row(4096, engine("max_num_batched_tokens")),
         "scheduler.slo_scheduling": Row(True, engine("slo_scheduling")),
-        "router.host": Row("0.0.0.0", lambda v: (v.router.host, v.router.metrics_host),
-                           ("0.0.0.0", "0.0.0.0")),
+        "router.host": Row(
+            "0.0.0.0", lambda v: (v.router.host, v.router.metrics_host), ("0.0.0.0", "0.0.0.0")
+        ),
         "router.port": Row(6000, router("port")),
         "router.metrics_port": Row(6001, router("metrics_port")),
         "router.http_host": Row("0.0.0.0", router("http_host")),
@@ -177,15 +205,19 @@ def table(tmp: Path) -> dict[str, Row]:
         "router.auth_exempt_health": Row(True, router("auth_exempt_health")),
         "router.auth_exempt_reflection": Row(True, router("auth_exempt_reflection")),
         "router.auth_token_file": Row(str(tmp / "token"), router("auth_token"), "s3cret"),
-        "router.tls_cert_file": Row(cert, router("tls_cert_file"),
-                                    also={"router.tls_key_file": key}),
-        "router.tls_key_file": Row(key, router("tls_key_file"),
-                                   also={"router.tls_cert_file": cert}),
+        "router.tls_cert_file": Row(
+            cert, router("tls_cert_file"), also={"router.tls_key_file": key}
+        ),
+        "router.tls_key_file": Row(
+            key, router("tls_key_file"), also={"router.tls_cert_file": cert}
+        ),
         "router.max_running_requests": Row(3, router("max_running_requests")),
         "router.max_queued_requests": Row(2, router("max_queued_requests")),
-        "router.max_model_len": Row(300, lambda v: (v.router.max_model_len,
-                                                    one(e.max_model_len for e in engines(v))),
-                                    (300, 300)),
+        "router.max_model_len": Row(
+            300,
+            lambda v: (v.router.max_model_len, one(e.max_model_len for e in engines(v))),
+            (300, 300),
+        ),
         "router.worker_timeout_s": Row(7.5, router("worker_timeout_s")),
         "router.shutdown_grace_s": Row(12.0, router("shutdown_grace_s")),
         "router.max_retries": Row(5, router("max_retries")),
@@ -202,7 +234,7 @@ def table(tmp: Path) -> dict[str, Row]:
         "ray.prefill_resources": Row({"node_a": 0.01}, lambda v: v.placement.prefill_resources),
         "ray.decode_resources": Row({"node_b": 0.01}, lambda v: v.placement.decode_resources),
         "ray.max_restarts": Row(5, lambda v: v.actor_options["max_restarts"]),
-    }  # fmt: skip
+    }
 
 
 # Keys with no meaning in one runtime, and why. Their row is checked in the other one only.
@@ -289,8 +321,10 @@ def test_key_reaches_the_same_place_under_ray_and_without(
     assert chosen is not None and chosen.runtime == "ray", f"Ray refused {key}={row.value!r}"
     assert row.where(chosen) == expected
     assert (chosen.workers, chosen.router, chosen.pin_cpus) == (
-        plain.workers, plain.router, plain.pin_cpus
-    )  # fmt: skip
+        plain.workers,
+        plain.router,
+        plain.pin_cpus,
+    )
 
 
 def test_ray_refuses_what_it_cannot_run(model_dir: str) -> None:

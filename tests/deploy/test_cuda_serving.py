@@ -41,9 +41,12 @@ def hf_greedy_on_cuda(model_dir: str, prompts: list[list[int]]) -> list[list[int
     with torch.no_grad():
         for prompt in prompts:
             out = hf.generate(
-                torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_TOKENS,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             outputs.append(out[0, len(prompt) :].tolist())
     del hf
     torch.cuda.empty_cache()
@@ -52,10 +55,14 @@ def hf_greedy_on_cuda(model_dir: str, prompts: list[list[int]]) -> list[list[int
 
 def serve_config(model_dir: str, **layout: Any) -> dict[str, Any]:
     return {
-        "model": model_dir, "device": "cuda", "dtype": "float64",
-        "kv_cache": {"num_blocks": 256}, "router": {"port": 0}, "ray": {"enabled": False},
+        "model": model_dir,
+        "device": "cuda",
+        "dtype": "float64",
+        "kv_cache": {"num_blocks": 256},
+        "router": {"port": 0},
+        "ray": {"enabled": False},
         **layout,
-    }  # fmt: skip
+    }
 
 
 def generate_all(
@@ -65,9 +72,11 @@ def generate_all(
 
     def one(index: int) -> tuple[list[int], pb.GenerateResponse]:
         request = pb.GenerateRequest(
-            token_ids=prompts[index], max_tokens=MAX_TOKENS, ignore_eos=True,
+            token_ids=prompts[index],
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
             request_id=f"cuda-{index}",
-        )  # fmt: skip
+        )
         with RouterClient(address) as client:
             responses = list(client.generate(request, timeout_s=120))
         return [t for r in responses for t in r.token_ids], responses[-1]

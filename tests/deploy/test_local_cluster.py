@@ -40,11 +40,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_colocated_replicas_are_pinned_serve_round_robin_and_leave_nothing(
     model_dir: str,
 ) -> None:
-    config = parse_config({
-        "model": model_dir, "mode": "colocated", "pin_cpus": True,
-        "colocated": {"instances": 2, "policy": "round_robin"},
-        "kv_cache": {"num_blocks": 32}, "router": {"port": 0}, "ray": {"enabled": False},
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "model": model_dir,
+            "mode": "colocated",
+            "pin_cpus": True,
+            "colocated": {"instances": 2, "policy": "round_robin"},
+            "kv_cache": {"num_blocks": 32},
+            "router": {"port": 0},
+            "ray": {"enabled": False},
+        }
+    )
     cores = sorted(os.sched_getaffinity(0))
     progress: list[str] = []
     with LocalCluster(build_cluster_spec(config)) as cluster:

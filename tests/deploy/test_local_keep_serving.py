@@ -37,11 +37,16 @@ LONG_TOKENS = 400  # long enough to kill a TP rank while these streams decode
 
 
 def short_timeouts_spec(model_dir: str) -> ClusterSpec:
-    config = parse_config({
-        "model": model_dir, "prefill": {"instances": 1, "tensor_parallel_size": 2},
-        "decode": {"instances": 2}, "kv_cache": {"num_blocks": NUM_BLOCKS, "block_size": 8},
-        "router": {"port": 0}, "ray": {"enabled": False},
-    })  # fmt: skip
+    config = parse_config(
+        {
+            "model": model_dir,
+            "prefill": {"instances": 1, "tensor_parallel_size": 2},
+            "decode": {"instances": 2},
+            "kv_cache": {"num_blocks": NUM_BLOCKS, "block_size": 8},
+            "router": {"port": 0},
+            "ray": {"enabled": False},
+        }
+    )
     spec = build_cluster_spec(config)
     assert spec.prefill is not None and spec.decode is not None
     kv = KVTransferConfig(transfer_timeout_s=SHORT_S, start_timeout_s=SHORT_S)

@@ -34,9 +34,10 @@ def test_allowed_tp_sizes_agree_with_the_engine(
     tmp_path: Path, num_heads: int, num_kv_heads: int, width: int
 ) -> None:
     config = {
-        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
         "intermediate_size": width,
-    }  # fmt: skip
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     expected = [tp for tp in range(1, 65) if engine_accepts(num_heads, num_kv_heads, width, tp)]
     assert allowed_tp_sizes(tmp_path) == expected

@@ -52,12 +52,15 @@ def reference(model_dir: str) -> dict[str, list[list[int]]]:
 @pytest.fixture(scope="module")
 def cluster(model_dir: str) -> Iterator[RayCluster]:
     spec = serve_spec(
-        model_dir, dtype="float64", prefill={"tensor_parallel_size": 2}, decode={"instances": 2},
+        model_dir,
+        dtype="float64",
+        prefill={"tensor_parallel_size": 2},
+        decode={"instances": 2},
         kv_cache={"block_size": 8, "num_blocks": 256},
         scheduler={"max_num_batched_tokens": 256, "chunk_size": 32},
         kv_transfer={"transfer_timeout_s": 5.0},
         router={"worker_timeout_s": 5.0, "shutdown_grace_s": 1.0, "metrics_port": 0},
-    )  # fmt: skip
+    )
     ray_cluster = RayCluster(spec)
     progress: list[str] = []
     try:

@@ -20,10 +20,22 @@ def test_load_with_cancels_on_ray_keeps_serving(tmp_path: Path) -> None:
     model_dir = tiny_model_with_tokenizer(tmp_path)
     (tmp_path / "limits.yaml").write_text(LIMITS)
     out = tmp_path / "result.json"
-    code = main([
-        "--scale", "0.03", "--model", model_dir, "--config", str(tmp_path / "limits.yaml"),
-        "--out", str(out), "--time-limit-s", "120", "--request-timeout-s", "60",
-    ])  # fmt: skip
+    code = main(
+        [
+            "--scale",
+            "0.03",
+            "--model",
+            model_dir,
+            "--config",
+            str(tmp_path / "limits.yaml"),
+            "--out",
+            str(out),
+            "--time-limit-s",
+            "120",
+            "--request-timeout-s",
+            "60",
+        ]
+    )
     result = json.loads(out.read_text())
     phases = {phase["name"]: phase["codes"] for phase in result["phases"]}
     assert result["complete"], result

@@ -43,18 +43,27 @@ def test_prefill_on_one_node_decode_on_the_other(tmp_path) -> None:
     nodes = Cluster(initialize_head=False)
     try:
         nodes.add_node(
-            num_cpus=1, resources={"node_a": 1}, include_dashboard=False,
-            node_ip_address="127.0.0.1", temp_dir=ray_temp_dir,
-        )  # fmt: skip
+            num_cpus=1,
+            resources={"node_a": 1},
+            include_dashboard=False,
+            node_ip_address="127.0.0.1",
+            temp_dir=ray_temp_dir,
+        )
         nodes.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
         nodes.wait_for_nodes()
         spec = serve_spec(
-            model_dir, dtype="float64", prefill={"tensor_parallel_size": 2},
-            decode={"instances": 2}, kv_cache={"block_size": 8, "num_blocks": 128},
+            model_dir,
+            dtype="float64",
+            prefill={"tensor_parallel_size": 2},
+            decode={"instances": 2},
+            kv_cache={"block_size": 8, "num_blocks": 128},
             router={"shutdown_grace_s": 5.0},
-            ray={"address": nodes.address, "prefill_resources": {"node_a": 0.01},
-                 "decode_resources": {"node_b": 0.01}},
-        )  # fmt: skip
+            ray={
+                "address": nodes.address,
+                "prefill_resources": {"node_a": 0.01},
+                "decode_resources": {"node_b": 0.01},
+            },
+        )
         with RayCluster(spec) as cluster:
             cluster.start()
             results = stream_all(cluster.address, PROMPTS, MAX_TOKENS)

@@ -43,14 +43,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def cluster(model_dir: str) -> Iterator[LocalCluster]:
     spec = serve_spec(
-        model_dir, dtype="float64", prefill={"tensor_parallel_size": 2}, decode={"instances": 2},
+        model_dir,
+        dtype="float64",
+        prefill={"tensor_parallel_size": 2},
+        decode={"instances": 2},
         kv_cache={"block_size": 8, "num_blocks": NUM_BLOCKS},
         # A reservation whose prefill instance died waits out start + transfer deadline (a
         # posted gloo receive cannot be withdrawn): 60 + 5 s by default, 8 + 5 s here.
         kv_transfer={"transfer_timeout_s": 5.0, "start_timeout_s": 8.0},
         router={"worker_timeout_s": 5.0, "shutdown_grace_s": 1.0},
         ray={"enabled": False},
-    )  # fmt: skip
+    )
     with LocalCluster(spec) as running:
         running.start()
         yield running
@@ -126,10 +129,14 @@ def test_streams_on_a_killed_decode_instance_migrate_and_equal_transformers(
     for timings in migrated:
         assert timings.recovery_s > 0
         stages = (
-            timings.router_queue_s + timings.prefill_queue_s + timings.prefill_s
-            + timings.kv_transfer_s + timings.decode_queue_s + timings.decode_s
+            timings.router_queue_s
+            + timings.prefill_queue_s
+            + timings.prefill_s
+            + timings.kv_transfer_s
+            + timings.decode_queue_s
+            + timings.decode_s
             + timings.recovery_s
-        )  # fmt: skip
+        )
         assert stages == pytest.approx(timings.e2e_s, abs=0.05)
     for result in results:  # a migrated stream finished on the other decode instance
         assert result.last is not None

@@ -32,7 +32,8 @@ router:
   port: 0
   metrics_port: null
 """
-CONFIG = """\
+CONFIG = (
+    """\
 model: {model_dir}
 dtype: float64
 prefill:
@@ -40,15 +41,21 @@ prefill:
   tensor_parallel_size: 2
 decode:
   instances: 1
-""" + _COMMON
+"""
+    + _COMMON
+)
 # Mode adaptive (plain processes only): two instances that each prefill and decode.
-ADAPTIVE_CONFIG = """\
+ADAPTIVE_CONFIG = (
+    """\
 model: {model_dir}
 dtype: float64
 mode: adaptive
 adaptive:
   instances: 2
-""" + _COMMON + "  latency_profile: {profile}\n"
+"""
+    + _COMMON
+    + "  latency_profile: {profile}\n"
+)
 PROFILE = REPO_ROOT / "benchmarks/results/placement/profile-2core.json"
 _PROMPT = [1, 7, 9, 30, 41]
 _MAX_TOKENS = 480
@@ -63,11 +70,22 @@ class Serve:
         config.write_text(template.format(model_dir=model_dir, profile=PROFILE))
         env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli.main", "serve", "--config", str(config),
-             *([] if ray else ["--no-ray"])],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "deploy.cli.main",
+                "serve",
+                "--config",
+                str(config),
+                *([] if ray else ["--no-ray"]),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -24,14 +24,14 @@ class GreedyResult:
 
 
 def greedy_generate(
-    executor: Executor, prompts: list[list[int]], max_new_tokens: int,
+    executor: Executor,
+    prompts: list[list[int]],
+    max_new_tokens: int,
     chunk_size: int | None = None,
 ) -> list[GreedyResult]:
     pool = BlockPool(executor.num_kv_blocks, enable_caching=False)
     block_size = executor.block_size
-    tables = [
-        pool.allocate(-(-(len(p) + max_new_tokens) // block_size)) for p in prompts
-    ]
+    tables = [pool.allocate(-(-(len(p) + max_new_tokens) // block_size)) for p in prompts]
     results = [GreedyResult() for _ in prompts]
     num_computed = [0] * len(prompts)
     while any(len(r.token_ids) < max_new_tokens for r in results):
@@ -41,13 +41,22 @@ def greedy_generate(
                 continue
             all_ids = prompt + results[i].token_ids
             if num_computed[i] < len(prompt):
-                end = len(prompt) if chunk_size is None else min(len(prompt), num_computed[i] + chunk_size)
+                end = (
+                    len(prompt)
+                    if chunk_size is None
+                    else min(len(prompt), num_computed[i] + chunk_size)
+                )
             else:
                 end = len(all_ids)
-            chunks.append(SequenceChunk(
-                request_id=str(i), token_ids=all_ids[num_computed[i] : end],
-                start_pos=num_computed[i], block_table=tables[i], sample=end == len(all_ids),
-            ))
+            chunks.append(
+                SequenceChunk(
+                    request_id=str(i),
+                    token_ids=all_ids[num_computed[i] : end],
+                    start_pos=num_computed[i],
+                    block_table=tables[i],
+                    sample=end == len(all_ids),
+                )
+            )
             num_computed[i] = end
         logits = executor.execute(ScheduledBatch(chunks))
         assert logits.shape == (sum(c.sample for c in chunks), executor.model_config.vocab_size)

@@ -48,9 +48,12 @@ class NumLocalKVHeads(RankCommand[RankProbe, int]):
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_run_on_ranks_runs_on_every_rank(tiny_model, tp_size: int) -> None:
     config = EngineConfig(
-        model_dir=tiny_model("llama"), dtype="float64", tensor_parallel_size=tp_size,
-        num_kv_blocks=8, block_size=8,
-    )  # fmt: skip
+        model_dir=tiny_model("llama"),
+        dtype="float64",
+        tensor_parallel_size=tp_size,
+        num_kv_blocks=8,
+        block_size=8,
+    )
     with Executor(config, rank_extension=RankProbe) as executor:
         assert executor.run_on_ranks(SumOfRanks(10)) == (1, 10.0 * tp_size + (tp_size == 2))
         # commands interleave with batches in step order on every rank

@@ -21,7 +21,10 @@ def test_store_server_listens_on_loopback_only() -> None:
 
 def test_tp_executor_and_channel_host_listen_on_loopback_only(tiny_model) -> None:
     config = EngineConfig(
-        model_dir=tiny_model("llama"), dtype="float64", tensor_parallel_size=2, num_kv_blocks=8,
+        model_dir=tiny_model("llama"),
+        dtype="float64",
+        tensor_parallel_size=2,
+        num_kv_blocks=8,
     )
     host = ChannelHost("cpu")
     try:

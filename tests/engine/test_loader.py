@@ -61,7 +61,10 @@ def test_old_and_new_rope_config_forms_agree(tiny_model, tmp_path: Path) -> None
     edit_config(old_form, rope_parameters=None, rope_theta=rope["rope_theta"], rope_scaling=scaling)
     assert "rope_parameters" not in json.loads((old_form / "config.json").read_text())
 
-    old_config, new_config = ModelConfig.from_model_dir(old_form), ModelConfig.from_model_dir(new_form)
+    old_config, new_config = (
+        ModelConfig.from_model_dir(old_form),
+        ModelConfig.from_model_dir(new_form),
+    )
     assert old_config.rope_type == new_config.rope_type == "llama3"
     assert old_config.rope_theta == new_config.rope_theta == 500000.0
     assert old_config == new_config
@@ -74,8 +77,12 @@ def test_old_and_new_rope_config_forms_agree(tiny_model, tmp_path: Path) -> None
 
 def test_linear_rope_scaling_old_form(tiny_model, tmp_path: Path) -> None:
     model_dir = copy_model(tiny_model("llama"), tmp_path / "linear")
-    edit_config(model_dir, rope_parameters=None, rope_theta=20000.0,
-                rope_scaling={"type": "linear", "factor": 4.0})
+    edit_config(
+        model_dir,
+        rope_parameters=None,
+        rope_theta=20000.0,
+        rope_scaling={"type": "linear", "factor": 4.0},
+    )
     config = ModelConfig.from_model_dir(model_dir)
     assert config.rope_type == "linear" and config.rope_parameters["factor"] == 4.0
     with torch.no_grad():
@@ -95,7 +102,9 @@ def test_unsupported_architecture_names_supported_ones(tiny_model, tmp_path: Pat
 
 def test_unsupported_rope_type_is_rejected(tiny_model, tmp_path: Path) -> None:
     model_dir = copy_model(tiny_model("llama"), tmp_path / "dyn")
-    edit_config(model_dir, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    edit_config(
+        model_dir, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    )
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         ModelConfig.from_model_dir(model_dir)
 

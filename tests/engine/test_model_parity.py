@@ -19,7 +19,9 @@ PROMPT_LENS = (5, 12, 19, 26, 33, 40)
 MAX_NEW_TOKENS = 64
 
 
-def make_prompts(vocab_size: int, lens: tuple[int, ...] = PROMPT_LENS, seed: int = 0) -> list[list[int]]:
+def make_prompts(
+    vocab_size: int, lens: tuple[int, ...] = PROMPT_LENS, seed: int = 0
+) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lens]
 
@@ -30,8 +32,12 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     for prompt in prompts:
         with torch.no_grad():
             out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=None,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=None,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs

@@ -16,12 +16,14 @@ def runner(tiny_model) -> ModelRunner:
 
 
 def test_step_inputs_order_positions_and_slots(runner: ModelRunner) -> None:
-    batch = ScheduledBatch([
-        SequenceChunk("a", [10, 11, 12, 13, 14], start_pos=0, block_table=[3]),
-        SequenceChunk("b", [20], start_pos=9, block_table=[7, 2]),
-        SequenceChunk("c", [30, 31, 32, 33], start_pos=8, block_table=[4, 5], sample=False),
-        SequenceChunk("d", [40], start_pos=0, block_table=[6]),
-    ])
+    batch = ScheduledBatch(
+        [
+            SequenceChunk("a", [10, 11, 12, 13, 14], start_pos=0, block_table=[3]),
+            SequenceChunk("b", [20], start_pos=9, block_table=[7, 2]),
+            SequenceChunk("c", [30, 31, 32, 33], start_pos=8, block_table=[4, 5], sample=False),
+            SequenceChunk("d", [40], start_pos=0, block_table=[6]),
+        ]
+    )
     inputs = runner.prepare_inputs(batch)
     # decode chunks (b, d) first, then prefill chunks (a, c) in batch order
     assert inputs.input_ids.tolist() == [20, 40, 10, 11, 12, 13, 14, 30, 31, 32, 33]
@@ -32,7 +34,8 @@ def test_step_inputs_order_positions_and_slots(runner: ModelRunner) -> None:
     assert inputs.metadata.decode_context_lens.tolist() == [10, 1]
     assert inputs.metadata.decode_block_tables.tolist() == [[7, 2], [6, 0]]
     assert [(p.token_start, p.start_pos, p.context_len) for p in inputs.metadata.prefills] == [
-        (2, 0, 5), (7, 8, 12)
+        (2, 0, 5),
+        (7, 8, 12),
     ]
     # sampled chunks a, b, d in batch order -> their last tokens' rows
     assert inputs.sample_indices.tolist() == [6, 0, 1]

@@ -63,13 +63,21 @@ class _Clock:
 
 def _gated(clock: _Clock, costs: StepCosts) -> Scheduler:
     return Scheduler(
-        BlockPool(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=512, chunk_size=512,
-        max_model_len=1024, eos_token_ids=(EOS,), gate=PrefillGate(costs, clock), clock=clock,
-    )  # fmt: skip
+        BlockPool(64),
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        chunk_size=512,
+        max_model_len=1024,
+        eos_token_ids=(EOS,),
+        gate=PrefillGate(costs, clock),
+        clock=clock,
+    )
 
 
-def _request(request_id: str, num_prompt: int, max_tokens: int, slo: RequestSLO | None,
-             arrival: float) -> Request:  # fmt: skip
+def _request(
+    request_id: str, num_prompt: int, max_tokens: int, slo: RequestSLO | None, arrival: float
+) -> Request:
     prompt = [1 + (i * 7 + len(request_id)) % 90 for i in range(num_prompt)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(request_id, prompt, params, arrival, slo=slo)

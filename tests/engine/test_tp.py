@@ -28,7 +28,10 @@ MAX_NEW_TOKENS = 64
 
 def run(model_dir: str, tp_size: int, chunk_size: int | None = None):
     config = EngineConfig(
-        model_dir=model_dir, dtype="float64", tensor_parallel_size=tp_size, block_size=8,
+        model_dir=model_dir,
+        dtype="float64",
+        tensor_parallel_size=tp_size,
+        block_size=8,
         num_kv_blocks=64,
     )
     with Executor(config) as executor:
@@ -46,7 +49,9 @@ def run(model_dir: str, tp_size: int, chunk_size: int | None = None):
         ("qwen2", {}, 1),  # q/k/v biases sharded, tied embeddings
     ],
 )
-def test_tp2_matches_tp1_and_transformers(tiny_model, family, overrides, num_local_kv_heads) -> None:
+def test_tp2_matches_tp1_and_transformers(
+    tiny_model, family, overrides, num_local_kv_heads
+) -> None:
     model_dir = tiny_model(family, **overrides)
     prompts, tp1, tp1_kv = run(model_dir, tp_size=1)
     _, tp2, tp2_kv = run(model_dir, tp_size=2, chunk_size=9)

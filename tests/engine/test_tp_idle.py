@@ -25,9 +25,12 @@ GROUP_TIMEOUT_S = 2.0
 
 def tp2_config(model_dir: str) -> EngineConfig:
     return EngineConfig(
-        model_dir=model_dir, tensor_parallel_size=2, block_size=8, num_kv_blocks=16,
+        model_dir=model_dir,
+        tensor_parallel_size=2,
+        block_size=8,
+        num_kv_blocks=16,
         tp_timeout_s=GROUP_TIMEOUT_S,
-    )  # fmt: skip
+    )
 
 
 def test_idle_group_outlives_its_collective_timeout_and_then_serves(tiny_model) -> None:

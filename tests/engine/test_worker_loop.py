@@ -76,6 +76,7 @@ def test_a_crashing_step_fails_requests_and_later_calls() -> None:
     worker = Counter()
     worker.start()
     try:
+
         def add_then_crash() -> None:
             worker.todo["a"] = 100
             worker.crash_on_step = True

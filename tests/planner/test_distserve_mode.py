@@ -28,9 +28,13 @@ def test_decode_step_takes_the_fifo_head_under_the_token_cap() -> None:
     # DistServe counting: 2 decode steps each. r0 ends at 21, r1 and r2 at 26.
     options = SimOptions(distserve_compat=True, decode_batch_tokens=25)
     result = Simulator(
-        [10, 10, 10], [2, 2, 2], [0.0, 0.0, 0.0], prefill=[_spec()], decode=[_spec()],
+        [10, 10, 10],
+        [2, 2, 2],
+        [0.0, 0.0, 0.0],
+        prefill=[_spec()],
+        decode=[_spec()],
         options=options,
-    ).run()  # fmt: skip
+    ).run()
     assert result.ttft_ms.tolist() == [11.0, 11.0, 11.0]
     assert result.tpot_ms.tolist() == [5.0, 7.5, 7.5]
 
@@ -38,9 +42,13 @@ def test_decode_step_takes_the_fifo_head_under_the_token_cap() -> None:
 def test_without_the_cap_all_three_step_together() -> None:
     options = SimOptions(distserve_compat=True)
     result = Simulator(
-        [10, 10, 10], [2, 2, 2], [0.0, 0.0, 0.0], prefill=[_spec()], decode=[_spec()],
+        [10, 10, 10],
+        [2, 2, 2],
+        [0.0, 0.0, 0.0],
+        prefill=[_spec()],
+        decode=[_spec()],
         options=options,
-    ).run()  # fmt: skip
+    ).run()
     assert result.tpot_ms.tolist() == [5.0, 5.0, 5.0]
 
 
@@ -48,9 +56,13 @@ def test_fifo_decode_ignores_kv_memory_as_distserve_does() -> None:
     # A KV capacity of 15 tokens would preempt with our decode model; DistServe's has no limit.
     options = SimOptions(distserve_compat=True, decode_batch_tokens=50_000)
     result = Simulator(
-        [10, 10], [3, 3], [0.0, 0.0], prefill=[_spec()], decode=[_spec(capacity=15)],
+        [10, 10],
+        [3, 3],
+        [0.0, 0.0],
+        prefill=[_spec()],
+        decode=[_spec(capacity=15)],
         options=options,
-    ).run()  # fmt: skip
+    ).run()
     assert result.num_preemptions == 0
     assert result.tpot_ms.tolist() == [5.0, 5.0]
 

@@ -81,8 +81,9 @@ def test_fit_by_batch_recovers_a_sawtooth_the_triple_cannot() -> None:
     context_term = small[1] * 3 * (300 + 1)
     for batch, exact in constant.items():
         assert table[batch] + context_term == pytest.approx(exact + per_token * 3 * 301, abs=0.3)
-    profile = TPProfile(prefill=(1.0, 0.1, 0.0), decode_small=small, decode_large=small,
-                        decode_by_batch=table)  # fmt: skip
+    profile = TPProfile(
+        prefill=(1.0, 0.1, 0.0), decode_small=small, decode_large=small, decode_by_batch=table
+    )
     model = StepModel(profile)
     assert model.decode_stage_ms(3, 900) > model.decode_stage_ms(4, 1200)  # the sawtooth
     assert model.decode_stage_ms(3, 900) == pytest.approx(table[3] + small[1] * 903)
@@ -122,9 +123,13 @@ def test_distserve_profile_loads_and_our_extras_round_trip(tmp_path: Path) -> No
     assert profile.tp(1).kv_bytes_per_token == 2 * 40 * 5120 * 2
 
     out = tmp_path / "ours.json"
-    extra = profile.with_updates(transfer_GBps=3.1, transfer_per_message_ms=0.2,
-                                 chunked_intercept=12.0, chunked_prefill=(9.0, 0.5, 1e-4),
-                                 decode_by_batch={1: 11.0, 3: 19.5})  # fmt: skip
+    extra = profile.with_updates(
+        transfer_GBps=3.1,
+        transfer_per_message_ms=0.2,
+        chunked_intercept=12.0,
+        chunked_prefill=(9.0, 0.5, 1e-4),
+        decode_by_batch={1: 11.0, 3: 19.5},
+    )
     save_profiles(out, {extra.model: extra})
     raw = json.loads(out.read_text())
     assert raw["facebook/opt-13b"]["2"]["prefill"] == list(profile.tp(2).prefill)
@@ -136,5 +141,6 @@ def test_distserve_profile_loads_and_our_extras_round_trip(tmp_path: Path) -> No
 
 def test_a_bad_triple_names_the_key() -> None:
     with pytest.raises(ValueError, match="prefill must be a list of three numbers"):
-        TPProfile.from_json("x", {"prefill": [1, 2], "decoding_smallbs": [1, 2, 3],
-                                  "decoding_largebs": [1, 2, 3]})  # fmt: skip
+        TPProfile.from_json(
+            "x", {"prefill": [1, 2], "decoding_smallbs": [1, 2, 3], "decoding_largebs": [1, 2, 3]}
+        )

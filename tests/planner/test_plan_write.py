@@ -29,11 +29,23 @@ def _profile_file(tmp_path: Path) -> Path:
 
 
 def _plan(tmp_path: Path, *extra: str) -> dict:
-    args = build_parser().parse_args([
-        "--profile", str(_profile_file(tmp_path)), "--gpus-per-node", "2",
-        "--workload", "code", "--num-requests", "200", "--ttft-ms", "300", "--tpot-ms", "40",
-        *extra,
-    ])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "--profile",
+            str(_profile_file(tmp_path)),
+            "--gpus-per-node",
+            "2",
+            "--workload",
+            "code",
+            "--num-requests",
+            "200",
+            "--ttft-ms",
+            "300",
+            "--tpot-ms",
+            "40",
+            *extra,
+        ]
+    )
     assert cmd_plan(args) == 0
     return args
 
@@ -51,8 +63,10 @@ def test_plan_write_output_loads_with_the_serve_config_loader(
     if config.mode == "colocated":
         assert best == f"colocated tp=1 pp=1 x{config.colocated.instances}"
     else:
-        assert best == (f"prefill tp=1 pp=1 x{config.prefill.instances}, "
-                        f"decode tp=1 pp=1 x{config.decode.instances}")  # fmt: skip
+        assert best == (
+            f"prefill tp=1 pp=1 x{config.prefill.instances}, "
+            f"decode tp=1 pp=1 x{config.decode.instances}"
+        )
     assert config.kv_cache.num_blocks == 64  # the base config's other keys stay
 
 
@@ -69,8 +83,9 @@ def test_written_config_starts_a_cluster_that_serves(tmp_path: Path) -> None:
     base = tmp_path / "base.yaml"
     base.write_text(f"model: {model_dir}\nkv_cache: {{num_blocks: 64}}\n")
     _plan(tmp_path, "--write", str(out), "--base-config", str(base))
-    child = Child.start("serve", "--config", str(out), "--no-ray", "--port", "0",
-                        "--metrics-port", "0")  # fmt: skip
+    child = Child.start(
+        "serve", "--config", str(out), "--no-ray", "--port", "0", "--metrics-port", "0"
+    )
     try:
         match = child.wait_for_line(r"serving on (\S+), metrics", START_TIMEOUT_S)
         request = pb.GenerateRequest(prompt="The quick brown fox", max_tokens=4, ignore_eos=True)
@@ -92,11 +107,25 @@ def test_plan_takes_the_sharegpt_lengths_file_and_searches_chunked_colocated_at_
     root = Path(__file__).resolve().parents[2]
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps({"pairs": [[700, 90], [300, 200], [1200, 40]] * 20}))
-    code = main([
-        "plan", "--profile", str(root / "benchmarks/data/distserve/profiler-a100-80g.distserve.json"),
-        "--model", "facebook/opt-13b", "--gpus-per-node", "2", "--workload", str(lengths),
-        "--num-requests", "60", "--ttft-ms", "400", "--tpot-ms", "100",
-    ])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "--profile",
+            str(root / "benchmarks/data/distserve/profiler-a100-80g.distserve.json"),
+            "--model",
+            "facebook/opt-13b",
+            "--gpus-per-node",
+            "2",
+            "--workload",
+            str(lengths),
+            "--num-requests",
+            "60",
+            "--ttft-ms",
+            "400",
+            "--tpot-ms",
+            "100",
+        ]
+    )
     assert code in (0, None)
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plan["best_colocated"]["placement"].endswith("pp=1 x1")

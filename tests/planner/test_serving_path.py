@@ -19,13 +19,20 @@ from planner.serving_path import (
 from planner.sim_spec import InstanceSpec, SimOptions, SimResult
 from planner.simulator import Simulator
 
-PATH = {"worker_step_ms": 1.0, "worker_step_wall_ms": 2.0, "worker_seq_ms": 0.5,
-        "relay_request_ms": 1.0, "relay_token_ms": 0.5, "path_ttft_ms": 7.0}  # fmt: skip
+PATH = {
+    "worker_step_ms": 1.0,
+    "worker_step_wall_ms": 2.0,
+    "worker_seq_ms": 0.5,
+    "relay_request_ms": 1.0,
+    "relay_token_ms": 0.5,
+    "path_ttft_ms": 7.0,
+}
 
 
 def _profile() -> ModelProfile:
-    entry = TPProfile((10.0, 0.0, 0.0), (5.0, 0.0, 0.0), (5.0, 0.0, 0.0), overhead=(0.0, 0.0),
-                      serving_path=PATH)  # fmt: skip
+    entry = TPProfile(
+        (10.0, 0.0, 0.0), (5.0, 0.0, 0.0), (5.0, 0.0, 0.0), overhead=(0.0, 0.0), serving_path=PATH
+    )
     return ModelProfile("m", {1: entry})
 
 
@@ -66,8 +73,7 @@ def test_relay_step_cost_takes_the_step_rate_of_a_first_pass() -> None:
 def test_the_relay_takes_only_what_finds_every_core_busy() -> None:
     # Two colocated replicas busy 90% and 50% of the run on two cores: a relay wake-up finds
     # no idle core 45% of the time. A device no instance holds is always idle.
-    done = SimResult(np.zeros(1), np.zeros(1), end_ms=100.0, busy_ms=(90.0, 50.0),
-                     devices=(1, 1))  # fmt: skip
+    done = SimResult(np.zeros(1), np.zeros(1), end_ms=100.0, busy_ms=(90.0, 50.0), devices=(1, 1))
     assert done.all_busy(2) == pytest.approx(0.45)
     assert done.all_busy(3) == 0.0
     wide = SimResult(np.zeros(1), np.zeros(1), end_ms=100.0, busy_ms=(50.0,), devices=(2,))
@@ -85,8 +91,9 @@ def test_terms_reach_the_timeline() -> None:
     profile = apply_serving_path(_profile())
     spec = InstanceSpec(StepModel(profile.tp(1)), 1, None)
     options = SimOptions(ttft_path_ms=ttft_path_ms(profile), step_scale=2.0)
-    result = Simulator([10, 10], [2, 2], [0.0, 0.0], prefill=[spec], decode=[spec],
-                       options=options).run()  # fmt: skip
+    result = Simulator(
+        [10, 10], [2, 2], [0.0, 0.0], prefill=[spec], decode=[spec], options=options
+    ).run()
     assert result.ttft_ms.tolist() == [35.0, 35.0]
     assert result.tpot_ms.tolist() == [16.0, 16.0]
 
@@ -109,8 +116,7 @@ def test_handoff_delays_the_request_but_not_the_link() -> None:
     entry = TPProfile((10.0, 0.0, 0.0), (5.0, 0.0, 0.0), (5.0, 0.0, 0.0), overhead=(0.0, 0.0))
     spec = InstanceSpec(StepModel(entry), 1, None)
     link = LinkSpec(1e6, 1.0, 1.0, 0.0, handoff_ms=5.0)  # 1 MB per token over 1 GB/s
-    result = Simulator([1, 1], [2, 2], [0.0, 0.0], prefill=[spec], decode=[spec],
-                       link=link).run()  # fmt: skip
+    result = Simulator([1, 1], [2, 2], [0.0, 0.0], prefill=[spec], decode=[spec], link=link).run()
     assert result.ttft_ms.tolist() == [11.0, 11.0]
     assert result.tpot_ms.tolist() == [11.0, 16.0]
 
@@ -133,14 +139,20 @@ def test_kv_cpu_lengthens_the_sender_step_and_the_receiver_next_step() -> None:
 def test_measured_link_carries_the_path_terms() -> None:
     from planner.serving_path import measured_link
 
-    path = {"handoff_ms": 3.0, "kv_send_ms": 2.0, "kv_send_ms_per_token": 0.01,
-            "kv_receive_ms": 1.0, "kv_receive_ms_per_token": 0.02}  # fmt: skip
+    path = {
+        "handoff_ms": 3.0,
+        "kv_send_ms": 2.0,
+        "kv_send_ms_per_token": 0.01,
+        "kv_receive_ms": 1.0,
+        "kv_receive_ms_per_token": 0.02,
+    }
     bare = TPProfile((10.0, 0.0, 0.0), (5.0, 0.0, 0.0), (5.0, 0.0, 0.0), kv_bytes_per_token=8.0)
     assert measured_link(bare) is None  # no channel measured
     from dataclasses import replace
 
-    link = measured_link(replace(bare, transfer_GBps=2.0, transfer_per_message_ms=0.5,
-                                 serving_path=path))  # fmt: skip
+    link = measured_link(
+        replace(bare, transfer_GBps=2.0, transfer_per_message_ms=0.5, serving_path=path)
+    )
     assert link is not None
     assert (link.intra_node_GBps, link.per_message_ms, link.handoff_ms) == (2.0, 0.5, 3.0)
     assert link.send_ms(100) == pytest.approx(3.0)

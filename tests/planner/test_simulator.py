@@ -40,8 +40,9 @@ def test_a_reservation_waits_for_the_decode_step_under_way() -> None:
     # step, so r1 joins the prefill queue at 26 (26 -> 47, TTFT 24).
     def run(reserve: bool) -> list[float]:
         options = SimOptions(reserve_before_prefill=reserve)
-        simulator = Simulator([10, 10], [4, 2], [0.0, 23.0], prefill=[_spec()], decode=[_spec()],
-                              options=options)  # fmt: skip
+        simulator = Simulator(
+            [10, 10], [4, 2], [0.0, 23.0], prefill=[_spec()], decode=[_spec()], options=options
+        )
         return simulator.run().ttft_ms.tolist()
 
     assert run(False) == [21.0, 21.0]
@@ -52,8 +53,9 @@ def test_kv_transfer_is_priced_on_a_fifo_link() -> None:
     # 1 MB per token over 1 GB/s = 1 ms per token, plus 1 ms per message; both prompts of 10
     # tokens end their prefill together at 10 + 20 + 1 = 31 (one batch), so the second
     # transfer waits for the first: arrivals at 42 and 53 (different nodes use the cross link).
-    link = LinkSpec(bytes_per_token=1e6, intra_node_GBps=100.0, cross_node_GBps=1.0,
-                    per_message_ms=1.0)  # fmt: skip
+    link = LinkSpec(
+        bytes_per_token=1e6, intra_node_GBps=100.0, cross_node_GBps=1.0, per_message_ms=1.0
+    )
     result = Simulator(
         [10, 10], [2, 2], [0.0, 0.0], prefill=[_spec()], decode=[_spec(node=1)], link=link
     ).run()
@@ -99,8 +101,9 @@ def test_a_measured_mixed_step_prices_the_chunk_with_its_own_triple() -> None:
     # chunked_prefill (30, 2, 0.5): 30 + 2*8 + 0.5*(64 + 64) = 110 -> 113.02.
     plain = TPProfile((10.0, 1.0, 0.0), (5.0, 0.01, 1.0), (5.0, 0.01, 1.0))
     assert StepModel(plain).mixed_ms(2, 100, 8, 128) == pytest.approx(21.02)
-    measured = TPProfile((10.0, 1.0, 0.0), (5.0, 0.01, 1.0), (5.0, 0.01, 1.0),
-                         chunked_prefill=(30.0, 2.0, 0.5))  # fmt: skip
+    measured = TPProfile(
+        (10.0, 1.0, 0.0), (5.0, 0.01, 1.0), (5.0, 0.01, 1.0), chunked_prefill=(30.0, 2.0, 0.5)
+    )
     assert StepModel(measured).mixed_ms(2, 100, 8, 128) == pytest.approx(113.02)
     assert StepModel(measured).mixed_ms(0, 0, 8, 128) == pytest.approx(18.0)  # chunks alone
 
@@ -111,8 +114,9 @@ def test_colocated_placement_counts_a_prompt_until_its_first_token() -> None:
     # prefill (pdserve's least_tokens), B none, so B prefills it at once: 1 -> 19, TTFT 18.
     # Counting only A's queue (empty once r0's first chunk started) would tie and put r1 on A.
     options = SimOptions(colocated_policy="chunked", chunk_size=8, max_num_batched_tokens=8)
-    result = Simulator([24, 8], [1, 1], [0.0, 1.0], colocated=[_spec(), _spec()],
-                       options=options).run()  # fmt: skip
+    result = Simulator(
+        [24, 8], [1, 1], [0.0, 1.0], colocated=[_spec(), _spec()], options=options
+    ).run()
     assert result.ttft_ms.tolist() == [54.0, 18.0]
 
 
@@ -130,9 +134,12 @@ def test_kv_memory_preempts_and_every_request_finishes() -> None:
     outputs = [rng.randint(20, 60) for _ in range(40)]
     arrivals = [float(i) for i in range(40)]
     result = Simulator(
-        prompts, outputs, arrivals, prefill=[_spec(prefill=(1.0, 0.01, 0.0))],
+        prompts,
+        outputs,
+        arrivals,
+        prefill=[_spec(prefill=(1.0, 0.01, 0.0))],
         decode=[_spec(capacity=400)],
-    ).run()  # fmt: skip
+    ).run()
     assert result.num_preemptions > 0
     assert np.isfinite(result.ttft_ms).all() and np.isfinite(result.tpot_ms).all()
 
@@ -143,8 +150,9 @@ def test_attainment_agrees_with_the_benchmark_metric_code() -> None:
     prompts = [rng.randint(20, 400) for _ in range(n)]
     outputs = [rng.randint(1, 80) for _ in range(n)]
     arrivals = sorted(rng.uniform(0, 3000) for _ in range(n))
-    result = Simulator(prompts, outputs, arrivals, prefill=[_spec(prefill=(5.0, 0.05, 0.0))],
-                       decode=[_spec()]).run()  # fmt: skip
+    result = Simulator(
+        prompts, outputs, arrivals, prefill=[_spec(prefill=(5.0, 0.05, 0.0))], decode=[_spec()]
+    ).run()
     records = to_records(result)
     for ttft_ms, tpot_ms in [(50.0, 6.0), (200.0, 5.5), (1e9, 1e9)]:
         expected = metrics.attainment(records, metrics.SLOs.single(ttft_ms / 1000, tpot_ms / 1000))

@@ -49,8 +49,14 @@ def states(*ids: str, **extra: float) -> list[InstanceState]:
     ]
 
 
-def place(placer: AdaptivePlacer, key: str, prompt: int, max_tokens: int, slo: RequestSLO,
-          only: tuple[str, ...] = ("a", "b")) -> Placement:  # fmt: skip
+def place(
+    placer: AdaptivePlacer,
+    key: str,
+    prompt: int,
+    max_tokens: int,
+    slo: RequestSLO,
+    only: tuple[str, ...] = ("a", "b"),
+) -> Placement:
     placement = placer.choose(prompt, max_tokens, slo, states(*only))
     placer.placed(key, placement, prompt, max_tokens, slo)
     return placement
@@ -67,9 +73,7 @@ def test_loose_traffic_runs_local_on_both_instances(placer: AdaptivePlacer, cloc
     assert placer.prefill_role == () and [k for _, k in placer.role_changes] == [0]
 
 
-def test_requests_one_at_a_time_on_an_idle_cluster_take_turns(
-    placer: AdaptivePlacer, clock: Clock
-):
+def test_requests_one_at_a_time_on_an_idle_cluster_take_turns(placer: AdaptivePlacer, clock: Clock):
     """Each ends before the next arrives, so every instance predicts the same: the tie goes to
     the instance chosen longest ago (else the first would take them all, and the other's gate
     would never learn its step costs)."""
@@ -169,8 +173,9 @@ def test_the_model_learns_the_machine_speed(placer: AdaptivePlacer):
     for _ in range(30):
         placer.model.observe(placement.profiled_compute_s, 2.0 * placement.profiled_compute_s)
     assert placer.model.speed == pytest.approx(2.0, rel=0.02)
-    assert placer.model.prefill_s(400) == pytest.approx(2.0 * 0.001 * (
-        placer.model.step.prefill_stage_ms(400, 400.0**2)), rel=0.02)  # fmt: skip
+    assert placer.model.prefill_s(400) == pytest.approx(
+        2.0 * 0.001 * (placer.model.step.prefill_stage_ms(400, 400.0**2)), rel=0.02
+    )
 
 
 def test_the_base_speed_is_the_fastest_lately_and_forgets_a_faster_past(placer: AdaptivePlacer):
@@ -191,8 +196,9 @@ def test_the_base_speed_is_the_fastest_lately_and_forgets_a_faster_past(placer: 
 def test_the_decode_bias_learns_from_the_steps_the_engines_report(placer: AdaptivePlacer):
     profiled_s = placer.model.decode_step_s(4, 0.0)
     for _ in range(40):  # each instance reports a 4-sequence step 1.5x the profile's
-        placer.choose(200, 50, CHATBOT, states("a", "b", decode_step_s=1.5 * profiled_s,
-                                               decode_batch=4.0))  # fmt: skip
+        placer.choose(
+            200, 50, CHATBOT, states("a", "b", decode_step_s=1.5 * profiled_s, decode_batch=4.0)
+        )
     assert placer.model.decode_bias == pytest.approx(1.5, rel=0.02)
     after = place(placer, "s", 200, 50, CHATBOT)
     assert after.decode_bias == pytest.approx(1.5, rel=0.02)
@@ -272,8 +278,9 @@ def test_a_slow_hand_off_raises_the_remote_tpot_until_it_is_a_window_old(
     and is forgotten a window after the last one measured (session 18's summaries waited
     0.74 s for their second token where the model gave 0.04 s)."""
     test_prefill_where_the_cache_is_and_decode_where_the_batch_is_light(placer, clock)
-    remote = placer.choose(600, 64, RequestSLO(ttft_s=0.25, tpot_s=0.022), states("a", "b"),
-                           {"a": 560, "b": 0})  # fmt: skip
+    remote = placer.choose(
+        600, 64, RequestSLO(ttft_s=0.25, tpot_s=0.022), states("a", "b"), {"a": 560, "b": 0}
+    )
     assert remote.kind == "remote" and remote.predicted_handoff_s > 0
     placement = Placement("a", "b", 0.1, 0.02, 1, predicted_handoff_s=remote.predicted_handoff_s)
     placer.placed("h", placement, 600, 64, CHATBOT)
@@ -292,7 +299,8 @@ def test_a_slow_hand_off_raises_the_remote_tpot_until_it_is_a_window_old(
     clock.now += WINDOW_S + 0.1
     fresh = placer._predict.option("a", view_a, "c", empty, 600, 560, 64, CHATBOT, clock.now)
     assert fresh.tpot_s == pytest.approx(
-        unlearned.option("a", view_a, "c", empty, 600, 560, 64, CHATBOT, clock.now).tpot_s)
+        unlearned.option("a", view_a, "c", empty, 600, 560, 64, CHATBOT, clock.now).tpot_s
+    )
     placer.release("h", placement)
 
 
@@ -341,7 +349,8 @@ def test_an_instance_whose_first_tokens_come_late_is_seen_behind(
     clock.now += 2.5  # no first token from a for longer than its lag is trusted
     assert view_a.observed_lag_s(clock.now) == 0.0
     assert placer.choose(100, 60, CODE, states("a")).predicted_ttft_s == pytest.approx(
-        on_b.predicted_ttft_s, rel=1e-6)
+        on_b.predicted_ttft_s, rel=1e-6
+    )
 
 
 def test_a_remote_prompts_lateness_is_its_own_and_outlasts_an_idle_spell(
@@ -366,12 +375,18 @@ def test_a_remote_prompts_lateness_is_its_own_and_outlasts_an_idle_spell(
     options = {
         (a, b): placer._predict.option(a, views[0], b, views[1], 100, 0, 20, CODE, clock.now)
         for a, b, views in (("a", "b", (view_a, view_b)), ("a", "a", (view_a, view_a)))
-    }  # fmt: skip
+    }
     assert options["a", "b"].lag_s == pytest.approx(0.1, rel=1e-6)
     assert options["a", "a"].lag_s == 0.0
     # the next remote prompt on time brings it down, as an average
-    remote = Placement("a", "b", options["a", "b"].ttft_s, options["a", "b"].tpot_s, 0,
-                       predicted_lag_s=options["a", "b"].lag_s)  # fmt: skip
+    remote = Placement(
+        "a",
+        "b",
+        options["a", "b"].ttft_s,
+        options["a", "b"].tpot_s,
+        0,
+        predicted_lag_s=options["a", "b"].lag_s,
+    )
     placer.placed("on-time", remote, 100, 20, CODE)
     clock.now += remote.predicted_ttft_s - remote.predicted_lag_s  # the model's, no lateness
     placer.prefilled("on-time", remote, None)

@@ -133,9 +133,13 @@ def test_timings_stages_add_up_and_the_transfer_is_the_transfer(
         responses = list(stub.Generate(_request(index, MAX_TOKENS, f"timed-{index}"), timeout=60))
         timings = responses[-1].timings
         stages = (
-            timings.router_queue_s + timings.prefill_queue_s + timings.prefill_s
-            + timings.kv_transfer_s + timings.decode_queue_s + timings.decode_s
-        )  # fmt: skip
+            timings.router_queue_s
+            + timings.prefill_queue_s
+            + timings.prefill_s
+            + timings.kv_transfer_s
+            + timings.decode_queue_s
+            + timings.decode_s
+        )
         assert 0.0 < timings.kv_transfer_s < 0.1, timings
         assert timings.prefill_s > 0.0 and timings.decode_s > 0.0, timings
         assert timings.decode_queue_s >= 0.0, timings  # KV landing in a step: decoded in it

@@ -41,18 +41,23 @@ IDS = ("colocated-0", "colocated-1")
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: str) -> Iterator[tuple[RouterThread, dict[str, Worker]]]:
     engine = EngineConfig(
-        model_dir=tiny_model_dir, dtype="float64", block_size=BLOCK_SIZE,
-        num_kv_blocks=NUM_KV_BLOCKS, num_threads=1,
-    )  # fmt: skip
+        model_dir=tiny_model_dir,
+        dtype="float64",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        num_threads=1,
+    )
     workers = {instance_id: Worker(WorkerConfig(engine), instance_id) for instance_id in IDS}
     # colocated-1 caches SHARED before the router exists: only its report can tell the router.
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     workers[IDS[1]].submit(request("warm", SHARED, params))
     collect(workers[IDS[1]].poll_events, ["warm"])
     config = RouterConfig(
-        model_dir=tiny_model_dir, block_size=BLOCK_SIZE, prefill_policy="kv_aware",
+        model_dir=tiny_model_dir,
+        block_size=BLOCK_SIZE,
+        prefill_policy="kv_aware",
         load_refresh_interval_s=0.02,
-    )  # fmt: skip
+    )
 
     def make_handles():
         return [LocalHandle(i, Role.COLOCATED, workers[i]) for i in IDS], []

@@ -38,9 +38,18 @@ def latency_model() -> LatencyModel:
     return model
 
 
-def drive(layout: LayoutModel, rate: float, seconds: float, prompt: int, outputs: list[int],
-          slo: RequestSLO, start: float = 0.0, worst: float | list[float] | None = None,
-          local: bool = True, tpot: bool = True) -> list[int]:  # fmt: skip
+def drive(
+    layout: LayoutModel,
+    rate: float,
+    seconds: float,
+    prompt: int,
+    outputs: list[int],
+    slo: RequestSLO,
+    start: float = 0.0,
+    worst: float | list[float] | None = None,
+    local: bool = True,
+    tpot: bool = True,
+) -> list[int]:
     """Arrivals at `rate` for `seconds`, each also ending a request placed a second before
     with `worst` as its worst objective (in turn, from a list; None: none ends), its TPOT
     (`tpot`, its TTFT then 0.2 of its SLO) or else its TTFT; the layout chosen at each."""
@@ -49,8 +58,7 @@ def drive(layout: LayoutModel, rate: float, seconds: float, prompt: int, outputs
     for i in range(int(rate * seconds)):
         at = start + i / rate
         if (ended := worsts[i % len(worsts)]) is not None:
-            layout.note_ended(at, local, at - 1.0, 0.2 if tpot else ended,
-                              ended if tpot else 0.5)  # fmt: skip
+            layout.note_ended(at, local, at - 1.0, 0.2 if tpot else ended, ended if tpot else 0.5)
         layout.note(Arrival(at, prompt, outputs[i % len(outputs)], slo))
         chosen.append(layout.update(2, at))
     return chosen
@@ -109,8 +117,10 @@ def running_tail(tokens: int, placed_at: float = 0.0) -> list[int]:
     layout, chosen = LayoutModel(latency_model(), WINDOW_S), []
     for i in range(30):
         at = i / 3.0
-        running = [layout_model.Running(placed_at or j / 3.0, tokens, 0.1, QUARTER[j % 4])
-                   for j in range(max(0, i - 12))]  # fmt: skip
+        running = [
+            layout_model.Running(placed_at or j / 3.0, tokens, 0.1, QUARTER[j % 4])
+            for j in range(max(0, i - 12))
+        ]
         layout.note(Arrival(at, 179, 87, CHATBOT))
         chosen.append(layout.update(2, at, running))
     return chosen
@@ -126,8 +136,7 @@ def test_requests_still_decoding_past_their_tpot_call_for_the_split():
 def test_a_split_whose_requests_do_well_stays_split():
     layout = LayoutModel(latency_model(), WINDOW_S)
     assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=MISSED)[-1] == 1
-    later = drive(layout, 3.0, 30, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=0.5,
-                  local=False)  # fmt: skip
+    later = drive(layout, 3.0, 30, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=0.5, local=False)
     assert set(later) == {1} and len(layout.split) >= MIN_DECODES
 
 
@@ -145,8 +154,7 @@ def test_the_layout_comes_back_to_local_when_the_rate_falls():
     layout = LayoutModel(latency_model(), WINDOW_S)
     assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=1.2)[-1] == 1
     changed_at = layout.changed_at
-    later = drive(layout, 1.0, 40, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=0.5,
-                  local=False)  # fmt: skip
+    later = drive(layout, 1.0, 40, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=0.5, local=False)
     assert later[-1] == 0
     # no change sooner than the dwell after the last
     assert layout.changed_at >= changed_at + layout_model.DWELL * WINDOW_S
@@ -156,8 +164,7 @@ def test_an_idle_spell_alone_does_not_undo_the_split():
     layout = LayoutModel(latency_model(), WINDOW_S)
     assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=MISSED)[-1] == 1
     # nothing for 30 s (three windows), then the same traffic: split from its first arrival on
-    after = drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, start=50.0, worst=0.5,
-                  local=False)  # fmt: skip
+    after = drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, start=50.0, worst=0.5, local=False)
     assert set(after) == {1}
 
 
@@ -168,8 +175,9 @@ def test_a_split_that_does_worse_goes_back_and_is_refused_for_a_while():
     assert layout.split_tail == 0.25
     split_at = layout.changed_at
     # half of the split's own requests end past their SLO: more than the local ones did
-    later = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=[1.5, 0.5],
-                  local=False)  # fmt: skip
+    later = drive(
+        layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=[1.5, 0.5], local=False
+    )
     assert later[-1] == 0 and layout.changed_at > split_at
     back_at = layout.changed_at
     assert layout.refused_until == back_at + layout_model.REFUSE_WINDOWS * WINDOW_S
@@ -187,12 +195,14 @@ def test_under_a_lower_load_a_split_must_meet_the_tail_itself():
     assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=[MISSED, 0.5])[-1] == 1
     assert layout.split_tail == 0.5
     # at the same load, a split missing a third does better than local did: it stays
-    same = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0,
-                 worst=[1.5, 0.5, 0.5], local=False)  # fmt: skip
+    same = drive(
+        layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=[1.5, 0.5, 0.5], local=False
+    )
     assert set(same) == {1}
     # at 2.4 req/s (below SAME_LOAD of 3), missing a third is a split failing: back
-    lower = drive(layout, 2.4, 10, 179, CHAT_OUTPUTS, CHATBOT, start=30.0,
-                  worst=[1.5, 0.5, 0.5], local=False)  # fmt: skip
+    lower = drive(
+        layout, 2.4, 10, 179, CHAT_OUTPUTS, CHATBOT, start=30.0, worst=[1.5, 0.5, 0.5], local=False
+    )
     assert lower[-1] == 0 and layout.failed_splits == 1
 
 
@@ -203,12 +213,23 @@ def test_under_a_higher_load_a_split_is_judged_by_its_ttfts():
     # at 4 req/s a split whose TPOTs miss twice as often as local's did at 2 stays: local would
     # miss more there (run Q's chatbot went back at 4.35 req/s per core, and local then missed
     # 29 TPOTs of 40)
-    higher = drive(layout, 4.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0,
-                   worst=[MISSED, 0.5], local=False)  # fmt: skip
+    higher = drive(
+        layout, 4.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=[MISSED, 0.5], local=False
+    )
     assert set(higher) == {1}
     # its prompts late on one core where local gave them two: back
-    late = drive(layout, 4.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=30.0, worst=QUARTER,
-                 local=False, tpot=False)  # fmt: skip
+    late = drive(
+        layout,
+        4.0,
+        10,
+        179,
+        CHAT_OUTPUTS,
+        CHATBOT,
+        start=30.0,
+        worst=QUARTER,
+        local=False,
+        tpot=False,
+    )
     assert late[-1] == 0 and layout.failed_splits == 1
 
 
@@ -232,8 +253,18 @@ def test_one_miss_is_no_tail_and_a_higher_load_is_judged_against_local_ttft_miss
     split_ended([MISSED, MISSED] + [0.3] * (MIN_DECODES - 2), split_at + 7)
     assert set(drive(layout, 4.0, 2, 179, CHAT_OUTPUTS, CHATBOT, start=split_at + 8)) == {1}
     # half of them late on one core where local gave them two: back
-    late = drive(layout, 4.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=split_at + 10,
-                 worst=[MISSED, 0.5], local=False, tpot=False)  # fmt: skip
+    late = drive(
+        layout,
+        4.0,
+        10,
+        179,
+        CHAT_OUTPUTS,
+        CHATBOT,
+        start=split_at + 10,
+        worst=[MISSED, 0.5],
+        local=False,
+        tpot=False,
+    )
     assert late[-1] == 0 and layout.failed_splits == 1
 
 
@@ -242,12 +273,21 @@ def test_splits_that_keep_doing_worse_are_refused_longer_each_time():
     start, refusals = 0.0, []
     for _ in range(3):
         # local requests miss, a split is tried (once any refusal has run out), does worse
-        chosen = drive(layout, 3.0, 30 + refusals[-1] if refusals else 20, 179, CHAT_OUTPUTS,
-                       CHATBOT, start=start, worst=QUARTER)  # fmt: skip
+        chosen = drive(
+            layout,
+            3.0,
+            30 + refusals[-1] if refusals else 20,
+            179,
+            CHAT_OUTPUTS,
+            CHATBOT,
+            start=start,
+            worst=QUARTER,
+        )
         assert chosen[-1] == 1
         start += len(chosen) / 3.0
-        later = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=start, worst=1.5,
-                      local=False)  # fmt: skip
+        later = drive(
+            layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=start, worst=1.5, local=False
+        )
         assert later[-1] == 0
         start += len(later) / 3.0
         refusals.append(layout.refused_until - layout.changed_at)
@@ -263,8 +303,7 @@ def test_splits_that_keep_doing_worse_are_refused_longer_each_time():
 def test_local_requests_placed_before_a_split_went_back_do_not_call_for_the_next():
     layout = LayoutModel(latency_model(), WINDOW_S)
     assert drive(layout, 3.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=QUARTER)[-1] == 1
-    later = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=1.5,
-                  local=False)  # fmt: skip
+    later = drive(layout, 3.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=1.5, local=False)
     assert later[-1] == 0
     back_at = layout.changed_at
     # the overload's local requests end after the refusal, all placed before it went back
@@ -318,12 +357,14 @@ def test_a_split_taken_is_judged_by_its_requests_until_its_prefill_core_cannot_c
     assert drive(layout, 10.0, 20, 179, CHAT_OUTPUTS, K_CHATBOT, worst=MISSED)[-1] == 1
     assert layout.last[0].at_risk > 0.5
     # the rate rises, its requests do well: it stays
-    later = drive(layout, 13.0, 20, 179, CHAT_OUTPUTS, K_CHATBOT, start=20.0, worst=0.6,
-                  local=False)  # fmt: skip
+    later = drive(
+        layout, 13.0, 20, 179, CHAT_OUTPUTS, K_CHATBOT, start=20.0, worst=0.6, local=False
+    )
     assert set(later) == {1} and layout.last[0].utilisation < 1.0
     # past what its prefill core can carry at all: back
-    after = drive(layout, 20.0, 10, 179, CHAT_OUTPUTS, K_CHATBOT, start=40.0, worst=0.6,
-                  local=False)  # fmt: skip
+    after = drive(
+        layout, 20.0, 10, 179, CHAT_OUTPUTS, K_CHATBOT, start=40.0, worst=0.6, local=False
+    )
     assert after[-1] == 0 and layout.refused_until == float("-inf")
 
 
@@ -337,10 +378,12 @@ def test_a_single_instance_is_never_split():
 
 def searching_placer(now: list[float]) -> tuple[AdaptivePlacer, list[InstanceState]]:
     """A placer with the layout search on, at the clock `now[0]`, and its two instances."""
-    placer = AdaptivePlacer(latency_model(), clock=lambda: now[0], window_s=WINDOW_S,
-                            layout_search=True)  # fmt: skip
-    return placer, [InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512))
-                    for i in "ab"]  # fmt: skip
+    placer = AdaptivePlacer(
+        latency_model(), clock=lambda: now[0], window_s=WINDOW_S, layout_search=True
+    )
+    return placer, [
+        InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512)) for i in "ab"
+    ]
 
 
 def test_a_placer_with_the_search_on_prefills_on_one_instance_while_split():

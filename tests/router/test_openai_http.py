@@ -79,17 +79,22 @@ def test_sync_sdk_completions_match_grpc_whole_and_streamed(server: RouterThread
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage is not None
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
-        expected.usage.prompt_tokens, 12,
-    )  # fmt: skip
+        expected.usage.prompt_tokens,
+        12,
+    )
     assert whole.usage.total_tokens == expected.usage.prompt_tokens + 12
     # Token ids as the prompt, streamed, with usage in a last chunk without choices.
     by_ids = _grpc_text(server, token_ids=[1, 40, 41, 42], max_tokens=9)
     chunks = list(
         client.completions.create(
-            model=_model(server), prompt=[1, 40, 41, 42], max_tokens=9, temperature=0,
-            stream=True, stream_options={"include_usage": True},
+            model=_model(server),
+            prompt=[1, 40, 41, 42],
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == by_ids.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
@@ -121,9 +126,13 @@ def test_async_sdk_chat_matches_grpc_whole_and_streamed(server: RouterThread) ->
                 model=_model(server), messages=CHAT, max_completion_tokens=10, temperature=0
             )
             stream = await client.chat.completions.create(
-                model=_model(server), messages=CHAT, max_tokens=10, temperature=0, stream=True,
+                model=_model(server),
+                messages=CHAT,
+                max_tokens=10,
+                temperature=0,
+                stream=True,
                 stream_options={"include_usage": True},
-            )  # fmt: skip
+            )
             return whole, [chunk async for chunk in stream]
 
     whole, chunks = asyncio.run(run())

@@ -96,24 +96,35 @@ def test_greedy_text_through_the_sdk_equals_the_grpc_text(cluster: LocalCluster)
         expected = pb_grpc.GenerationStub(channel).GenerateUnary(request, timeout=60)
     client = _client(cluster)
     whole = client.completions.create(
-        model=_model(cluster), prompt=prompt, max_tokens=16, temperature=0,
+        model=_model(cluster),
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert whole.choices[0].text == expected.text and expected.text
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage is not None and whole.usage.completion_tokens == 16
     streamed = client.completions.create(
-        model=_model(cluster), prompt=prompt, max_tokens=16, temperature=0, stream=True,
+        model=_model(cluster),
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected.text
 
 
 def test_a_client_that_disconnects_mid_stream_frees_every_kv_block(cluster: LocalCluster) -> None:
     stream = _client(cluster).completions.create(
-        model=_model(cluster), prompt="Prefill computes the prompt", max_tokens=LONG_MAX_TOKENS,
-        temperature=0, stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=_model(cluster),
+        prompt="Prefill computes the prompt",
+        max_tokens=LONG_MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     finished_before = _num_finished(cluster)
     chunks = iter(stream)
     for _ in range(3):  # the first token came from prefill; these are decode steps
@@ -132,10 +143,15 @@ def test_a_client_that_leaves_while_waiting_for_a_whole_response_frees_every_kv_
     closed connection on its own."""
     assert cluster.router is not None
     finished_before = _num_finished(cluster)
-    body = json.dumps({
-        "model": _model(cluster), "prompt": "A router streams tokens to many clients",
-        "max_tokens": LONG_MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-    }).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": _model(cluster),
+            "prompt": "A router streams tokens to many clients",
+            "max_tokens": LONG_MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
         f"\r\nContent-Length: {len(body)}\r\n\r\n"

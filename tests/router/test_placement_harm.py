@@ -32,8 +32,9 @@ def test_a_forced_prompt_harms_a_decode_only_when_it_takes_it_past_its_slo_itsel
     margin_s = (1 - TPOT_TARGET) * SUMMARIZATION.tpot_s * 15  # what the gate keeps back
     gate_slack_s = own_s - (1.2 * margin_s if past_slo else 0.5 * margin_s)
     first_at = now + gate_slack_s + 15 * step_s - TPOT_TARGET * SUMMARIZATION.tpot_s * 15
-    view.decoding["s"] = Decoding(650, 16, SUMMARIZATION.tpot_s, first_token_at=first_at,
-                                  num_tokens=1, last_token_at=first_at)  # fmt: skip
+    view.decoding["s"] = Decoding(
+        650, 16, SUMMARIZATION.tpot_s, first_token_at=first_at, num_tokens=1, last_token_at=first_at
+    )
     summary = view.decoding["s"]
     assert 0 <= summary.slack_s(now, step_s) < own_s  # the gate would hold it if it could
     assert (summary.slo_slack_s(now, step_s) < own_s) is past_slo

@@ -227,7 +227,8 @@ def _two_synthetic(
 def _wait_uncounted(pool: Any) -> None:
     """Until no request is counted on any instance (bounded: 10 s)."""
     deadline = time.monotonic() + 10
-    while any(s.num_active_requests or s.num_outstanding_prompt_tokens
-              for s in pool.prefill_candidates()):  # fmt: skip
+    while any(
+        s.num_active_requests or s.num_outstanding_prompt_tokens for s in pool.prefill_candidates()
+    ):
         assert time.monotonic() < deadline, "a cancelled request is still counted"
         time.sleep(0.02)

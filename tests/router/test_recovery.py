@@ -71,9 +71,14 @@ def _wait_for_free_pools(server: RouterThread) -> None:
 
 def _stages(timings: pb.Timings) -> float:
     return (
-        timings.router_queue_s + timings.prefill_queue_s + timings.prefill_s
-        + timings.kv_transfer_s + timings.decode_queue_s + timings.decode_s + timings.recovery_s
-    )  # fmt: skip
+        timings.router_queue_s
+        + timings.prefill_queue_s
+        + timings.prefill_s
+        + timings.kv_transfer_s
+        + timings.decode_queue_s
+        + timings.decode_s
+        + timings.recovery_s
+    )
 
 
 def test_a_stream_whose_instance_is_lost_mid_stream_migrates_and_finishes(

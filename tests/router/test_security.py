@@ -80,9 +80,10 @@ def test_every_grpc_entry_point_needs_the_token(tiny_model_dir: str) -> None:
                 _assert_refused(call, metadata)
             assert call(GOOD), name
         assert calls["reflection"](GOOD) == {
-            "pdserve.v1.Generation", "grpc.health.v1.Health",
+            "pdserve.v1.Generation",
+            "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection",
-        }  # fmt: skip
+        }
 
 
 @pytest.mark.parametrize(

@@ -31,8 +31,11 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 # chunk 16 under a budget of 32: long prompts are prefilled in chunks that share steps with the
 # decodes of the shorter ones, the colocated (SARATHI) schedule.
 ENGINE_KWARGS = {
-    "dtype": "float64", "block_size": 8, "num_kv_blocks": 128,
-    "chunk_size": 16, "max_num_batched_tokens": 32,
+    "dtype": "float64",
+    "block_size": 8,
+    "num_kv_blocks": 128,
+    "chunk_size": 16,
+    "max_num_batched_tokens": 32,
 }
 PROMPTS = make_prompts((5, 70, 12, 19, 45, 33))
 
@@ -146,6 +149,7 @@ def test_prefix_hit_counts_skipped_tokens_and_equals_miss(tiny_model, reference)
 def test_process_worker_outputs_and_abort_while_decoding(tiny_model, reference) -> None:
     host = ProcessWorker(Worker, WorkerConfig(config(tiny_model("llama"))), "colo-p", name="colo-p")
     try:
+
         def poll(timeout_s: float) -> list[TokenEvent]:
             return host.call(PollEvents(timeout_s), timeout_s=timeout_s + 10)
 
@@ -191,7 +195,8 @@ def abort_when(worker: Worker, request_id: str, stage: Callable[[Request], bool]
 def test_abort_in_each_stage_returns_every_block(tiny_model, reference) -> None:
     # One sequence at a time: "keeper" runs while "queued" waits; a 400-token prompt in chunks
     # of 16 spends 25 steps mid-prefill.
-    worker = colocated("colo-abort", config(tiny_model("llama"), max_num_seqs=1, max_num_batched_tokens=16)
+    worker = colocated(
+        "colo-abort", config(tiny_model("llama"), max_num_seqs=1, max_num_batched_tokens=16)
     )
     long_prompt = make_prompts((400,), seed=5)[0]
     stages: dict[str, Callable[[Request], bool]] = {
@@ -236,8 +241,11 @@ def test_tiny_pool_preempts_with_identical_outputs(tiny_model, reference) -> Non
 
 
 def test_overloaded_past_the_queue_bound(tiny_model) -> None:
-    worker = colocated("colo-full", config(tiny_model("llama"), max_num_seqs=1),
-        max_waiting_requests=2, max_queued_tokens=30,
+    worker = colocated(
+        "colo-full",
+        config(tiny_model("llama"), max_num_seqs=1),
+        max_waiting_requests=2,
+        max_queued_tokens=30,
     )
     try:
         worker.submit(request("running", PROMPTS[0], SamplingParams(max_tokens=400)))

@@ -64,8 +64,14 @@ def cluster(tiny_model):
         ("prefill", prefill),
         ("decode-0", WorkerConfig.decode(engine_config(model_dir), decode_kv)),
         ("decode-1", WorkerConfig.decode(engine_config(model_dir), decode_kv)),
-        ("decode-small", WorkerConfig.decode(engine_config(model_dir, num_kv_blocks=16), decode_kv)),
-        ("decode-tp2", WorkerConfig.decode(engine_config(model_dir, tensor_parallel_size=2), decode_kv)),
+        (
+            "decode-small",
+            WorkerConfig.decode(engine_config(model_dir, num_kv_blocks=16), decode_kv),
+        ),
+        (
+            "decode-tp2",
+            WorkerConfig.decode(engine_config(model_dir, tensor_parallel_size=2), decode_kv),
+        ),
         (
             "decode-doomed",
             WorkerConfig.decode(

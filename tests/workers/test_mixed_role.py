@@ -60,10 +60,13 @@ def test_one_instance_prefills_for_another_decodes_for_a_third_and_runs_its_own(
         "D": start(board, model_dir, "D", WorkerConfig.decode(engine_config(model_dir))),
     }
     routes = {  # request -> (prefill instance, decode instance); None: M alone
-        "m-for-d-0": ("M", "D"), "m-for-d-1": ("M", "D"),
-        "p-for-m-0": ("P", "M"), "p-for-m-1": ("P", "M"),
-        "m-own-0": None, "m-own-1": None,
-    }  # fmt: skip
+        "m-for-d-0": ("M", "D"),
+        "m-for-d-1": ("M", "D"),
+        "p-for-m-0": ("P", "M"),
+        "p-for-m-1": ("P", "M"),
+        "m-own-0": None,
+        "m-own-1": None,
+    }
     for (request_id, route), prompt in zip(routes.items(), PROMPTS, strict=True):
         request = WorkerRequest(request_id, prompt, GREEDY, time.time())
         if route is None:
@@ -101,9 +104,13 @@ def test_two_adaptive_instances_prefill_for_each_other_and_run_their_own(
     assert config.engine.slo_scheduling  # its gate orders steps, never changes tokens
     workers = {i: start(board, model_dir, i, config) for i in ("A", "B")}
     routes = {  # request -> (prefill instance, decode instance)
-        "a-for-b-0": ("A", "B"), "b-for-a-0": ("B", "A"), "a-own": ("A", "A"),
-        "b-for-a-1": ("B", "A"), "a-for-b-1": ("A", "B"), "b-own": ("B", "B"),
-    }  # fmt: skip
+        "a-for-b-0": ("A", "B"),
+        "b-for-a-0": ("B", "A"),
+        "a-own": ("A", "A"),
+        "b-for-a-1": ("B", "A"),
+        "a-for-b-1": ("A", "B"),
+        "b-own": ("B", "B"),
+    }
     slos = [RequestSLO(60.0, 0.002), RequestSLO(60.0, 30.0)] * 3  # tight and loose TPOTs
     for (request_id, (prefill_id, decode_id)), prompt, slo in zip(
         routes.items(), PROMPTS, slos, strict=True

@@ -64,9 +64,11 @@ class ControlRelay:
             if inbox is None:
                 inbox = self._queues[instance_id] = queue.SimpleQueue()
                 thread = threading.Thread(
-                    target=self._forward, args=(instance_id, inbox), daemon=True,
+                    target=self._forward,
+                    args=(instance_id, inbox),
+                    daemon=True,
                     name=f"control-to-{instance_id}",
-                )  # fmt: skip
+                )
                 self._threads.append(thread)
                 thread.start()
         inbox.put(data)

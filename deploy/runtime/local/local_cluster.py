@@ -198,9 +198,12 @@ class LocalCluster(ServingCluster):
 
     def _handle(self, instance_id: str, role: Role, prefill_tp: dict[str, int]) -> ProcessHandle:
         return ProcessHandle(
-            instance_id, role, self.workers[instance_id],
-            call_timeout_s=self.spec.router.worker_timeout_s, prefill_tp_sizes=prefill_tp,
-        )  # fmt: skip
+            instance_id,
+            role,
+            self.workers[instance_id],
+            call_timeout_s=self.spec.router.worker_timeout_s,
+            prefill_tp_sizes=prefill_tp,
+        )
 
     def _stop_workers(self) -> None:
         """Every worker and its TP ranks stopped and joined."""
@@ -253,10 +256,16 @@ class LocalCluster(ServingCluster):
     ) -> ProcessWorker:
         config, control = self.spec.worker_config(instance_id), self._relay.sender()
         return ProcessWorker(
-            pinned_worker, self._pins[instance_id], config, instance_id, control,
-            self._gpus.get(instance_id), name=instance_id, start_timeout_s=self.start_timeout_s,
+            pinned_worker,
+            self._pins[instance_id],
+            config,
+            instance_id,
+            control,
+            self._gpus.get(instance_id),
+            name=instance_id,
+            start_timeout_s=self.start_timeout_s,
             on_spawn=on_spawn,
-        )  # fmt: skip
+        )
 
     def _keep_alive(self) -> None:
         """The watch thread: restart each worker process that died, one at a time."""
@@ -273,8 +282,10 @@ class LocalCluster(ServingCluster):
                     if self._stopping.is_set():
                         return  # shutdown killed the process being started
                     delay_s = self._backoff.failed(instance_id)
-                    print(f"restarting {instance_id} failed: {exc!r}; again in {delay_s:.0f} s",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"restarting {instance_id} failed: {exc!r}; again in {delay_s:.0f} s",
+                        flush=True,
+                    )
 
     def _spawned(self, worker: ProcessWorker) -> None:
         with self._lock:
@@ -311,7 +322,9 @@ class LocalCluster(ServingCluster):
         timeout_s = self.spec.router.worker_timeout_s
         settle_prefill_channels(
             lambda command: worker.call(command, timeout_s),
-            instance_id, self.spec.worker_config(instance_id).engine.tensor_parallel_size,
+            instance_id,
+            self.spec.worker_config(instance_id).engine.tensor_parallel_size,
             [i for i in self.workers if i.startswith(("decode", "adaptive")) and i != instance_id],
-            lambda peer_id, command: self.workers[peer_id].call(command, timeout_s), timeout_s,
-        )  # fmt: skip
+            lambda peer_id, command: self.workers[peer_id].call(command, timeout_s),
+            timeout_s,
+        )

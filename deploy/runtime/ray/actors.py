@@ -87,8 +87,9 @@ class WorkerActor:
         router uses it."""
         peer_call = actor_call(namespace, timeout_s)
         if placement.role == Role.DECODE:
-            failing = form_decode_channels(self.worker, self.instance_id, peers, peer_call,
-                                           timeout_s)  # fmt: skip
+            failing = form_decode_channels(
+                self.worker, self.instance_id, peers, peer_call, timeout_s
+            )
             if failing:
                 print(f"{self.instance_id}: KV channels to {failing} did not form", flush=True)
             return
@@ -98,8 +99,14 @@ class WorkerActor:
 
         def settle() -> None:
             try:
-                settle_prefill_channels(self.call, self.instance_id, placement.tp_size,
-                                        list(peers), peer_call, timeout_s)  # fmt: skip
+                settle_prefill_channels(
+                    self.call,
+                    self.instance_id,
+                    placement.tp_size,
+                    list(peers),
+                    peer_call,
+                    timeout_s,
+                )
             finally:
                 self.worker.ready.set()
 

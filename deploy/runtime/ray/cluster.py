@@ -141,11 +141,15 @@ class RayCluster(ServingCluster):
         if cpus is None:
             cpus = max(0.01, min(1.0, math.floor(100 * cluster_cpus / spec.num_workers) / 100))
         return PlacementPlan(
-            spec.num_prefill_instances, self.prefill.engine.tensor_parallel_size,
-            spec.num_decode_instances, self.decode.engine.tensor_parallel_size,
-            self.prefill.engine.device, cpus,
-            dict(options.prefill_resources), dict(options.decode_resources),
-        )  # fmt: skip
+            spec.num_prefill_instances,
+            self.prefill.engine.tensor_parallel_size,
+            spec.num_decode_instances,
+            self.decode.engine.tensor_parallel_size,
+            self.prefill.engine.device,
+            cpus,
+            dict(options.prefill_resources),
+            dict(options.decode_resources),
+        )
 
     def _place(self) -> None:
         plan = self.placement_plan(ray.cluster_resources().get("CPU", 1.0))
@@ -176,19 +180,26 @@ class RayCluster(ServingCluster):
                 scheduling_strategy=placement.strategy(0),
                 **self.actor_options(),
             ).remote(
-                configs[placement.instance_id], placement, num_workers, pin, self.namespace,
-                ranks, self._peers_of(placement.role),
-            )  # fmt: skip
+                configs[placement.instance_id],
+                placement,
+                num_workers,
+                pin,
+                self.namespace,
+                ranks,
+                self._peers_of(placement.role),
+            )
         infos = [actor.info.remote() for actor in self.worker_actors.values()]
         ray.get(infos, timeout=self.start_timeout_s)  # built: ready
 
     def _form_kv_channels(self) -> None:
         timeout_s = self.prefill.kv_transfer.transfer_timeout_s + 10
         form_all_channels(
-            self._ids_of(Role.PREFILL), self._ids_of(Role.DECODE),
-            self.prefill.engine.tensor_parallel_size, actor_call(self.namespace, timeout_s),
+            self._ids_of(Role.PREFILL),
+            self._ids_of(Role.DECODE),
+            self.prefill.engine.tensor_parallel_size,
+            actor_call(self.namespace, timeout_s),
             timeout_s,
-        )  # fmt: skip
+        )
 
     def _peers_of(self, role: Role) -> dict[str, int]:
         """The instances a worker of `role` hands KV to or from, with their TP sizes."""

@@ -84,12 +84,15 @@ def start_rank_actors(
     return [
         remote_cls.options(
             name=rank_actor_name(placement.instance_id, rank) if named else None,
-            max_concurrency=2, max_restarts=0, num_cpus=placement.num_cpus,
+            max_concurrency=2,
+            max_restarts=0,
+            num_cpus=placement.num_cpus,
             enable_task_events=False,  # see deploy/runtime/ray/node.py: the GCS keeps no per-call record
-            num_gpus=placement.num_gpus, scheduling_strategy=placement.strategy(rank),
+            num_gpus=placement.num_gpus,
+            scheduling_strategy=placement.strategy(rank),
         ).remote(placement.worker_indices[rank], num_workers, pin_cores)
         for rank in range(1, placement.tp_size)
-    ]  # fmt: skip
+    ]
 
 
 class RayRankLauncher:
@@ -97,9 +100,12 @@ class RayRankLauncher:
     docstring."""
 
     def __init__(
-        self, placement: InstancePlacement, num_workers: int, pin_cores: bool,
+        self,
+        placement: InstancePlacement,
+        num_workers: int,
+        pin_cores: bool,
         actors: list[Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.placement = placement
         self.num_workers = num_workers
         self.pin_cores = pin_cores

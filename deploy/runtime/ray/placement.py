@@ -88,8 +88,18 @@ def place_instances(plan: PlacementPlan, name_prefix: str) -> list[InstancePlace
     for instance_id, role, tp, group, bundle_indices in groups:
         workers = tuple(range(next_worker, next_worker + tp))  # each rank's core set
         next_worker += tp
-        placements.append(InstancePlacement(instance_id, role, tp, group, bundle_indices, workers,
-                                            plan.num_cpus_per_worker, num_gpus))  # fmt: skip
+        placements.append(
+            InstancePlacement(
+                instance_id,
+                role,
+                tp,
+                group,
+                bundle_indices,
+                workers,
+                plan.num_cpus_per_worker,
+                num_gpus,
+            )
+        )
     return placements
 
 
