@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -76,21 +77,20 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
             for checkpoint_name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = model.checkpoint_param(checkpoint_name)
-                if target is None:
-                    continue
-                param_name, shard_id = target
-                if param_name not in params:
-                    raise ValueError(f"{path.name}: unexpected tensor {checkpoint_name!r}")
-                param = params[param_name]
-                tensor_slice = checkpoint.get_slice(checkpoint_name)
-                loader = getattr(param, "weight_loader", None)
-                with torch.no_grad():
-                    if loader is not None:
-                        loader(param, tensor_slice, shard_id)
-                    else:
-                        _copy_whole(param, tensor_slice[:], checkpoint_name)
-                loaded_shards[param_name].add(shard_id)
+                for param_name, shard_id, row_offset in model.checkpoint_targets(checkpoint_name):
+                    if param_name not in params:
+                        raise ValueError(f"{path.name}: unexpected tensor {checkpoint_name!r}")
+                    param = params[param_name]
+                    tensor_slice: Any = checkpoint.get_slice(checkpoint_name)
+                    if row_offset:
+                        tensor_slice = _RowsFrom(tensor_slice, row_offset)
+                    loader = getattr(param, "weight_loader", None)
+                    with torch.no_grad():
+                        if loader is not None:
+                            loader(param, tensor_slice, shard_id)
+                        else:
+                            _copy_whole(param, tensor_slice[:], checkpoint_name)
+                    loaded_shards[param_name].add(shard_id)
     missing = [
         name
         for name, param in params.items()
@@ -98,6 +98,21 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     ]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors for parameters {missing}")
+
+
+class _RowsFrom:
+    """A checkpoint slice seen from row `offset` on: one part of a fused tensor (Phi-3's
+    qkv_proj, gate_up_proj) indexed as if it were a tensor of its own."""
+
+    def __init__(self, source: Any, offset: int) -> None:
+        self.source, self.offset = source, offset
+
+    def __getitem__(self, key: Any) -> Any:
+        rows, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if not isinstance(rows, slice) or rows.start is None or rows.stop is None:
+            raise ValueError("a fused checkpoint tensor is read by row ranges only")
+        shifted = slice(rows.start + self.offset, rows.stop + self.offset)
+        return self.source[(shifted,) + tuple(rest)]
 
 
 def _copy_whole(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

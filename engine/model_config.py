@@ -18,6 +18,7 @@ from transformers import AutoConfig
 from engine.models.registry import SUPPORTED_ARCHITECTURES, unsupported_message
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,24 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     checkpoint_dtype: str | None = None
+    # The MLP activation ("silu"; Gemma: "gelu_pytorch_tanh").
+    hidden_act: str = "silu"
+    # Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Attention score scale; None means head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5).
+    attention_scale: float | None = None
+    # Mixture of experts (Qwen3-MoE): experts per MoE layer, experts per token, each expert's
+    # MLP width, whether the top-k weights are renormalised, and which layers are MoE layers.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
+    # Gemma 3: RoPE of the sliding-window layers (the full layers use rope_parameters), the
+    # embedding multiplier and tanh soft-capping of the final logits.
+    local_rope_parameters: dict[str, Any] = field(default_factory=dict)
+    embed_scale: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -53,11 +72,26 @@ class ModelConfig:
                 f"num_attention_heads {self.num_heads} must be a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
             )
-        rope_type = self.rope_parameters.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        for rope in (self.rope_parameters, self.local_rope_parameters):
+            rope_type = rope.get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"rope type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}"
+                )
+            if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+                raise ValueError(
+                    "partial rotary embeddings (partial_rotary_factor < 1) are not supported"
+                )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
-                f"rope type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}"
+                f"hidden_act {self.hidden_act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..{self.num_experts}"
+            )
+        if len(self.moe_layers) not in (0, self.num_layers):
+            raise ValueError("moe_layers must have one entry per layer")
         if len(self.sliding_windows) not in (0, self.num_layers):
             raise ValueError("sliding_windows must have one entry per layer")
 
@@ -85,6 +119,11 @@ def _fields_from_hf(hf_config: Any, model_dir: Path) -> dict[str, Any]:
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     rope_parameters = dict(getattr(hf_config, "rope_parameters", None) or {})
+    local_rope_parameters: dict[str, Any] = {}
+    if "full_attention" in rope_parameters:  # Gemma 3: one RoPE per layer type
+        local_rope_parameters = dict(rope_parameters.get("sliding_attention") or {})
+        local_rope_parameters.setdefault("rope_type", "default")
+        rope_parameters = dict(rope_parameters["full_attention"])
     rope_parameters.setdefault("rope_type", "default")
     rope_theta = float(rope_parameters.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     model_type = hf_config.model_type
@@ -111,6 +150,45 @@ def _fields_from_hf(hf_config: Any, model_dir: Path) -> dict[str, Any]:
         eos_token_ids=_eos_token_ids(hf_config, model_dir),
         bos_token_id=getattr(hf_config, "bos_token_id", None),
         checkpoint_dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+        hidden_act=str(getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        local_rope_parameters=local_rope_parameters,
+        **_gemma_fields(hf_config),
+        **_moe_fields(hf_config),
+    )
+
+
+def _gemma_fields(hf_config: Any) -> dict[str, Any]:
+    if hf_config.model_type != "gemma3_text":
+        return {}
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+    softcap = getattr(hf_config, "final_logit_softcapping", None)
+    return dict(
+        attention_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
+        embed_scale=float(hf_config.hidden_size) ** 0.5,
+        final_logit_softcapping=float(softcap) if softcap is not None else None,
+    )
+
+
+def _moe_fields(hf_config: Any) -> dict[str, Any]:
+    """Qwen3-MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step."""
+    num_experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    if hf_config.model_type != "qwen3_moe" or not num_experts:
+        return {}
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    moe_layers = tuple(
+        i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)
+    )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        moe_intermediate_size=int(hf_config.moe_intermediate_size),
+        norm_topk_prob=bool(hf_config.norm_topk_prob),
+        moe_layers=moe_layers,
     )
 
 

@@ -8,6 +8,12 @@ Families (all small: hidden 64, 2 layers, vocab 512):
                frequency scaling actually changes some frequencies
     "qwen2"    q/k/v bias, tied input/output embeddings
     "mistral"  one KV head, explicit head_dim, sliding window of 32 tokens
+    "qwen3"    per-head q/k RMSNorm, explicit head_dim
+    "phi3"     q/k/v and gate/up fused in the checkpoint
+    "qwen3_moe" 3 layers: 8 experts, top-2 with renormalised weights; layer 1 dense
+    "gemma3"   text-only Gemma 3: layer 0 slides (window 16), layer 1 full, each with its own
+               RoPE base; q/k norms, query_pre_attn_scalar 24, tied embeddings, final logit
+               soft-capping at 10, random norm weights (transformers starts them at 0)
 
 `config_overrides` are passed to the transformers config class (e.g. num_key_value_heads=1).
 The weights use a larger init scale than transformers' default so greedy outputs vary instead of
@@ -22,14 +28,18 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
-FAMILIES = ("llama", "llama3", "qwen2", "mistral")
+FAMILIES = ("llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "qwen3_moe", "gemma3")
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -65,8 +75,45 @@ def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
         kwargs.update(tie_word_embeddings=True, use_sliding_window=False)
     elif family == "mistral":
         kwargs.update(num_key_value_heads=1, head_dim=16, sliding_window=32)
+    elif family == "qwen3":
+        kwargs.update(head_dim=16, use_sliding_window=False)
+    elif family == "phi3":
+        kwargs.update(pad_token_id=0)
+    elif family == "qwen3_moe":
+        kwargs.update(
+            head_dim=16,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    elif family == "gemma3":
+        kwargs.update(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            final_logit_softcapping=10.0,
+            # the sqrt(hidden) embedding scale makes the default init's outputs repeat one token
+            initializer_range=0.05,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        )
     kwargs.update(overrides)
-    config_cls = {"qwen2": Qwen2Config, "mistral": MistralConfig}.get(family, LlamaConfig)
+    config_cls = {
+        "qwen2": Qwen2Config,
+        "mistral": MistralConfig,
+        "qwen3": Qwen3Config,
+        "phi3": Phi3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "gemma3": Gemma3TextConfig,
+    }.get(family, LlamaConfig)
     return config_cls(**kwargs)
 
 
@@ -86,6 +133,11 @@ def make_tiny_model(
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "gemma3":  # its norms scale by (1 + weight), initialised to 0: vary them
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.5)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id
     )
@@ -95,6 +147,9 @@ def make_tiny_model(
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """The transformers reference model, with SDPA attention (it keeps float64 exact)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    """The transformers reference model, with SDPA attention (it keeps float64 exact) and, for
+    mixture-of-experts models, the per-expert loop (its grouped matmul refuses float64)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="sdpa", experts_implementation="eager"
+    )
     return model.eval()

@@ -43,6 +43,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -58,7 +60,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias
         )
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        # Qwen3 / Gemma 3: RMSNorm over each head's q and k before RoPE.
+        self.q_norm = (
+            self.norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        )
+        self.k_norm = (
+            self.norm_class(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        )
         self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
         self.backend = backend
         # Views into the step-invariant KV cache, set by bind_kv_cache:
@@ -79,6 +88,9 @@ class LlamaAttention(nn.Module):
         num_qk_heads = self.num_local_heads + self.num_local_kv_heads
         # q and k are adjacent in the fused output: rotate both with one call.
         qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            heads = self.num_local_heads
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         qk = apply_rotary(qk, cos, sin)
         q = qk[:, : self.num_local_heads]
         k = qk[:, self.num_local_heads :]
@@ -95,6 +107,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], bias=config.mlp_bias
         )
@@ -102,16 +115,23 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(activated.mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self.attention_class(config, layer_idx, backend)
+        self.mlp: nn.Module = LlamaMLP(config)
+        if config.moe_layers and config.moe_layers[layer_idx]:
+            from engine.models.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(config)
+        self.input_layernorm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -138,14 +158,16 @@ _FUSED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 class LlamaForCausalLM(nn.Module):
     """Built in the dtype/device of the caller's defaults (see engine.loader.build_model)."""
 
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
+            self.layer_class(config, i, backend) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -183,7 +205,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits [num_rows, vocab_size] on every TP rank."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def checkpoint_param(self, checkpoint_name: str) -> tuple[str, int] | None:
         """Our parameter name and shard id for a checkpoint tensor, or None to skip it."""
@@ -197,3 +223,9 @@ class LlamaForCausalLM(nn.Module):
             return name, 0
         fused, shard_id = _FUSED[match.group(1)]
         return name.replace(f".{match.group(1)}.", f".{fused}."), shard_id
+
+    def checkpoint_targets(self, checkpoint_name: str) -> list[tuple[str, int, int]]:
+        """(our parameter, shard id, first row of the shard's part in the checkpoint tensor) for
+        each part of a checkpoint tensor: one part, unless the checkpoint fuses several."""
+        target = self.checkpoint_param(checkpoint_name)
+        return [] if target is None else [(target[0], target[1], 0)]

@@ -11,6 +11,10 @@ _MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("engine.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Phi3ForCausalLM": ("engine.models.phi3", "Phi3ForCausalLM"),
+    "Gemma3ForCausalLM": ("engine.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODEL_CLASSES)

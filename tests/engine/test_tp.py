@@ -2,7 +2,8 @@
 
 Covers KV heads split across ranks (llama: 2 KV heads), KV heads replicated when TP exceeds them
 (mistral: 1 KV head) together with a vocab that does not split evenly, sharded q/k/v biases with
-tied embeddings (qwen2), and a dead rank turning into an error instead of a hang.
+tied embeddings (qwen2), the newer families (Qwen3, Phi-3's fused checkpoint tensors,
+Qwen3-MoE's experts, Gemma 3), and a dead rank turning into an error instead of a hang.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def run(model_dir: str, tp_size: int, chunk_size: int | None = None):
         ("llama", {}, 1),  # 2 KV heads split 1 + 1
         ("mistral", {"vocab_size": 509}, 1),  # 1 KV head replicated; vocab padded to 510
         ("qwen2", {}, 1),  # q/k/v biases sharded, tied embeddings
+        ("qwen3", {}, 1),  # per-head q/k norms replicated
+        ("phi3", {}, 1),  # fused checkpoint q/k/v and gate/up, each part split
+        ("qwen3_moe", {}, 1),  # every expert's intermediate dim split, router replicated
+        ("gemma3", {}, 1),  # sliding and full layers, tied embeddings, soft-capped logits
     ],
 )
 def test_tp2_matches_tp1_and_transformers(
