@@ -3,7 +3,7 @@ search (router/layout_model.py) and sets what it would have chosen beside what e
 layout measured at the same point: where the search would split, disaggregated should attain
 more than colocated there, and where it stays local, not less.
 
-    python3 -m benchmarks.layout_replay benchmarks/results/goodput-2core/adaptive-session13-A
+    python3 -m benchmarks.layout_replay benchmarks/runs/goodput-YYYYmmdd-HHMMSS   (a pdserve bench run)
 
 The search sees what the router would: each arrival, each local decode's TPOT when it ends, and
 the TPOT so far of those still decoding (`--source`: the local decodes of the adaptive layout's records, or every request of the

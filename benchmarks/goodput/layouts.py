@@ -33,8 +33,10 @@ DEFAULT_LAYOUTS = ("colocated", "disaggregated", "adaptive")
 # cores (GPUs on a GPU cluster) per layout
 NUM_DEVICES = {"disaggregated": 2, "colocated": 2, "adaptive": 2, "colocated-slo": 2}
 KV_START_TIMEOUT_S = 600.0
+# The bench model's profile on the 2-core development machine (`pdserve profile --path`); the
+# tests read the same file, so it lives with their data.
 DEFAULT_LATENCY_PROFILE = (
-    Path(__file__).resolve().parents[1] / "results" / "placement" / "profile-2core.json"
+    Path(__file__).resolve().parents[2] / "tests" / "data" / "profile-2core.json"
 )
 
 _TOKENIZER_CORPUS = [

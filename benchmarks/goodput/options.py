@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from benchmarks.goodput.layouts import DEFAULT_LATENCY_PROFILE, LAYOUTS
@@ -14,6 +15,13 @@ from planner.traffic import ARRIVALS, MIXES, SHAPES
 WORKLOADS = (*SHAPES, *MIXES, "humaneval")  # synthetic shapes, their mixes, the real code regime
 
 QUICK_REGIME = "summarization"  # long prompts, short outputs, tight TPOT: where disaggregation wins
+# Where a run's raw records, summary and plots go unless --out says otherwise: git-ignored, so
+# per-request records never reach the repository (benchmarks/results/ holds summaries only).
+RUNS_DIR = Path(__file__).resolve().parents[1] / "runs"
+
+
+def default_out() -> Path:
+    return RUNS_DIR / time.strftime("goodput-%Y%m%d-%H%M%S", time.gmtime())
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -72,7 +80,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="the planner-format latency profile (pdserve profile) the adaptive layout's router "
         "predicts TTFT and TPOT with (default: this repo's 2-core profile of the bench model)",
     )
-    add("--out", type=Path, required=True, help="folder for raw JSON, summary.json and plots")
+    add(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for raw JSON, summary.json and plots (default: a new folder under "
+        "benchmarks/runs/, which git ignores)",
+    )
     add(
         "--quick",
         action="store_true",
@@ -168,6 +182,7 @@ def parse_bench_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_bench_arguments(parser)
     args = parser.parse_args(argv)
+    args.out = args.out or default_out()
     if args.target and args.layouts:
         parser.error("--layouts picks local clusters; with --target the targets name the layouts")
     if not args.target:

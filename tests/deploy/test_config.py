@@ -302,7 +302,7 @@ def test_adaptive_layout_needs_a_latency_profile_and_runs_without_ray(model_dir:
         parse_config({"model": model_dir, "mode": "adaptive"})
     with pytest.raises(ConfigError, match="adaptive.instances must be"):
         parse_config({"mode": "adaptive", "adaptive": {"instances": 1}})
-    profile = str(REPO_ROOT / "benchmarks" / "results" / "placement" / "profile-2core.json")
+    profile = str(REPO_ROOT / "tests" / "data" / "profile-2core.json")
     config = parse_config(
         {
             "model": model_dir,

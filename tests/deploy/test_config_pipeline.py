@@ -117,7 +117,7 @@ def ids(view: View) -> list[str]:
 
 
 PROFILE = str(
-    Path(__file__).resolve().parents[2] / "benchmarks/results/placement/profile-2core.json"
+    Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json"
 )
 
 

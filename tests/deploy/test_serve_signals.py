@@ -56,7 +56,7 @@ adaptive:
     + _COMMON
     + "  latency_profile: {profile}\n"
 )
-PROFILE = REPO_ROOT / "benchmarks/results/placement/profile-2core.json"
+PROFILE = REPO_ROOT / "tests/data/profile-2core.json"
 _PROMPT = [1, 7, 9, 30, 41]
 _MAX_TOKENS = 480
 

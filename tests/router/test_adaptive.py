@@ -16,8 +16,8 @@ from router.placement_model import InstanceView, Option, PlacementModel
 from router.policies import InstanceState
 from router.worker_api import InstanceLoad, Role
 
-PROFILE = Path(__file__).resolve().parents[2] / "benchmarks/results/placement/profile-2core.json"
-# The bench's calibrated classes (benchmarks/results/goodput-2core/mix-session11): summarization
+PROFILE = Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json"
+# The SLOs `pdserve bench --workloads mixed,shift` calibrated on the 2-core machine: summarization
 # holds TPOT to two decode steps, chatbot to three and code to five; code's TTFT is 2.5 prefills.
 SUMMARIZATION = RequestSLO(ttft_s=7.6, tpot_s=0.023)
 CHATBOT = RequestSLO(ttft_s=3.3, tpot_s=0.098)

@@ -18,8 +18,8 @@ from router.layout_model import Arrival, LayoutModel
 from router.policies import InstanceState
 from router.worker_api import InstanceLoad, Role
 
-PROFILE = Path(__file__).resolve().parents[2] / "benchmarks/results/placement/profile-2core.json"
-# Run A's calibrated SLOs (benchmarks/results/goodput-2core/adaptive-session13-A)
+PROFILE = Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json"
+# Chatbot and summarization SLOs as `pdserve bench` calibrated them on the 2-core machine
 CHATBOT = RequestSLO(ttft_s=1.98, tpot_s=0.048)
 SUMMARIZATION = RequestSLO(ttft_s=6.7, tpot_s=0.0346)
 WINDOW_S = 10.0
@@ -28,7 +28,7 @@ RISK, MIN_DECODES = layout_model.RISK, layout_model.MIN_DECODES
 MISSED = 1.05  # a latency past its SLO
 REFUSE_S = layout_model.REFUSE_WINDOWS * WINDOW_S
 QUARTER = [MISSED, 0.5, 0.5, 0.5]  # a quarter of the requests missed
-# Run I's calibrated code SLOs (benchmarks/results/goodput-2core/adaptive-session19-I)
+# Code SLOs as `pdserve bench` calibrated them on the 2-core machine
 CODE = RequestSLO(ttft_s=0.253, tpot_s=0.050)
 
 
