@@ -95,6 +95,9 @@ def _decode(
     sliding_window: int | None,
     grouped: bool = True,
 ) -> torch.Tensor:
+    if sliding_window is not None:
+        tables, mask = _window_tables_and_mask(metadata, sliding_window)
+        return _attend(q, key_cache, value_cache, tables, mask, scale)
     if not grouped:
         mask = _decode_mask(metadata, sliding_window)
         return _attend(q, key_cache, value_cache, metadata.decode_block_tables, mask, scale)
@@ -204,6 +207,31 @@ def _decode_mask(metadata: AttentionMetadata, sliding_window: int | None) -> tor
     return mask
 
 
+def _window_tables_and_mask(
+    metadata: AttentionMetadata, sliding_window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode block tables cut to the blocks that hold a key inside the window, and their mask.
+
+    Row i (context L) sees key positions L - W .. L - 1: blocks (L - W) // block_size onwards;
+    the blocks before are never read. At most (W - 1) // block_size + 2 blocks hold the window,
+    so every row's cut table has that width (known without reading L back from the device)."""
+    key = ("decode_window", sliding_window)
+    cached = metadata.mask_cache.get(key)
+    if cached is not None:
+        return cached
+    block_size = metadata.block_size
+    tables, lens = metadata.decode_block_tables, metadata.decode_context_lens
+    width = min(tables.shape[1], (sliding_window - 1) // block_size + 2)
+    first = (lens - sliding_window).clamp_(min=0) // block_size  # [rows] first block read
+    columns = first[:, None] + torch.arange(width, device=lens.device)[None, :]
+    cut = tables.gather(1, columns.clamp_(max=tables.shape[1] - 1))
+    key_pos = first[:, None] * block_size + torch.arange(width * block_size, device=lens.device)
+    context_lens = lens[:, None]
+    mask = (key_pos < context_lens) & (key_pos > context_lens - 1 - sliding_window)
+    metadata.mask_cache[key] = (cut, mask[:, None, None, :])
+    return metadata.mask_cache[key]
+
+
 def _length_mask(lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
     """[rows, 1, 1, width] bool: row i sees key positions below lens[i] (in its window)."""
     context_lens = lens[:, None]
@@ -230,9 +258,12 @@ def _prefill_chunk(
     if chunk.start_pos == 0:  # the chunk is the whole context
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     else:  # [1, kv_heads, context_len, head_dim] straight from the head-major gather
-        table = chunk.block_table[None, :]
-        keys = _gather_blocks(key_cache, table)[:, :, : chunk.context_len].transpose(0, 1)
-        values = _gather_blocks(value_cache, table)[:, :, : chunk.context_len].transpose(0, 1)
+        # a sliding layer skips the blocks wholly before its first query's window
+        first = _first_window_block(chunk, metadata.block_size, sliding_window)
+        table = chunk.block_table[None, first:]
+        length = chunk.context_len - first * metadata.block_size
+        keys = _gather_blocks(key_cache, table)[:, :, :length].transpose(0, 1)
+        values = _gather_blocks(value_cache, table)[:, :, :length].transpose(0, 1)
     if chunk.start_pos == 0 and sliding_window is None:
         out = F.scaled_dot_product_attention(
             queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
@@ -248,15 +279,28 @@ def _prefill_chunk(
 def _prefill_mask(
     chunk: PrefillChunkInfo, metadata: AttentionMetadata, sliding_window: int | None
 ) -> torch.Tensor:
-    """[n, context_len] bool: query i (position start_pos + i) may see key position j."""
+    """[n, keys] bool: query i (position start_pos + i) may see key j (position j, or j plus
+    the first position read by a sliding layer, see _first_window_block)."""
     key = ("prefill", chunk.token_start, sliding_window)
     mask = metadata.mask_cache.get(key)
     if mask is None:
         device = chunk.block_table.device
         query_pos = torch.arange(chunk.start_pos, chunk.context_len, device=device)[:, None]
-        key_pos = torch.arange(chunk.context_len, device=device)[None, :]
+        key_start = _first_window_block(chunk, metadata.block_size, sliding_window)
+        key_start *= metadata.block_size
+        key_pos = torch.arange(key_start, chunk.context_len, device=device)[None, :]
         mask = key_pos <= query_pos
         if sliding_window is not None:
             mask &= key_pos > query_pos - sliding_window
         metadata.mask_cache[key] = mask
     return mask
+
+
+def _first_window_block(
+    chunk: PrefillChunkInfo, block_size: int, sliding_window: int | None
+) -> int:
+    """The first block a chunk's attention reads: 0, or for a sliding layer of a chunk after
+    cached positions the block of its first query's earliest key (start_pos - W + 1)."""
+    if sliding_window is None or chunk.start_pos == 0:
+        return 0
+    return max(0, chunk.start_pos - sliding_window + 1) // block_size
