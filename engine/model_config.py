@@ -107,11 +107,13 @@ class ModelConfig:
             raise FileNotFoundError(
                 f"{model_dir} has no config.json; is it a Hugging Face model folder?"
             )
-        hf_config = AutoConfig.from_pretrained(str(model_dir))
-        architectures = list(getattr(hf_config, "architectures", None) or [])
+        # checked before transformers reads the config: it may not know the model type at all
+        raw = json.loads((model_dir / "config.json").read_text())
+        architectures = list(raw.get("architectures") or [])
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
             raise ValueError(f"{model_dir}: {unsupported_message(architectures)}")
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
         return cls(architecture=architecture, **_fields_from_hf(hf_config, model_dir))
 
 

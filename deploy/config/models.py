@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -164,18 +165,37 @@ def allowed_tp_sizes(model_dir: str | Path) -> list[int]:
 
 
 def _shape(model_dir: str | Path) -> tuple[int, int, int]:
-    """(attention heads, KV heads, MLP width) from the folder's config.json; KeyError if absent."""
+    """(attention heads, KV heads, MLP width) from the folder's config.json; KeyError if absent.
+    A mixture-of-experts model splits both its dense and its experts' widths: the width is
+    their greatest common divisor."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     num_heads = int(config["num_attention_heads"])
     num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-    return num_heads, num_kv_heads, int(config["intermediate_size"])
+    width = int(config["intermediate_size"])
+    return num_heads, num_kv_heads, math.gcd(width, int(config.get("moe_intermediate_size") or 0))
+
+
+def check_architecture(model_dir: str | Path) -> None:
+    """ConfigError listing the supported architectures when config.json names only others
+    (a folder without a readable config.json or its `architectures` is left to the engine)."""
+    from engine.models.registry import SUPPORTED_ARCHITECTURES, unsupported_message
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    architectures = config.get("architectures") or []
+    if architectures and not any(name in SUPPORTED_ARCHITECTURES for name in architectures):
+        raise ConfigError(f"{model_dir}: {unsupported_message(architectures)}")
 
 
 def check_tensor_parallel(model_dir: str | Path, sizes: dict[str, int]) -> None:
     """ConfigError naming the heads and the allowed sizes when a role's TP does not fit.
 
     `sizes` maps a role ("prefill", "decode", "colocated") to its tensor_parallel_size. A
-    config.json without the head counts is left to the engine to judge when it loads."""
+    config.json without the head counts is left to the engine to judge when it loads. The
+    architecture is checked first: a model the engine does not know fails here, by name."""
+    check_architecture(model_dir)
     try:
         heads, kv_heads, width = _shape(model_dir)
     except (OSError, ValueError, KeyError, TypeError):

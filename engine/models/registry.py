@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # reading the list (deploy's config checks) must not import torch
+    from torch import nn
 
 # Class paths, imported lazily so that reading a config does not build any torch module.
 _MODEL_CLASSES: dict[str, tuple[str, str]] = {

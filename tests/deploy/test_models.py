@@ -48,3 +48,25 @@ def test_model_names_are_accepted_and_unknown_ones_say_what_to_give() -> None:
     assert parse_config({"model": "demo"}).model == "demo"
     with pytest.raises(ConfigError, match="'smollm2'.*'demo'"):
         parse_config({"model": "smollm3"})
+
+
+def test_serve_refuses_an_unknown_architecture_before_starting_workers(
+    tiny_model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deploy.cli.main import main
+    from engine.models import SUPPORTED_ARCHITECTURES
+
+    model_dir = tmp_path / "falcon"
+    model_dir.mkdir()
+    config = json.loads((Path(tiny_model("llama")) / "config.json").read_text())
+    (model_dir / "config.json").write_text(
+        json.dumps({**config, "architectures": ["FalconForCausalLM"]})
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        parse_config({"model": str(model_dir)})
+    message = str(excinfo.value)
+    assert "FalconForCausalLM" in message
+    assert all(name in message for name in SUPPORTED_ARCHITECTURES)
+    # `pdserve serve` exits on it at once: no cluster, no worker process is started
+    assert main(["serve", "--model", str(model_dir)]) != 0
+    assert "FalconForCausalLM" in capsys.readouterr().err
