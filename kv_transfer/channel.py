@@ -25,8 +25,10 @@ broken epoch in the store so that the host rebuilds even if its side never saw t
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,9 +37,33 @@ import torch.distributed as dist
 
 from engine.net import create_store
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
+from kv_transfer.streams import RecvStream, SendStream
 
 _STORE_OP_TIMEOUT_S = 30.0
 _DIAL_POLL_S = 0.002
+# Tests set it to match like NCCL on gloo: every message carries one tag, so the two sides' posts
+# pair up strictly in the order each side makes them (NCCL ignores tags altogether).
+ORDERED_MATCHING_ENV = "PDSERVE_KV_ORDERED_MATCHING"
+
+
+def ordered_matching() -> bool:
+    """Whether gloo channels drop their tags (NCCL channels never have any)."""
+    return os.environ.get(ORDERED_MATCHING_ENV, "") not in ("", "0")
+
+
+# NCCL's group timeout is what its watchdog enforces on every operation, the header receive that
+# waits for new work included; deadlines are enforced here instead (by polling, then aborting the
+# group), so the watchdog must never fire first.
+_NCCL_GROUP_TIMEOUT = datetime.timedelta(days=7)
+_CUDA_POLL_S = 0.0002
+_LATE_SLACK_S = 0.05  # a wait that ended this close to its deadline timed out
+
+
+def _nccl_raises_instead_of_killing() -> None:
+    """A failed NCCL operation must abort its communicator and raise, not end the process: the
+    default async error handling tears the process down. Read by each NCCL group when built."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # CleanUpOnly
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "0")
 
 
 @dataclass(frozen=True)
@@ -94,6 +120,10 @@ class Channel:
         self._closed = threading.Event()
         self._group_lock = threading.Lock()  # close() and a finishing connect() hand the group over
         self.broken = False
+        self.ordered = device.type == "cuda" or ordered_matching()
+        self._broken_callbacks: list[Callable[[KVTransferError], None]] = []
+        self.sends = SendStream(self)  # the prefill side's stream (a dialed channel)
+        self.receives = RecvStream(self)  # the decode side's stream (a hosted channel)
 
     def __repr__(self) -> str:
         return f"Channel({self.pair_key}#{self.epoch}, rank {self.rank})"
@@ -103,6 +133,7 @@ class Channel:
         comes up after close() is aborted at once (close could not reach it)."""
         try:
             group = self._make_group(_timedelta(_remaining(deadline)))
+            self._warm_up(group, deadline)
         except BaseException as exc:  # the constructor raises several types on a missing peer
             self._connect_error = exc
             self.broken = True
@@ -157,10 +188,36 @@ class Channel:
 
     def _make_group(self, timeout: datetime.timedelta) -> _PairGroup:
         if self.device.type == "cuda":
+            _nccl_raises_instead_of_killing()
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+            options._timeout = _NCCL_GROUP_TIMEOUT
             return _pair_group(dist.ProcessGroupNCCL(self._store, self.rank, 2, options))
+        # gloo: the timeout bounds the rendezvous; every wait passes its own.
         return _pair_group(dist.ProcessGroupGloo(self._store, self.rank, 2, timeout))
+
+    def _warm_up(self, group: _PairGroup, deadline: float) -> None:
+        """One message from rank 0 to rank 1 on the connecting thread: NCCL builds its
+        communicator lazily in a pair's first operation, which must not be a transfer's (it would
+        block whichever thread posts it, the decode loop's included)."""
+        probe = torch.ones(1, device=self.device)
+        if self.rank == 0:
+            work = group.send([probe], 1, 0)
+        else:
+            work = group.recv([probe], 0, 0)
+        self._wait_work(work, deadline)
+        if probe.item() != 1:
+            raise RuntimeError(f"the warm-up message arrived as {probe.item()}")
+
+    def _wait_work(self, work: dist.Work, deadline: float) -> None:
+        if self.device.type != "cuda":
+            work.wait(_timedelta(_remaining(deadline)))
+            return
+        # NCCL: poll, so a late peer ends in our timeout, not in a watchdog abort of the process.
+        while not work.is_completed():
+            if _remaining(deadline) <= 0:
+                raise TimeoutError("the operation did not complete before the deadline")
+            time.sleep(_CUDA_POLL_S)
+        work.wait()  # raises the communicator's error, if it had one
 
     def _live_group(self) -> _PairGroup:
         if self.broken or self._group is None:
@@ -168,27 +225,35 @@ class Channel:
         return self._group
 
     def isend(self, tensor: torch.Tensor, tag: int) -> dist.Work:
-        return self._live_group().send([tensor], self.peer_rank, tag)
+        return self._live_group().send([tensor], self.peer_rank, 0 if self.ordered else tag)
 
     def irecv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
-        return self._live_group().recv([tensor], self.peer_rank, tag)
+        return self._live_group().recv([tensor], self.peer_rank, 0 if self.ordered else tag)
 
     def wait(self, work: dist.Work, deadline: float, what: str) -> None:
         """Wait for one posted op; any failure breaks the channel and raises a KVTransferError."""
-        remaining = _remaining(deadline)
         try:
-            if remaining <= 0:
-                raise TimeoutError("Timed out: deadline passed before the wait")
-            work.wait(_timedelta(remaining))
+            if _remaining(deadline) <= 0:
+                raise TimeoutError("the deadline passed before the wait")
+            self._wait_work(work, deadline)
         except Exception as exc:
             self.mark_broken()
-            kind = KVTransferTimeout if "Timed out" in str(exc) else KVTransferError
+            # Our own clock says whether the deadline passed; backends word it differently.
+            late = _remaining(deadline) <= _LATE_SLACK_S
+            kind = KVTransferTimeout if late else KVTransferError
             raise kind(f"{self}: {what} failed: {str(exc).splitlines()[0][:300]}") from exc
+
+    def on_broken(self, callback: Callable[[KVTransferError], None]) -> None:
+        """Call `callback` once when this channel breaks (at once if it has)."""
+        self._broken_callbacks.append(callback)
 
     def mark_broken(self) -> None:
         if not self.broken:
             self.broken = True
             self.close()
+        callbacks, self._broken_callbacks = self._broken_callbacks, []
+        for callback in callbacks:
+            callback(KVTransferError(f"{self} broke"))
 
     def close(self) -> None:
         """Drop the group: the connection closes, so nothing more lands in a posted receive (its

@@ -28,10 +28,9 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from engine.kv_cache import KVCache
 from kv_transfer.channel import Channel, ChannelDialer, ChannelEndpoint
@@ -39,6 +38,7 @@ from kv_transfer.errors import KVTransferCancelled, KVTransferError, KVTransferT
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
 from kv_transfer.staging import StagingPool
+from kv_transfer.streams import Outgoing
 from kv_transfer.wire import STATUS_CANCELLED, STATUS_OK, WireView, control_message
 
 
@@ -50,9 +50,9 @@ class _Lane:
     view: WireView
     channel: Channel | None = None
     next_index: int = 0
-    # Posted sends with the tensors they read (a tensor must outlive its send) and whether the
-    # tensor is a staging buffer to give back once sent.
-    posted: list[tuple[dist.Work, torch.Tensor, str, bool]] = field(default_factory=list)
+    # Its place in the channel's ordered stream: its messages, posted ones with the tensors they
+    # read (a tensor must outlive its send) and whether each is a staging buffer to give back.
+    outgoing: Outgoing | None = None
 
 
 _WAIT_ALL = None  # the poster's last item: every message is posted, wait for them
@@ -79,7 +79,7 @@ class SendHandle:
         self._finishing = False
         self.error: KVTransferError | None = None
         self._post_inline = post_inline
-        self._outbox: queue.SimpleQueue[tuple[_Lane, torch.Tensor, int, str, bool] | None]
+        self._outbox: queue.SimpleQueue[tuple[_Lane, torch.Tensor, int, str, bool, bool] | None]
         self._outbox = queue.SimpleQueue()
         threading.Thread(
             target=self._poster, name=f"kv-send-{ticket.request_id}", daemon=True
@@ -90,33 +90,41 @@ class SendHandle:
 
     def _fail(self, lane: _Lane, exc: KVTransferError) -> None:
         channel, lane.channel = lane.channel, None  # nothing more goes on this lane
+        outgoing = lane.outgoing
         if channel is not None:
-            channel.mark_broken()
-            self._dialer.report_broken(lane.endpoint, channel)
+            if outgoing is not None and not outgoing.started and outgoing.error is None:
+                # Nothing of it is on the wire: a CANCELLED header takes its place in the
+                # stream, so the decode side ends it promptly and the channel stays.
+                header = lane.view.header(self.ticket.transfer_id, STATUS_CANCELLED)
+                channel.sends.abandon(outgoing, header)
+            else:
+                channel.mark_broken()
+                self._dialer.report_broken(lane.endpoint, channel)
         if self.error is None:
             self.error = exc
 
     def _post(
-        self, lane: _Lane, tensor: torch.Tensor, index: int, what: str, staged: bool = False
+        self,
+        lane: _Lane,
+        tensor: torch.Tensor,
+        index: int,
+        what: str,
+        staged: bool = False,
+        last: bool = False,
     ) -> None:
         if self._post_inline:
-            self._post_now(lane, tensor, index, what, staged)
+            self._post_now(lane, tensor, index, what, staged, last)
         else:
-            self._outbox.put((lane, tensor, index, what, staged))
+            self._outbox.put((lane, tensor, index, what, staged, last))
 
     def _post_now(
-        self, lane: _Lane, tensor: torch.Tensor, index: int, what: str, staged: bool
+        self, lane: _Lane, tensor: torch.Tensor, index: int, what: str, staged: bool, last: bool
     ) -> None:
-        channel = lane.channel  # read once: the other thread may fail the lane meanwhile
-        if channel is None:
+        channel, outgoing = lane.channel, lane.outgoing  # read once: the lane may fail meanwhile
+        if channel is None or outgoing is None:
             return
-        try:
-            tag = lane.view.tag(self.ticket.transfer_id, index)
-            lane.posted.append((channel.isend(tensor, tag), tensor, what, staged))
-        except KVTransferError as exc:
-            self._fail(lane, exc)
-        except Exception as exc:  # the backend refused (the peer is gone), or the group went
-            self._fail(lane, KVTransferError(f"{self._what(lane)}: {what}: {exc}"))
+        tag = lane.view.tag(self.ticket.transfer_id, index)
+        channel.sends.push(outgoing, tensor, tag, what, staged, last)
 
     def _post_payload_until(self, lane: _Lane, stop: int) -> None:
         while lane.next_index < stop:
@@ -171,7 +179,8 @@ class SendHandle:
                 sent_at_us,
             )
             trailer = control_message(values, lane.view.cache.device)
-            self._post(lane, trailer, 1 + lane.view.num_payload_messages, "trailer")
+            last = 1 + lane.view.num_payload_messages
+            self._post(lane, trailer, last, "trailer", last=True)
         if status == STATUS_CANCELLED and self.error is None:
             self.error = KVTransferError(f"request {self.ticket.request_id}: cancelled")
         self._start_waiting()
@@ -212,6 +221,12 @@ class SendHandle:
     ) -> None:
         if lane.channel is None:
             return
+        tid = self.ticket.transfer_id
+        header = lane.view.header(tid, status)
+        if status == STATUS_CANCELLED:  # the header alone: nothing follows it
+            self._post(lane, header, 0, "header", last=True)
+            return
+        self._post(lane, header, 0, "header")
         first = -1 if first_token_id is None else first_token_id
         message = lane.view.pack(
             self._staging,
@@ -221,12 +236,24 @@ class SendHandle:
             self.ticket.num_tokens,
             sent_at_us,
         )
-        self._post(lane, message, 0, "packed KV", staged=True)
+        self._post(lane, message, 1, "packed KV", staged=True, last=True)
 
     def _wait_all(self) -> None:
         try:
             for lane in self._lanes:
-                for work, tensor, what, staged in lane.posted:
+                outgoing = lane.outgoing
+                if lane.channel is None or outgoing is None:
+                    continue
+                # Transfers opened earlier on the channel go first (one ordered stream).
+                remaining = max(0.0, self.deadline - time.monotonic())
+                if not outgoing.all_posted.wait(remaining):
+                    message = "still queued behind earlier transfers at the deadline"
+                    self._fail(lane, KVTransferTimeout(f"{self._what(lane)}: {message}"))
+                    continue
+                if outgoing.error is not None:
+                    self._fail(lane, outgoing.error)
+                    continue
+                for work, tensor, what, staged in outgoing.posted:
                     if lane.channel is None:
                         break
                     try:
@@ -236,7 +263,7 @@ class SendHandle:
                     else:
                         if staged:  # sent: the backend no longer reads it
                             self._staging.give(tensor)
-                lane.posted.clear()
+                outgoing.posted.clear()
         finally:
             self._finished.set()
 
@@ -316,8 +343,11 @@ class KVRankSender:
             if handle.done():  # the deadline passed while dialing: the handle has ended
                 handle._fail(lane, KVTransferTimeout(f"{handle._what(lane)}: dialed too late"))
                 continue
+            # Its place in the channel's stream is taken now, in dial order (streams.py).
+            lane.outgoing = lane.channel.sends.open(handle._what(lane))
             if lane.view.layerwise:
-                handle._post(lane, lane.view.header(ticket.transfer_id, status), 0, "header")
-            elif status == STATUS_CANCELLED:  # whole mode: the one message, without KV
+                header = lane.view.header(ticket.transfer_id, status)
+                handle._post(lane, header, 0, "header", last=status == STATUS_CANCELLED)
+            elif status == STATUS_CANCELLED:  # whole mode: the header alone, without KV
                 handle._post_packed(lane, status, None)
         return handle

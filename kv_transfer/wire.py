@@ -2,7 +2,7 @@
 
 Two wire modes (the ticket says which; see KVTransferConfig for how it is chosen):
 
-    whole (packed): ONE message per channel, built at finish(), the same count as a raw send:
+    whole (packed): the header, then ONE message built at finish():
         uint8[ header int64[6] | payload [L, 2, heads, num_blocks, block_size, head_dim] | trailer ]
     layerwise: header, then 2 * L * heads * pieces payload messages [piece_blocks, block_size,
         head_dim] in (layer, k/v, head, piece) order, each layer's posted as soon as it is
@@ -16,9 +16,10 @@ Two wire modes (the ticket says which; see KVTransferConfig for how it is chosen
                        the prompt: the first token's time, which the decode side's TPOT counts
                        from)
 
-The receiver posts every receive at once. A sender that cancels mid-way still sends the rest of
-the payload, with a CANCELLED trailer; one that never started (layerwise) sends only a CANCELLED
-header, and the receiver then drops the channel (its other receives could never complete).
+Each channel carries one transfer after another (streams.py): the receiver posts a transfer's
+receives once its header has arrived. A sender that cancels mid-way still sends the rest of the
+payload, with a CANCELLED trailer; one that never started sends only a CANCELLED header. Either
+way the stream stays in step.
 
 Copies. The KV cache is head-major, [num_layers, 2, heads, num_blocks, block_size, head_dim]
 (see engine/kv_cache.py), so one (layer, k/v, head) over a run of consecutive blocks is one
@@ -49,6 +50,7 @@ from kv_transfer.messages import KVTicket
 from kv_transfer.staging import StagingPool
 
 MAGIC = 0x4B5654  # "KVT"
+HEADER_TAG = 0  # every header: the receiving side cannot know which transfer comes next
 STATUS_OK = 0
 STATUS_CANCELLED = 1
 CONTROL_LEN = 6
@@ -176,7 +178,10 @@ class WireView:
         return self.num_payload_messages + 2
 
     def tag(self, transfer_id: int, index: int) -> int:
-        """Tags are unique per transfer (mod 2^31), so stray messages never match another one."""
+        """Message `index` (0 the header, 1.. the rest in order). Nothing depends on tags (NCCL
+        has none; see streams.py): on gloo they only add a check that the sides agree."""
+        if index == 0:
+            return HEADER_TAG
         window = (2**31 - 1) // MAX_MESSAGES_PER_TRANSFER
         return (transfer_id % window) * MAX_MESSAGES_PER_TRANSFER + index
 

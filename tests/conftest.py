@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,10 @@ import torch
 from tests.tiny_models import make_tiny_model
 
 torch.set_num_threads(1)
+
+# KV channels match strictly in posting order, as NCCL does, on gloo too: a hand-off that relied
+# on tags would pass here and fail on GPUs. Spawned workers inherit it. "0" turns it off.
+os.environ.setdefault("PDSERVE_KV_ORDERED_MATCHING", "1")
 
 
 @pytest.fixture(scope="session")

@@ -159,6 +159,17 @@ class _WorkerState:
             handle.finish(first_token_id)
         self.handles[name] = (handle, cache)
 
+    def cancel(self, name: str, ticket: Any, rank: int, num_kv_heads: int) -> None:
+        """End a transfer that never started: a CANCELLED header only."""
+        cache = KVCache(rank_spec(num_kv_heads, ticket.prefill_tp_size, rank))
+        sender = KVRankSender(cache, self.dialer, rank, num_kv_heads)
+        self.handles[name] = (sender.cancel_unstarted(ticket), cache)
+
+    def cancel_started(self, name: str) -> None:
+        """Cancel a send that started (the rest goes with a CANCELLED trailer)."""
+        handle, _ = self.handles[name]
+        handle.cancel()
+
     def wait(self, name: str, check: tuple[Any, ...] | None) -> dict[str, Any]:
         handle, cache = self.handles.pop(name)
         try:
