@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_model
 from engine.model_config import ModelConfig
+from engine.rank_device import rank_device
 
 
 @dataclass
@@ -31,10 +32,8 @@ class StepInputs:
 
 
 def runner_device(config: EngineConfig, tp_rank: int) -> torch.device:
-    """CPU, or on CUDA one GPU per TP rank (cuda:tp_rank unless an index is given)."""
-    if config.device == "cuda":
-        return torch.device("cuda", tp_rank)
-    return torch.device(config.device)
+    """CPU, or on CUDA the GPU the rank's runtime gave it (engine/rank_device.py)."""
+    return rank_device(config.device, tp_rank)
 
 
 class ModelRunner:

@@ -166,8 +166,11 @@ class LocalRay:
         return survivors
 
 
-def start_local_ray(namespace: str, num_cpus: int | None = None) -> LocalRay:
-    """A fresh one-node Ray cluster on 127.0.0.1 with its own temp dir (see the module doc)."""
+def start_local_ray(
+    namespace: str, num_cpus: int | None = None, num_gpus: int | None = None
+) -> LocalRay:
+    """A fresh one-node Ray cluster on 127.0.0.1 with its own temp dir (see the module doc).
+    `num_gpus`: what the node offers (None: Ray counts them; tests declare GPUs there are not)."""
     use_loopback_node_address()
     other_pids = set(descendant_pids(os.getpid()))
     # Through the environment Ray's processes inherit, not a runtime_env: workers with a
@@ -178,6 +181,7 @@ def start_local_ray(namespace: str, num_cpus: int | None = None) -> LocalRay:
         with ray_processes_in_own_session():
             ray.init(
                 num_cpus=num_cpus or len(os.sched_getaffinity(0)),
+                num_gpus=num_gpus,
                 namespace=namespace,
                 include_dashboard=False,
                 object_store_memory=_OBJECT_STORE_BYTES,
