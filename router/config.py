@@ -22,6 +22,12 @@ class RouterConfig:
     gRPC and over the same admission, dispatch and metrics; None turns it off. It takes the same
     bearer token and TLS files as gRPC. Its models list names the model `served_model_name`
     (None: the model folder's name).
+    HTTP abuse bounds: a request body over `http_max_body_bytes` gets 413 while it is read, before
+    it is parsed (the default is gRPC's 4 MiB message limit: a prompt the gRPC API takes fits, with
+    room for JSON's escapes); a client gets `http_header_timeout_s` from its connection (or a
+    keep-alive request's first byte) to send the whole request head, and at most
+    `http_body_timeout_s` between two reads of its body; past either the connection is closed, so
+    a client that stops mid-request (a slowloris) holds no socket for long.
     Auth: with `auth_token` set, every gRPC method (health and server reflection included) and
     every HTTP API route needs `authorization: Bearer <token>`. `auth_exempt_health` leaves the
     gRPC health service and the HTTP API's /health open, for probes that cannot send a token
@@ -59,6 +65,9 @@ class RouterConfig:
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     served_model_name: str | None = None
+    http_max_body_bytes: int = 4 * 1024 * 1024
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     auth_token: str | None = None
@@ -136,6 +145,7 @@ class RouterConfig:
             "default_max_tokens",
             "max_stop_strings",
             "max_prompt_chars_per_token",
+            "http_max_body_bytes",
         )
         for name in names:
             value = getattr(self, name)
@@ -159,6 +169,8 @@ class RouterConfig:
             "default_ttft_slo_s",
             "default_tpot_slo_s",
             "adaptive_window_s",
+            "http_header_timeout_s",
+            "http_body_timeout_s",
         )
         for name in names:
             value = getattr(self, name)

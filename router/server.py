@@ -199,6 +199,8 @@ class Router:
             config.shutdown_grace_s,
             ssl_certfile=config.tls_cert_file,
             ssl_keyfile=config.tls_key_file,
+            header_timeout_s=config.http_header_timeout_s,
+            body_timeout_s=config.http_body_timeout_s,
         )
         self.http_port = await self._http.start()
 

@@ -107,6 +107,11 @@ class RouterSection:
     metrics_port: int | None = knob(None, checks.port_number)
     http_host: str = knob("127.0.0.1", checks.address)  # the HTTP API's, when http_port is set
     http_port: int | None = knob(None, checks.port_number)
+    # the HTTP API's bounds on a client (RouterConfig says why): the body's size (413 past it),
+    # the time to send the request head, and the longest pause within a body
+    http_max_body_bytes: int = knob(4 * 1024 * 1024, checks.integer(1))
+    http_header_timeout_s: float = knob(10.0, checks.seconds())
+    http_body_timeout_s: float = knob(30.0, checks.seconds())
     auth_token: str | None = knob(None, checks.token)
     auth_token_file: str | None = knob(None, checks.file)
     auth_exempt_health: bool = knob(False, checks.boolean)  # health open to tokenless probes

@@ -8,31 +8,34 @@
 
 A request becomes the gRPC API's GenerateRequest and goes through the same validator and the
 same runner (admission, dispatch, streaming, cancellation, metrics) as a gRPC call does. When the
-router has a token (the gRPC one), every route needs `Authorization: Bearer <token>`, except
+router has a token (the gRPC one), every path needs `Authorization: Bearer <token>`, except
 /health with `auth_exempt_health` and /metrics on a loopback `http_host` (the rules of the gRPC
-health service and of the metrics port; RouterConfig says why).
+health service and of the metrics port; RouterConfig says why). The token and the body's size
+are checked in front of the app, before routing and parsing (router/http_api/guard.py).
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pdserve_proto.v1 import generation_pb2 as pb
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
-from router.auth import bearer_token_matches
 from router.config import RouterConfig
 from router.generation import GenerationRunner
 from router.http_api import errors
 from router.http_api.errors import ApiError
+from router.http_api.guard import FrontGuard
 from router.http_api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +67,7 @@ _VALIDATED_FIELDS = frozenset(
         "tpot_slo_s",
     }
 )
+_FIELD_NAME = re.compile(r"^[a-z_]{1,64}$")
 _CLIENT_CLOSED = 499  # nginx's status for a request the client gave up on; nobody reads it
 
 
@@ -87,13 +91,6 @@ class OpenAIFrontDoor:
         self.is_serving = is_serving
         self.model_name = config.model_name
         self.created = int(time.time())
-        self._token = None if config.auth_token is None else config.auth_token.encode()
-
-    def authorize(self, request: Request) -> None:
-        if self._token is None:
-            return
-        if not bearer_token_matches(request.headers.get("authorization"), self._token):
-            raise errors.unauthorized()
 
     async def generate(
         self, http_request: Request, body: SamplingFields, grpc_request: pb.GenerateRequest
@@ -137,36 +134,53 @@ class OpenAIFrontDoor:
             raise error from exc
 
 
-def build_app(front: OpenAIFrontDoor) -> FastAPI:
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    _add_error_handlers(app, front.metrics)
-    authorized = [Depends(front.authorize)]
+def build_app(front: OpenAIFrontDoor) -> ASGIApp:
+    """The routes, behind the token and body-size checks of FrontGuard."""
     config = front.config
+    open_paths = set()
+    if config.auth_exempt_health:
+        open_paths.add("/health")
+    if not config.http_metrics_need_auth:
+        open_paths.add("/metrics")
+    return FrontGuard(
+        _routes(front),
+        token=None if config.auth_token is None else config.auth_token.encode(),
+        open_paths=open_paths,
+        max_body_bytes=config.http_max_body_bytes,
+        count_failure=lambda label: front.metrics.request_failure.labels(label).inc(),
+    )
 
-    @app.get("/v1/models", dependencies=authorized)
+
+def _routes(front: OpenAIFrontDoor) -> FastAPI:
+    app = FastAPI(
+        title="pdserve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
+    )
+    _add_error_handlers(app, front.metrics)
+
+    @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(
             id=front.model_name, created=front.created, max_model_len=front.limits.max_model_len
         )
         return ModelList(data=[card])
 
-    @app.post("/v1/completions", dependencies=authorized)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         request_id = body.request_id or uuid.uuid4().hex
         return await front.generate(request, body, completion_to_proto(body, request_id))
 
-    @app.post("/v1/chat/completions", dependencies=authorized)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         request_id = body.request_id or uuid.uuid4().hex
         return await front.generate(request, body, chat_to_proto(body, request_id))
 
-    @app.get("/health", dependencies=[] if config.auth_exempt_health else authorized)
+    @app.get("/health")
     async def health() -> Response:
         if not front.is_serving():
             raise errors.unavailable("no healthy worker can take requests (or the router stops)")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", dependencies=authorized if config.http_metrics_need_auth else [])
+    @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -202,7 +216,9 @@ def _body_error(problems: Any) -> ApiError:
     """A 400 for the first problem pydantic found, naming its field ("messages[0].content")."""
     if not problems:
         return errors.bad_request("the request body is not valid", None)
-    problem = problems[0]
+    # A value that fits no member of a union fails each: the value error (a lone surrogate, a
+    # range) says more than "should be a valid string" from the member it never meant.
+    problem = next((p for p in problems if p.get("type") == "value_error"), problems[0])
     location = [part for part in problem.get("loc", ()) if part != "body"]
     if problem.get("type") == "json_invalid":
         return errors.bad_request(f"the body is not valid JSON: {problem.get('msg')}", None)
@@ -210,10 +226,10 @@ def _body_error(problems: Any) -> ApiError:
     for part in location:
         if isinstance(part, int):
             param += f"[{part}]"
+        elif not _FIELD_NAME.match(str(part)) or part in ("str", "int"):
+            continue  # the union member pydantic tried, or a dict's key: not a field name
         elif not param:
             param = str(part)
-        elif part in ("str", "int", "list[str]", "list[int]") or "[" in str(part):
-            break  # the union member pydantic tried: not a field name
         else:
             param += f".{part}"
     message = f"{param or 'body'}: {problem.get('msg', 'invalid value')}"

@@ -88,11 +88,26 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type_="service_unavailable_error", code="unavailable")
 
 
+_MAX_ECHOED_CHARS = 80  # of a client's own text in a message: enough to recognise it
+
+
 def model_not_found(model: str, served: str) -> ApiError:
+    shown = repr(model[:_MAX_ECHOED_CHARS])
+    if len(model) > _MAX_ECHOED_CHARS:
+        shown += f"... ({len(model)} characters)"
     return ApiError(
         404,
-        f"the model {model!r} does not exist here; this server serves {served!r}",
+        f"the model {shown} does not exist here; this server serves {served!r}",
         type_="not_found_error",
         param="model",
         code="model_not_found",
+    )
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is over the limit of {limit} bytes (router.http_max_body_bytes)",
+        code="body_too_large",
+        failure_label="INVALID_ARGUMENT",
     )

@@ -7,6 +7,11 @@ benchmark tools send are accepted: `top_k`, `ignore_eos`, `stop_token_ids`, `req
 `stream_options.continuous_usage_stats` (usage on every chunk); and pdserve's own `ttft_slo_s`
 and `tpot_slo_s`, the latency objectives an adaptive cluster places the request by.
 
+Types are strict, as JSON's are: `"stream": "yes"` or `"max_tokens": true` is a 400 naming the
+field, not a guess. Every string is checked for lone surrogates (`"\\ud800"` is valid JSON but no
+UTF-8 text), every integer against the range of the router's message field it fills, so nothing
+the schema accepts can fail later where the request becomes a protobuf message.
+
 Responses are built without validation (`model_construct`) on the streaming path: every chunk is
 made here from values the router already checked.
 """
@@ -15,11 +20,37 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+)
 
-_INT32_MAX = 2**31 - 1
-TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
-Count = Annotated[int, Field(le=_INT32_MAX)]
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _utf8_text(value: str) -> str:
+    """Refuse a lone surrogate: JSON can spell one, UTF-8 (and so protobuf) cannot hold it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds a lone surrogate (character {exc.start}) that is no valid Unicode text; "
+            "send text that encodes as UTF-8"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8_text)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=_INT32[1])]
+Count = Annotated[StrictInt, Field(ge=_INT32[0], le=_INT32[1])]  # an int32 field of the proto
+Seed = Annotated[StrictInt, Field(ge=_INT64[0], le=_INT64[1])]
+Number = StrictFloat  # takes an integer too ("temperature": 0), never a string or a bool
 
 
 class _Request(BaseModel):
@@ -27,34 +58,34 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # vLLM: usage on every chunk
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None  # vLLM: usage on every chunk
 
 
 class SamplingFields(_Request):
     """What both endpoints share."""
 
-    model: str
+    model: Text
     max_tokens: Count | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: Annotated[int, Field(le=2**63 - 1)] | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool | None = False
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: Seed | None = None
+    stop: Text | list[Text] | None = None
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    logit_bias: dict[Text, Number] | None = None
+    user: Text | None = None
     # vLLM extensions
     top_k: Count | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
-    request_id: str | None = None
+    request_id: Text | None = None
     # pdserve extensions: the request's latency objectives, for an adaptive cluster's placement
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
+    ttft_slo_s: Number | None = None
+    tpot_slo_s: Number | None = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to something pdserve does not do."""
@@ -70,11 +101,11 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     # A string, token ids, or a batch of one of either (a batch of more is refused).
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+    best_of: StrictInt | None = None
+    suffix: Text | None = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.logprobs is not None:
@@ -89,20 +120,20 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(_Request):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -142,7 +173,7 @@ class Completion(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
-    model: str
+    model: Text
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -164,7 +195,7 @@ class ChatCompletion(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
-    model: str
+    model: Text
     choices: list[ChatChoice]
     usage: Usage
 
@@ -186,7 +217,7 @@ class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
-    model: str
+    model: Text
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

@@ -7,7 +7,8 @@
                                     # tasks are cancelled (which aborts their requests)
 
 The socket is bound here, so a busy port fails `start()` with OSError (uvicorn would exit the
-process). uvicorn's signal handling is off: the process that owns the router decides when to
+process). Requests are read with the header and body timeouts of router/http_api/read_timeouts.py.
+uvicorn's signal handling is off: the process that owns the router decides when to
 stop, and uvicorn's logging set-up is left alone (it would reconfigure the root logger).
 """
 
@@ -20,6 +21,8 @@ from collections.abc import Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from router.http_api.read_timeouts import timed_h11_protocol
 
 # How long after `stop()`'s grace uvicorn may take to notice and close (it polls every 0.1 s).
 _STOP_SLACK_S = 5.0
@@ -48,9 +51,12 @@ class HttpServer:
         grace_s: float,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
     ) -> None:
         self._config = uvicorn.Config(
             app,
+            http=timed_h11_protocol(header_timeout_s, body_timeout_s),
             lifespan="off",
             log_config=None,
             access_log=False,
