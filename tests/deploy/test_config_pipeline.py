@@ -116,9 +116,7 @@ def ids(view: View) -> list[str]:
     return sorted(view.workers)
 
 
-PROFILE = str(
-    Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json"
-)
+PROFILE = str(Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json")
 
 
 @dataclass(frozen=True)
