@@ -1,7 +1,10 @@
 """Offline throughput: pdserve's LLM against transformers' batched generate, same model and prompts.
 
 Model: Llama, hidden 512, 8 layers, 8 heads / 2 KV heads, intermediate 1408, vocab 8192 (~31M
-parameters), random weights, built once with `save_pretrained` into --model-dir.
+parameters), random weights, built once with `save_pretrained` into --model-dir. --preset picks
+another shape: "1b" (TinyLlama-shaped, for GPUs) or one per model family at the 31M shape:
+"qwen3", "phi3", "qwen3-moe" (8 experts of width 352, top 2) and "gemma3" (window 256 on five
+layers of six).
 Workloads (fixed seed, every request runs to its target length: ignore_eos / EOS disabled):
   mixed    prompts uniform in [32, 512] tokens, outputs uniform in [16, 256]
   uniform  every prompt --uniform-prompt-len tokens, every output --uniform-output-len
@@ -27,7 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Phi3Config,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from engine import LLM, SamplingParams
 
@@ -56,6 +68,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "max_position_embeddings": 2048,
     },
+    "qwen3": {**MODEL_CONFIG, "family": "qwen3", "head_dim": 64},
+    "phi3": {**MODEL_CONFIG, "family": "phi3"},
+    "qwen3-moe": {
+        **MODEL_CONFIG,
+        "family": "qwen3_moe",
+        "head_dim": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 352,
+        "norm_topk_prob": True,
+    },
+    "gemma3": {
+        **MODEL_CONFIG,
+        "family": "gemma3",
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 256,
+    },
+}
+CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig,
+    "qwen3": Qwen3Config,
+    "phi3": Phi3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+    "gemma3": Gemma3TextConfig,
 }
 CACHE_DIR = Path.home() / ".cache" / "pdserve"
 DEFAULT_MODEL_DIR = CACHE_DIR / "bench-llama-31m"
@@ -67,7 +104,9 @@ def ensure_model(model_dir: Path, model_config: dict[str, Any] = MODEL_CONFIG) -
     """Build the random-weight benchmark model once (weights fixed by seed 0)."""
     if not (model_dir / "config.json").is_file():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**model_config))
+        kwargs = dict(model_config)
+        config = CONFIG_CLASSES[kwargs.pop("family", "llama")](**kwargs)
+        model = AutoModelForCausalLM.from_config(config)
         model.save_pretrained(str(model_dir))
     return model_dir
 
@@ -121,7 +160,7 @@ def run_pdserve(llm: LLM, workload: Workload) -> int:
     return sum(len(o.token_ids) for o in outputs)
 
 
-def run_hf(model: LlamaForCausalLM, workload: Workload, batch_size: int) -> int:
+def run_hf(model: Any, workload: Workload, batch_size: int) -> int:
     useful = 0
     device = model.device
     for start in range(0, len(workload), batch_size):
@@ -157,7 +196,7 @@ def timed(fn: Callable[[], int]) -> tuple[int, float, float]:
 
 
 def bench_workload(
-    name: str, workload: Workload, llm: LLM, hf: LlamaForCausalLM, hf_batch_size: int
+    name: str, workload: Workload, llm: LLM, hf: PreTrainedModel, hf_batch_size: int
 ) -> dict[str, Any]:
     ours_tokens, ours_s, ours_rss = timed(lambda: run_pdserve(llm, workload))
     hf_tokens, hf_s, hf_rss = timed(lambda: run_hf(hf, workload, hf_batch_size))
@@ -212,11 +251,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             num_requests, (uniform[0], uniform[0]), (uniform[1], uniform[1]), args.seed, vocab_size
         ),
     }
-    model_dir = ensure_model(
-        args.model_dir or CACHE_DIR / f"bench-llama-{args.preset}", model_config
-    )
+    family = model_config.get("family", "llama")
+    name = f"bench-llama-{args.preset}" if family == "llama" else f"bench-{args.preset}"
+    model_dir = ensure_model(args.model_dir or CACHE_DIR / name, model_config)
     dtype = getattr(torch, args.dtype)
-    hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device).eval()
     engine_kwargs: dict[str, Any] = {
         "max_num_seqs": args.max_num_seqs,
         "num_threads": args.threads,
@@ -237,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workloads": results,
         "config": {
             "model": {k: model_config[k] for k in list(model_config)[:6]},
+            "family": family,
             "preset": args.preset,
             "device": args.device,
             "num_parameters": sum(p.numel() for p in hf.parameters()),
