@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads
-from kv_transfer.channel import ChannelDialer, ChannelEndpoint, ChannelHost
+from kv_transfer.channel import ChannelEndpoint
 from kv_transfer.messages import KVTicket
 from kv_transfer.rank_receiver import KVRankReceiver
 from kv_transfer.rank_sender import KVRankSender
+from kv_transfer.rendezvous import ChannelDialer, ChannelHost
 
 
 class BenchWorker:

@@ -21,10 +21,11 @@ from typing import Protocol
 from engine import parallel
 from engine.model_runner import ModelRunner
 from engine.ranks import RankCommand
-from kv_transfer.channel import ChannelEndpoint, ChannelHost
+from kv_transfer.channel import ChannelEndpoint
 from kv_transfer.errors import KVTransferCancelled, KVTransferError
 from kv_transfer.messages import KVTicket
 from kv_transfer.rank_receiver import KVRankReceiver, RecvHandle
+from kv_transfer.rendezvous import ChannelHost
 
 
 @dataclass(frozen=True)

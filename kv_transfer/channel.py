@@ -4,19 +4,6 @@ Each channel is its own process group built from its own store, never the defaul
 worker's TP group and its channels coexist and one dead peer breaks one channel, not the cluster.
 Gloo on CPU tensors, NCCL on CUDA tensors; the rest of kv_transfer does not know which.
 
-Rendezvous. Every decode rank hosts one TCPStore (its `ChannelEndpoint`, carried in tickets);
-prefill ranks join it as clients. A channel's group lives under the store prefix
-`<pair_key>/<epoch>`. The decode side picks the epoch for each transfer and publishes it under the
-transfer's key; the prefill side reads it and joins that epoch, so after a failure both sides
-rebuild into the same fresh group (a gloo rendezvous must never reuse an old prefix):
-
-    decode rank (host)                        prefill rank (dialer)
-    accept(pair, transfer)                    dial(endpoint, pair, transfer)
-      broken or absent -> epoch += 1            epoch = store.get(pair/t/transfer)
-      store.set(pair/t/transfer, epoch)         no such key -> the receive is over: fail
-      (before the ticket leaves)                epoch newer than mine -> rebuild
-      connect in the background                 connect (joins the same prefix)
-
 After any failed or timed-out wait the group's state is undefined (gloo closes the connection on a
 timeout), so the channel is marked broken and rebuilt on next use; the dialer also records the
 broken epoch in the store so that the host rebuilds even if its side never saw the failure.
@@ -35,11 +22,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from engine.net import create_store
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
 from kv_transfer.streams import RecvStream, SendStream
 
-_STORE_OP_TIMEOUT_S = 30.0
+STORE_OP_TIMEOUT_S = 30.0
 _DIAL_POLL_S = 0.002
 # Tests set it to match like NCCL on gloo: every message carries one tag, so the two sides' posts
 # pair up strictly in the order each side makes them (NCCL ignores tags altogether).
@@ -73,6 +59,7 @@ class ChannelEndpoint:
     host: str
     port: int
     receiver_is_rank0: bool = True  # the decode side takes rank 0 of every pair's group
+    node_id: str = ""  # the decode rank's machine (same_node.NODE_ID); "" when unknown
 
 
 class _PairGroup(Protocol):
@@ -91,11 +78,11 @@ def _pair_group(backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL) -> _Pair
     return backend  # type: ignore[return-value]
 
 
-def _timedelta(seconds: float) -> datetime.timedelta:
+def as_timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
-def _remaining(deadline: float) -> float:
+def remaining_s(deadline: float) -> float:
     return deadline - time.monotonic()
 
 
@@ -121,6 +108,10 @@ class Channel:
         self._group_lock = threading.Lock()  # close() and a finishing connect() hand the group over
         self.broken = False
         self.ordered = device.type == "cuda" or ordered_matching()
+        # The same-node transport: control messages only (gloo, CPU), the KV through `source`,
+        # the prefill rank's exported cache (same_node.py). Set before connecting.
+        self.same_node = False
+        self.source: bytes | None = None
         self._broken_callbacks: list[Callable[[KVTransferError], None]] = []
         self.sends = SendStream(self)  # the prefill side's stream (a dialed channel)
         self.receives = RecvStream(self)  # the decode side's stream (a hosted channel)
@@ -132,7 +123,7 @@ class Channel:
         """Build the group; blocks until the peer joins or the deadline passes. A group that
         comes up after close() is aborted at once (close could not reach it)."""
         try:
-            group = self._make_group(_timedelta(_remaining(deadline)))
+            group = self._make_group(as_timedelta(remaining_s(deadline)))
             self._warm_up(group, deadline)
         except BaseException as exc:  # the constructor raises several types on a missing peer
             self._connect_error = exc
@@ -158,16 +149,19 @@ class Channel:
 
         def run() -> None:
             dialing_key = f"{self.pair_key}/dialing/{self.epoch}"
+            source_key = f"{self.pair_key}/same_node/{self.epoch}"
             # check() is brief; a blocking store.wait would hold the store's lock for everyone.
             while not raw_store.check([dialing_key]):
                 if self._closed.is_set():
                     return  # close() ended the wait: no thread outlives its host
-                if _remaining(deadline) <= 0:
+                if remaining_s(deadline) <= 0:
                     self._connect_error = TimeoutError("the prefill side never dialed")
                     self.broken = True
                     self._connected.set()
                     return
                 time.sleep(_DIAL_POLL_S)
+            if raw_store.check([source_key]):  # the dialer chose the same-node transport
+                self.use_same_node(raw_store.get(source_key))
             try:
                 self.connect(deadline)
             except KVTransferError:
@@ -175,13 +169,19 @@ class Channel:
 
         threading.Thread(target=run, name=f"connect-{self.pair_key}", daemon=True).start()
 
+    def use_same_node(self, source: bytes) -> None:
+        """Carry control messages only, on gloo; the KV comes from `source` (before connect)."""
+        self.same_node, self.source = True, source
+        self.device = torch.device("cpu")
+        self.ordered = ordered_matching()
+
     @property
     def ready(self) -> bool:
         """Connected, and not broken: receives posted now are matched at once."""
         return self._connected.is_set() and self._connect_error is None and not self.broken
 
     def wait_connected(self, deadline: float) -> None:
-        if not self._connected.wait(max(_remaining(deadline), 0.0)):
+        if not self._connected.wait(max(remaining_s(deadline), 0.0)):
             raise KVTransferTimeout(f"{self}: the peer did not join before the deadline")
         if self._connect_error is not None:
             raise KVTransferTimeout(f"{self}: connecting failed ({self._connect_error})")
@@ -210,11 +210,11 @@ class Channel:
 
     def _wait_work(self, work: dist.Work, deadline: float) -> None:
         if self.device.type != "cuda":
-            work.wait(_timedelta(_remaining(deadline)))
+            work.wait(as_timedelta(remaining_s(deadline)))
             return
         # NCCL: poll, so a late peer ends in our timeout, not in a watchdog abort of the process.
         while not work.is_completed():
-            if _remaining(deadline) <= 0:
+            if remaining_s(deadline) <= 0:
                 raise TimeoutError("the operation did not complete before the deadline")
             time.sleep(_CUDA_POLL_S)
         work.wait()  # raises the communicator's error, if it had one
@@ -233,13 +233,13 @@ class Channel:
     def wait(self, work: dist.Work, deadline: float, what: str) -> None:
         """Wait for one posted op; any failure breaks the channel and raises a KVTransferError."""
         try:
-            if _remaining(deadline) <= 0:
+            if remaining_s(deadline) <= 0:
                 raise TimeoutError("the deadline passed before the wait")
             self._wait_work(work, deadline)
         except Exception as exc:
             self.mark_broken()
             # Our own clock says whether the deadline passed; backends word it differently.
-            late = _remaining(deadline) <= _LATE_SLACK_S
+            late = remaining_s(deadline) <= _LATE_SLACK_S
             kind = KVTransferTimeout if late else KVTransferError
             raise kind(f"{self}: {what} failed: {str(exc).splitlines()[0][:300]}") from exc
 
@@ -276,151 +276,3 @@ def _abort(group: _PairGroup) -> None:
         group.abort()
     except Exception:  # noqa: S110 - best effort: the peer may be gone already
         pass
-
-
-class ChannelHost:
-    """A decode rank's side: hosts the rendezvous store and the channels prefill ranks dial."""
-
-    def __init__(self, device: torch.device | str = "cpu", host: str = "127.0.0.1") -> None:
-        self.device = torch.device(device)
-        # port 0: the OS picks a free port; the endpoint tells prefill ranks which one.
-        self._store = create_store(host, 0, None, True, _STORE_OP_TIMEOUT_S, wait_for_workers=False)
-        self.endpoint = ChannelEndpoint(host, self._store.port)
-        self._channels: dict[str, Channel] = {}
-        self._lock = threading.Lock()
-
-    def accept(self, pair_key: str, transfer_key: str, deadline: float) -> Channel:
-        """The channel one transfer will use; (re)connects it in the background if needed."""
-        with self._lock:
-            channel = self._channels.get(pair_key)
-            if channel is not None and self._store.check([f"{pair_key}/broken/{channel.epoch}"]):
-                channel.mark_broken()  # the prefill side saw this epoch fail
-            if channel is None or channel.broken:
-                epoch = channel.epoch + 1 if channel is not None else 1
-                rank = 0 if self.endpoint.receiver_is_rank0 else 1
-                channel = Channel(pair_key, epoch, self._store, rank, self.device)
-                self._channels[pair_key] = channel
-                channel.connect_in_background(deadline, self._store)
-            self._store.set(f"{pair_key}/t/{transfer_key}", str(channel.epoch))
-            return channel
-
-    def forget_transfer(self, pair_key: str, transfer_key: str) -> None:
-        self._store.delete_key(f"{pair_key}/t/{transfer_key}")
-
-    def close(self) -> None:
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
-
-
-class ChannelDialer:
-    """A prefill rank's side: joins decode ranks' channels on demand, one per pair."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
-        # Keyed by endpoint too: a restarted decode rank has a new store (new port) whose epochs
-        # start again at 1, so its channels must not be confused with the old ones.
-        self._channels: dict[tuple[str, int, str], Channel] = {}
-        self._lock = threading.Lock()
-
-    def dial(
-        self, endpoint: ChannelEndpoint, pair_key: str, transfer_key: str, deadline: float
-    ) -> Channel:
-        """The channel for this transfer, connected; waits for the decode side to accept it."""
-        store = self._store_for(endpoint, deadline)
-        key = f"{pair_key}/t/{transfer_key}"
-        channel_key = (endpoint.host, endpoint.port, pair_key)
-        try:
-            # The decode side publishes the key before its ticket leaves it and deletes it when the
-            # receive ends: a missing key means nobody waits for this transfer any more (aborted
-            # or expired). Waiting for it instead would hold this decode instance's dial lock, and
-            # stall every other send to it, until the deadline.
-            store.set_timeout(_timedelta(min(_remaining(deadline), _STORE_OP_TIMEOUT_S)))
-            if not store.check([key]):
-                raise KVTransferError(
-                    f"decode side of {pair_key} no longer expects transfer {transfer_key}"
-                )
-            epoch = int(store.get(key))
-        except KVTransferError:
-            raise
-        except Exception as exc:
-            with self._lock:  # the decode side may be gone: reconnect the store next time
-                self._stores.pop((endpoint.host, endpoint.port), None)
-            raise KVTransferTimeout(
-                f"decode side of {pair_key} did not accept transfer {transfer_key} in time: {exc}"
-            ) from exc
-        with self._lock:
-            channel = self._channels.get(channel_key)
-            reuse = channel is not None and channel.epoch == epoch and not channel.broken
-        if reuse:
-            # Another send may have made this channel a moment ago and still be connecting it:
-            # hand it out only once it is connected (or report why it is not).
-            assert channel is not None
-            channel.wait_connected(deadline)
-            return channel
-        with self._lock:
-            channel = self._channels.get(channel_key)
-            if channel is not None and channel.epoch == epoch and not channel.broken:
-                # made by a concurrent dial between the two locked sections
-                channel.wait_connected(deadline)
-                return channel
-            if channel is not None and channel.epoch >= epoch:
-                self._report_broken(store, channel)
-                raise KVTransferError(
-                    f"{channel} broke and the decode side has not rebuilt it yet; retry"
-                )
-            if channel is not None:
-                channel.close()
-            rank = 1 if endpoint.receiver_is_rank0 else 0
-            channel = Channel(pair_key, epoch, store, rank, self.device)
-            self._channels[channel_key] = channel
-        if store.add(f"{pair_key}/dialing/{epoch}", 1) > 1:
-            # An earlier incarnation of this prefill rank (a restarted process with the same
-            # instance id) joined this epoch; its rendezvous keys are stale. Fail fast; the
-            # decode side rebuilds on its next accept.
-            channel.mark_broken()
-            self._report_broken(store, channel)
-            raise KVTransferError(f"{channel} was joined by an earlier process; retry")
-        channel.connect(deadline)
-        return channel
-
-    def report_broken(self, endpoint: ChannelEndpoint, channel: Channel) -> None:
-        """Tell the decode side that this epoch failed here, so it rebuilds on its next accept."""
-        store = self._stores.get((endpoint.host, endpoint.port))
-        if store is not None:
-            self._report_broken(store, channel)
-
-    @staticmethod
-    def _report_broken(store: dist.Store, channel: Channel) -> None:
-        try:
-            store.set(f"{channel.pair_key}/broken/{channel.epoch}", "1")
-        except Exception:  # noqa: S110 - the decode side may be dead; nothing to tell then
-            pass
-
-    def _store_for(self, endpoint: ChannelEndpoint, deadline: float) -> dist.TCPStore:
-        address = (endpoint.host, endpoint.port)
-        with self._lock:
-            store = self._stores.get(address)
-        if store is None:
-            try:
-                store = dist.TCPStore(
-                    endpoint.host,
-                    endpoint.port,
-                    None,
-                    False,
-                    timeout=_timedelta(min(_remaining(deadline), _STORE_OP_TIMEOUT_S)),
-                )
-            except Exception as exc:
-                raise KVTransferTimeout(f"cannot reach decode endpoint {address}: {exc}") from exc
-            with self._lock:
-                store = self._stores.setdefault(address, store)
-        return store
-
-    def close(self) -> None:
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
-            self._stores.clear()

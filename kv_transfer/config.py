@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # more pieces than fit is sent in one). The window still spans 524,287 transfer ids.
 MAX_MESSAGES_PER_TRANSFER = 4096
 DEFAULT_MIN_PIECE_BYTES = 256 * 1024  # KVTransferConfig.min_piece_bytes; tickets carry it
+TRANSPORTS = ("auto", "same_node", "network")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class KVTransferConfig:
     sent as one piece per run, each received in place, when every piece's messages carry at
     least this many bytes; below it one message per (layer, k/v, head) and a scatter copy cost
     less (a message's fixed cost is ~40 us each side on loopback gloo here). Tickets carry it.
+    `transport`: how the KV moves between a pair of ranks. "same_node": the decode rank copies
+    it out of the prefill rank's cache through shared memory (CUDA IPC on GPU), see
+    same_node.py; "network": through the pair's process group (NCCL on GPU, gloo on CPU);
+    "auto" (the default): same_node when the two ranks run on one node, else network.
     """
 
     transfer_timeout_s: float = 30.0
@@ -46,6 +51,7 @@ class KVTransferConfig:
     layerwise_min_tokens: int = 2048
     min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
     host: str = "127.0.0.1"
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         if not (self.transfer_timeout_s > 0 and math.isfinite(self.transfer_timeout_s)):
@@ -60,6 +66,10 @@ class KVTransferConfig:
             raise ValueError(f"min_piece_bytes must be >= 0, got {self.min_piece_bytes}")
         if self.layerwise_min_tokens < 1:
             raise ValueError(f"layerwise_min_tokens must be >= 1, got {self.layerwise_min_tokens}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
         if not self.host:
             raise ValueError("host must name the address decode ranks listen on, e.g. 127.0.0.1")
 

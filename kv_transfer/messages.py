@@ -64,6 +64,7 @@ class KVTicket:
     timeout_s: float
     start_timeout_s: float = 0.0
     min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
+    transport: str = "network"  # KVTransferConfig.transport of the decode side
 
     @property
     def wait_to_start_s(self) -> float:

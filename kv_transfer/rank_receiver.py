@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCache, local_kv_heads
-from kv_transfer.channel import Channel, ChannelEndpoint, ChannelHost
+from kv_transfer.channel import Channel, ChannelEndpoint
 from kv_transfer.errors import KVTransferCancelled, KVTransferError, KVTransferTimeout
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
+from kv_transfer.rendezvous import ChannelHost
+from kv_transfer.same_node import copy_blocks, map_cache
 from kv_transfer.staging import StagingPool
 from kv_transfer.streams import Incoming, call_at
 from kv_transfer.wire import MAGIC, STATUS_CANCELLED, Trailer, WireView, empty_control
@@ -116,6 +118,7 @@ class KVRankReceiver:
             channel = self.host.accept(pair_key, str(ticket.transfer_id), deadline)
             view = WireView.for_ticket(self.cache, ticket.block_ids, segment.dst_heads, ticket)
             lane = _Lane(ticket, channel, view, deadline, self.staging, handle, self._forget)
+            lane.src_heads = segment.src_heads
             # The channel's reader receives it once its header arrives (streams.py); until
             # then it can be withdrawn at its deadline without touching the channel.
             channel.receives.expect(lane)
@@ -152,6 +155,7 @@ class _Lane(Incoming):
         self.handle = handle
         self.forget = forget
         self.timer: threading.Timer | None = None
+        self.src_heads = slice(0, 0)  # the prefill rank's local heads this lane carries
         self.what = f"request {ticket.request_id} (transfer {ticket.transfer_id})"
         self._ended = False
         self._end_lock = threading.Lock()
@@ -182,6 +186,8 @@ class _Lane(Incoming):
             raise KVTransferCancelled(f"{what}: the prefill side cancelled before sending")
         # The send has started: the rest must follow within the transfer timeout.
         deadline = time.monotonic() + self.ticket.timeout_s
+        if channel.same_node:
+            return self._receive_same_node(channel, deadline)
         if not view.layerwise:
             message = view.packed_buffer(self.staging)
             work = channel.irecv(message, view.tag(tid, 1))
@@ -210,4 +216,23 @@ class _Lane(Incoming):
             raise KVTransferError(f"{what}: bad trailer {closing.tolist()}")
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
+        return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))
+
+    def _receive_same_node(self, channel: Channel, deadline: float) -> Trailer:
+        """Source block ids, then the trailer; on OK copy the blocks out of the prefill rank's
+        cache (mapped once per source) into this transfer's blocks."""
+        view, what, tid = self.view, self.what, self.transfer_id
+        ids = torch.empty(len(view.block_ids), dtype=torch.int64)
+        closing = empty_control(torch.device("cpu"))
+        ids_work = channel.irecv(ids, view.tag(tid, 1))
+        trailer_work = channel.irecv(closing, view.tag(tid, 2))
+        channel.wait(ids_work, deadline, f"{what} source block ids")
+        channel.wait(trailer_work, deadline, f"{what} trailer")
+        magic, trailer_tid, status, first_token_id, num_tokens, sent_at_us = closing.tolist()
+        if magic != MAGIC or trailer_tid != tid:
+            raise KVTransferError(f"{what}: bad trailer {closing.tolist()}")
+        if status == STATUS_CANCELLED:
+            raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
+        assert channel.source is not None  # a same-node channel has it from the rendezvous
+        copy_blocks(map_cache(channel.source), self.src_heads, ids.tolist(), view)
         return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))

@@ -33,10 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCache
-from kv_transfer.channel import Channel, ChannelDialer, ChannelEndpoint
+from kv_transfer.channel import Channel, ChannelEndpoint
 from kv_transfer.errors import KVTransferCancelled, KVTransferError, KVTransferTimeout
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
+from kv_transfer.rendezvous import ChannelDialer
+from kv_transfer.same_node import export_cache, uses_same_node
 from kv_transfer.staging import StagingPool
 from kv_transfer.streams import Outgoing
 from kv_transfer.wire import STATUS_CANCELLED, STATUS_OK, WireView, control_message
@@ -53,6 +55,7 @@ class _Lane:
     # Its place in the channel's ordered stream: its messages, posted ones with the tensors they
     # read (a tensor must outlive its send) and whether each is a staging buffer to give back.
     outgoing: Outgoing | None = None
+    same_node: bool = False  # the decode rank copies the KV itself (same_node.py)
 
 
 _WAIT_ALL = None  # the poster's last item: every message is posted, wait for them
@@ -96,7 +99,7 @@ class SendHandle:
                 # Nothing of it is on the wire: a CANCELLED header takes its place in the
                 # stream, so the decode side ends it promptly and the channel stays.
                 header = lane.view.header(self.ticket.transfer_id, STATUS_CANCELLED)
-                channel.sends.abandon(outgoing, header)
+                channel.sends.abandon(outgoing, header.to(channel.device))
             else:
                 channel.mark_broken()
                 self._dialer.report_broken(lane.endpoint, channel)
@@ -142,6 +145,8 @@ class SendHandle:
         if not self.ticket.layerwise:
             return  # whole-request wire mode: everything goes at finish()
         for lane in self._lanes:
+            if lane.same_node:
+                continue  # the decode side copies every layer once the trailer says so
             per_layer = lane.view.messages_per_layer
             if lane.next_index != layer * per_layer:
                 raise ValueError(
@@ -166,7 +171,14 @@ class SendHandle:
             return
         self._finishing = True
         sent_at_us = int(time.time() * 1e6)  # the first token's time, for the decode side's TPOT
+        if status == STATUS_OK and any(lane.same_node for lane in self._lanes):
+            cache = self._lanes[0].view.cache
+            if cache.device.type == "cuda":  # the KV is written before the decode side reads it
+                torch.cuda.current_stream(cache.device).synchronize()
         for lane in self._lanes:
+            if lane.same_node:
+                self._post_same_node_end(lane, status, first_token_id, sent_at_us)
+                continue
             if not lane.view.layerwise:
                 self._post_packed(lane, status, first_token_id, sent_at_us)
                 continue
@@ -238,6 +250,17 @@ class SendHandle:
         )
         self._post(lane, message, 1, "packed KV", staged=True, last=True)
 
+    def _post_same_node_end(
+        self, lane: _Lane, status: int, first_token_id: int | None, sent_at_us: int
+    ) -> None:
+        """The same-node transport's end of a transfer: where to copy from, then the trailer."""
+        ids = torch.tensor(lane.view.block_ids, dtype=torch.int64)
+        self._post(lane, ids, 1, "source block ids")
+        first = -1 if first_token_id is None else first_token_id
+        values = (self.ticket.transfer_id, status, first, self.ticket.num_tokens, sent_at_us)
+        trailer = control_message(values, torch.device("cpu"))
+        self._post(lane, trailer, 2, "trailer", last=True)
+
     def _wait_all(self) -> None:
         try:
             for lane in self._lanes:
@@ -290,6 +313,15 @@ class KVRankSender:
         self.prefill_rank = prefill_rank
         self.num_kv_heads = num_kv_heads
         self.staging = StagingPool()
+        self._export: bytes | None = None
+        self._export_lock = threading.Lock()
+
+    def _exported(self) -> bytes:
+        """This rank's cache, exported once for same-node peers (same_node.export_cache)."""
+        with self._export_lock:
+            if self._export is None:
+                self._export = export_cache(self.cache)
+            return self._export
 
     def start(self, ticket: KVTicket, block_ids: Sequence[int]) -> SendHandle:
         """Dial this rank's channels for `ticket` and send the headers. Blocks only for the dial
@@ -333,9 +365,12 @@ class KVRankSender:
         handle = SendHandle(ticket, lanes, self.dialer, self.staging, post_inline)
         for lane, segment in zip(lanes, segments, strict=True):
             pair_key = ticket.pair_key(self.prefill_rank, segment.decode_rank)
+            source = None
+            if uses_same_node(ticket.transport, lane.endpoint.node_id):
+                source = self._exported()
             try:
                 lane.channel = self.dialer.dial(
-                    lane.endpoint, pair_key, str(ticket.transfer_id), handle.deadline
+                    lane.endpoint, pair_key, str(ticket.transfer_id), handle.deadline, source
                 )
             except KVTransferError as exc:
                 handle._fail(lane, exc)
@@ -345,7 +380,11 @@ class KVRankSender:
                 continue
             # Its place in the channel's stream is taken now, in dial order (streams.py).
             lane.outgoing = lane.channel.sends.open(handle._what(lane))
-            if lane.view.layerwise:
+            lane.same_node = lane.channel.same_node
+            if lane.same_node:  # the header now, as in layerwise mode; the rest at finish
+                header = lane.view.header(ticket.transfer_id, status).cpu()
+                handle._post(lane, header, 0, "header", last=status == STATUS_CANCELLED)
+            elif lane.view.layerwise:
                 header = lane.view.header(ticket.transfer_id, status)
                 handle._post(lane, header, 0, "header", last=status == STATUS_CANCELLED)
             elif status == STATUS_CANCELLED:  # whole mode: the header alone, without KV

@@ -90,6 +90,7 @@ class KVReceiver:
             timeout_s=self.config.transfer_timeout_s,
             start_timeout_s=self.config.start_timeout_s,
             min_piece_bytes=self.config.min_piece_bytes,
+            transport=self.config.transport,
         )
         deadline = self._clock() + ticket.wait_to_start_s  # the ranks' waits end by then
         self._incoming[rid] = _Incoming(ticket, deadline, set(range(len(self.endpoints))))

@@ -28,10 +28,10 @@ from typing import Protocol
 from engine import parallel
 from engine.model_runner import ModelRunner
 from engine.ranks import RankCommand
-from kv_transfer.channel import ChannelDialer
 from kv_transfer.errors import KVTransferCancelled
 from kv_transfer.messages import KVTicket
 from kv_transfer.rank_sender import KVRankSender
+from kv_transfer.rendezvous import ChannelDialer
 
 
 @dataclass(frozen=True)

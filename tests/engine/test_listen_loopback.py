@@ -8,7 +8,7 @@ import os
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.net import create_store
-from kv_transfer.channel import ChannelHost
+from kv_transfer.rendezvous import ChannelHost
 from tests.listening import is_loopback, listening_addresses
 
 

@@ -24,12 +24,19 @@ class InstanceState(_WorkerState):
 
     # ------------------------------------------------------------------ decode
     def decode_setup(
-        self, num_kv_heads: int, head_dim: int, timeout_s: float, layerwise: bool = True
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        timeout_s: float,
+        layerwise: bool = True,
+        transport: str = "network",
     ) -> Any:
         self.host = self.host or ChannelHost()
         spec = rank_spec(num_kv_heads, 1, 0, head_dim)
         self.decode_pool = BlockPool(spec.num_blocks)
-        config = KVTransferConfig(transfer_timeout_s=timeout_s, layerwise=layerwise)
+        config = KVTransferConfig(
+            transfer_timeout_s=timeout_s, layerwise=layerwise, transport=transport
+        )
         self.receiver = KVReceiver(
             self.decode_pool, spec.block_size, "D", [self.host.endpoint], config
         )

@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads
-from kv_transfer.channel import ChannelDialer, ChannelHost
 from kv_transfer.rank_receiver import KVRankReceiver, RecvHandle
 from kv_transfer.rank_sender import KVRankSender, SendHandle
+from kv_transfer.rendezvous import ChannelDialer, ChannelHost
 
 NUM_LAYERS = 2
 NUM_BLOCKS = 16
@@ -124,6 +124,7 @@ class _WorkerState:
         self.host: ChannelHost | None = None
         self.dialer = ChannelDialer()
         self.handles: dict[str, tuple[Any, ...]] = {}
+        self.senders: dict[tuple[int, int, int], KVRankSender] = {}
 
     def endpoint(self) -> Any:
         if self.host is None:
@@ -147,8 +148,16 @@ class _WorkerState:
         first_token_id: int | None,
         num_layers_to_send: int | None,
     ) -> None:
-        cache = source_cache(seed, num_kv_heads, ticket.prefill_tp_size, rank)
-        sender = KVRankSender(cache, self.dialer, rank, num_kv_heads)
+        # One cache per rank shape, as a prefill rank has: the same-node transport exports it
+        # once per channel. Only this transfer's source blocks take the seed's KV.
+        key = (num_kv_heads, ticket.prefill_tp_size, rank)
+        if key not in self.senders:
+            cache = KVCache(rank_spec(num_kv_heads, ticket.prefill_tp_size, rank))
+            self.senders[key] = KVRankSender(cache, self.dialer, rank, num_kv_heads)
+        sender = self.senders[key]
+        cache = sender.cache
+        source = source_cache(seed, num_kv_heads, ticket.prefill_tp_size, rank).data
+        cache.data[:, :, :, src_block_ids] = source[:, :, :, src_block_ids]
         handle = sender.start(ticket, src_block_ids)
         if ticket.layerwise:
             for layer in range(
@@ -158,6 +167,11 @@ class _WorkerState:
         if num_layers_to_send is None:
             handle.finish(first_token_id)
         self.handles[name] = (handle, cache)
+
+    def same_node(self, name_prefix: str) -> list[bool]:
+        """Whether each of this rank's channels for an instance pair uses the same-node
+        transport (none when the plan gives this rank nothing to send)."""
+        return [c.same_node for c in self.dialer._channels.values() if name_prefix in c.pair_key]
 
     def cancel(self, name: str, ticket: Any, rank: int, num_kv_heads: int) -> None:
         """End a transfer that never started: a CANCELLED header only."""

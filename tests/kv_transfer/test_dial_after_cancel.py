@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_transfer.channel import ChannelDialer, ChannelHost
 from kv_transfer.errors import KVTransferError
+from kv_transfer.rendezvous import ChannelDialer, ChannelHost
 
 
 @pytest.fixture

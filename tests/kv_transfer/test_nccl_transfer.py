@@ -40,8 +40,8 @@ def _source(device: str) -> KVCache:
 
 
 def _decode_main(device: str, to_parent: Any, from_parent: Any) -> None:
-    from kv_transfer.channel import ChannelHost
     from kv_transfer.rank_receiver import KVRankReceiver
+    from kv_transfer.rendezvous import ChannelHost
 
     host = ChannelHost(device)
     to_parent.put(host.endpoint)
@@ -63,8 +63,8 @@ def _decode_main(device: str, to_parent: Any, from_parent: Any) -> None:
 
 
 def _prefill_main(device: str, ticket: KVTicket, to_parent: Any) -> None:
-    from kv_transfer.channel import ChannelDialer
     from kv_transfer.rank_sender import KVRankSender
+    from kv_transfer.rendezvous import ChannelDialer
 
     cache = _source(device)
     handle = KVRankSender(cache, ChannelDialer(device), 0, SPEC.num_kv_heads).start(ticket, SRC_IDS)

@@ -18,12 +18,16 @@ pytestmark = pytest.mark.slow
 
 NUM_KV_HEADS = 2
 _ids = itertools.count(1)
+_transport = "network"  # the pair fixture's transport
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[Worker, Worker]]:
-    """One prefill rank and one decode rank: every transfer shares their one channel."""
+@pytest.fixture(scope="module", params=["network", "same_node"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
+    """One prefill rank and one decode rank: every transfer shares their one channel, over
+    either transport."""
     assert ordered_matching(), "the suite runs kv_transfer with ordered matching on"
+    global _transport
+    _transport = request.param
     prefill, decode = start_workers(1)[0], start_workers(1)[0]
     try:
         yield prefill, decode
@@ -49,6 +53,7 @@ def ticket_for(
         layerwise=layerwise,
         timeout_s=timeout_s,
         min_piece_bytes=0,
+        transport=_transport,
     )
 
 

@@ -21,10 +21,12 @@ NUM_TOKENS = 4 * 12 - 2  # 12 blocks of 4 tokens
 BIG_HEAD_DIM = 65536  # 8 MiB per block: a transfer far larger than the socket buffers
 
 
-def start_pair(head_dim: int = 8, layerwise: bool = True) -> tuple[Worker, Worker]:
+def start_pair(
+    head_dim: int = 8, layerwise: bool = True, transport: str = "network"
+) -> tuple[Worker, Worker]:
     prefill, decode = start_workers(2)
     prefill.call("prefill_setup", 2, head_dim)
-    decode.call("decode_setup", 2, head_dim, TIMEOUT_S, layerwise)
+    decode.call("decode_setup", 2, head_dim, TIMEOUT_S, layerwise, transport)
     return prefill, decode
 
 
@@ -93,18 +95,39 @@ def test_killed_decode_process_fails_the_prefill_side_within_the_deadline(
     assert sent["num_free_blocks"] == NUM_BLOCKS and sent["released"] == [("a", False)]
 
 
-def test_killed_prefill_process_fails_the_decode_side_within_the_deadline(
-    pair: tuple[Worker, Worker],
-) -> None:
-    prefill, decode = pair
-    ticket = reserve(decode, "a")
-    prefill.call("prefill_start", ticket, 1)
-    prefill.process.kill()
-    received = decode.call("decode_wait", "a")
-    assert received["error"] in ("KVTransferError", "KVTransferTimeout")
-    assert received["elapsed_s"] < TIMEOUT_S + 0.5
-    assert received["ack"] == KVTransferDone("a", ticket.transfer_id, False, received["ack"].error)
-    assert received["num_free_blocks"] == NUM_BLOCKS
+@pytest.mark.parametrize("transport", ["network", "same_node"])
+def test_killed_prefill_process_fails_the_decode_side_within_the_deadline(transport: str) -> None:
+    prefill, decode = start_pair(transport=transport)
+    try:
+        ticket = reserve(decode, "a")
+        prefill.call("prefill_start", ticket, 1)
+        prefill.process.kill()
+        received = decode.call("decode_wait", "a")
+        assert received["error"] in ("KVTransferError", "KVTransferTimeout")
+        assert received["elapsed_s"] < TIMEOUT_S + 0.5
+        error = received["ack"].error
+        assert received["ack"] == KVTransferDone("a", ticket.transfer_id, False, error)
+        assert received["num_free_blocks"] == NUM_BLOCKS
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_same_node_transfer_cancelled_mid_way_frees_both_and_the_channel_stays() -> None:
+    prefill, decode = start_pair(transport="same_node")
+    try:
+        ticket = reserve(decode, "c")
+        prefill.call("prefill_start", ticket, 1)
+        abort = prefill.call("prefill_abort", "c")
+        sent = prefill.call("prefill_wait", "c")
+        received = decode.call("decode_wait", "c")
+        assert received["error"] == "KVTransferCancelled", received
+        decode.call("decode_on_abort", abort)
+        assert_failed_and_freed_after(prefill, decode, "c", sent, received)
+        assert_transfer_works(prefill, decode, "after-cancel")
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 @pytest.mark.parametrize("pair", [True, False], ids=["layerwise", "whole"], indirect=True)

@@ -50,6 +50,7 @@ def make_ticket(
     layerwise: bool,
     name: str,
     min_piece_bytes: int = 0,  # pieces and per-head messages of any size: these blocks are tiny
+    transport: str = "network",
 ) -> KVTicket:
     endpoints = tuple(worker.call("endpoint") for worker in decode[:d])
     return KVTicket(
@@ -65,6 +66,7 @@ def make_ticket(
         layerwise=layerwise,
         timeout_s=20.0,
         min_piece_bytes=min_piece_bytes,
+        transport=transport,
     )
 
 
@@ -123,6 +125,7 @@ LAYOUTS = {  # (source ids, destination ids)
 }
 
 
+@pytest.mark.parametrize("transport", ["network", "auto"])  # auto: same node here
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["2heads", "1head"])
@@ -134,14 +137,17 @@ def test_received_kv_is_byte_identical(
     num_kv_heads: int,
     layerwise: bool,
     layout: str,
+    transport: str,
 ) -> None:
     prefill, decode = workers
     src_block_ids, dst_block_ids = LAYOUTS[layout]
-    name = f"req-{p}{d}{num_kv_heads}{int(layerwise)}{layout}"
-    ticket = make_ticket(decode, p, d, dst_block_ids, layerwise, name)
+    name = f"req-{p}{d}{num_kv_heads}{int(layerwise)}{layout}{transport}"
+    ticket = make_ticket(decode, p, d, dst_block_ids, layerwise, name, transport=transport)
     seed = ticket.transfer_id
     post_transfer(prefill, decode, ticket, num_kv_heads, seed, src_block_ids)
     check_transfer(prefill, decode, ticket, num_kv_heads, seed, src_block_ids)
+    kinds = [kind for rank in range(p) for kind in prefill[rank].call("same_node", name)]
+    assert kinds and set(kinds) == {transport == "auto"}
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "runs"])

@@ -1,0 +1,94 @@
+"""The same-node transport: the decode rank copies the KV straight out of the prefill rank's
+cache, through memory both processes map, instead of receiving it through a socket.
+
+    prefill rank                                decode rank
+    first same-node dial: export the cache      the channel's first transfer: map it (once)
+      CPU: move it to shared memory (in place,    CPU: the same /dev/shm pages
+           once); hand out its file name          GPU: a CUDA IPC mapping of the same memory
+      GPU: a CUDA IPC handle
+    per transfer, on the pair's gloo channel (one ordered stream, streams.py):
+      header at start                           header -> this transfer is next
+      at finish: its source block ids, trailer  ids, trailer OK -> copy source blocks (their
+                                                  heads) into the reserved blocks, one copy
+                                                  (device to device on GPU), then report
+The source blocks stay referenced by the prefill instance until the decode side acks (KVSender),
+so they cannot change while the copy reads them. Control messages are CPU tensors on gloo even
+on GPU: NCCL refuses two ranks on one device, which one GPU shared by a prefill and a decode
+process is. Which transport a pair uses: tickets carry KVTransferConfig.transport; "auto" picks
+this one when the decode rank's endpoint names this node.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import socket
+from dataclasses import replace
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from engine.kv_cache import KVCache
+from kv_transfer.wire import WireView, contiguous_start
+
+
+def _node_id() -> str:
+    """This machine: its host name and boot id (two containers may share a host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+NODE_ID = _node_id()
+
+
+def uses_same_node(transport: str, decode_node_id: str) -> bool:
+    """Whether a pair whose decode rank runs on `decode_node_id` takes this transport."""
+    if transport == "same_node":
+        return True
+    return transport == "auto" and decode_node_id == NODE_ID
+
+
+def export_cache(cache: KVCache) -> bytes:
+    """A handle another process on this node maps the cache's memory with (see `map_cache`)."""
+    data = cache.data
+    if data.is_cuda:
+        rebuild, args = reduce_tensor(data)
+        return pickle.dumps(("cuda", rebuild, args))
+    data.share_memory_()  # in place: the model's views of the cache keep working
+    manager, name, size = data.untyped_storage()._share_filename_cpu_()
+    layout = (data.dtype, tuple(data.shape), data.stride(), data.storage_offset())
+    return pickle.dumps(("cpu", (manager, name, size), layout))
+
+
+@functools.lru_cache(maxsize=64)
+def map_cache(handle: bytes) -> torch.Tensor:
+    """The exporting rank's cache data, mapped into this process (once per handle)."""
+    kind, *rest = pickle.loads(handle)  # noqa: S301 - from our own peer's rendezvous store
+    if kind == "cuda":
+        rebuild, args = rest
+        return rebuild(*args)
+    (manager, name, size), (dtype, shape, stride, offset) = rest
+    storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
+    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+
+
+def copy_blocks(
+    source: torch.Tensor, src_heads: slice, src_block_ids: list[int], view: WireView
+) -> None:
+    """Copy the source blocks' `src_heads` into `view`'s blocks and heads: one copy when the
+    source ids are a run (a view of them), else a gather first."""
+    src = source[:, :, src_heads]  # [L, 2, heads, blocks, block_size, head_dim]
+    start = contiguous_start(src_block_ids)
+    if start is not None:
+        picked = src.narrow(3, start, len(src_block_ids))
+    else:
+        index = torch.tensor(src_block_ids, dtype=torch.long, device=source.device)
+        picked = src.index_select(3, index)
+    whole = replace(view, layerwise=False, pieces=None, grouped=False)  # one piece
+    whole._scatter(None, picked)
+    if picked.is_cuda:  # the blocks are whole before the decode side reports them landed
+        torch.cuda.current_stream(picked.device).synchronize()
