@@ -13,7 +13,7 @@ Families (all small: hidden 64, 2 layers, vocab 512):
     "qwen3_moe" 3 layers: 8 experts, top-2 with renormalised weights; layer 1 dense
     "gemma3"   text-only Gemma 3: layer 0 slides (window 16), layer 1 full, each with its own
                RoPE base; q/k norms, query_pre_attn_scalar 24, tied embeddings, final logit
-               soft-capping at 10, random norm weights (transformers starts them at 0)
+               soft-capping at 1, random norm weights (transformers starts them at 0)
 
 `config_overrides` are passed to the transformers config class (e.g. num_key_value_heads=1).
 The weights use a larger init scale than transformers' default so greedy outputs vary instead of
@@ -99,9 +99,9 @@ def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
-            final_logit_softcapping=10.0,
-            # the sqrt(hidden) embedding scale makes the default init's outputs repeat one token
-            initializer_range=0.05,
+            final_logit_softcapping=1.0,  # the logits are small: a low cap that bends them
+            # the sqrt(hidden) embedding scale makes the default init's outputs repeat tokens
+            initializer_range=0.03,
             tie_word_embeddings=True,
             pad_token_id=0,
         )
