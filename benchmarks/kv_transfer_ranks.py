@@ -4,6 +4,7 @@ benchmark's parent process sends it. Every rank is its own spawned process (gloo
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,11 +23,13 @@ from kv_transfer.rendezvous import ChannelDialer, ChannelHost
 class BenchWorker:
     """Parent-side handle of one rank process."""
 
-    def __init__(self, role: str, spec: tuple[int, ...]) -> None:
+    def __init__(self, role: str, spec: tuple[int, ...], cpus: list[int] | None = None) -> None:
         context = torch.multiprocessing.get_context("spawn")
         self.commands, self.replies = context.Queue(), context.Queue()
         self.process = context.Process(
-            target=_worker_main, args=(role, spec, self.commands, self.replies), daemon=True
+            target=_worker_main,
+            args=(role, spec, self.commands, self.replies, cpus),
+            daemon=True,
         )
         self.process.start()
 
@@ -53,12 +56,17 @@ class BenchWorker:
 
 def start_bench_workers(
     num_prefill: int, num_decode: int, spec: tuple[int, ...]
-) -> tuple[list[BenchWorker], list[BenchWorker]]:
-    prefill = [BenchWorker("prefill", spec) for _ in range(num_prefill)]
-    decode = [BenchWorker("decode", spec) for _ in range(num_decode)]
+) -> tuple[list[BenchWorker], list[BenchWorker], dict[str, list[int]]]:
+    """The rank processes; with two or more cores, prefill ranks pinned to the first half and
+    decode ranks to the second, so the two sides of a comparison never share a core."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = len(cores) // 2
+    pins = {"prefill": cores[:half], "decode": cores[half:]} if half else {}
+    prefill = [BenchWorker("prefill", spec, pins.get("prefill")) for _ in range(num_prefill)]
+    decode = [BenchWorker("decode", spec, pins.get("decode")) for _ in range(num_decode)]
     for worker in prefill + decode:
         worker.reply()  # ready
-    return prefill, decode
+    return prefill, decode, pins
 
 
 class _RankState:
@@ -196,7 +204,11 @@ class _AllWaits:
         self.finished_at = None if None in ends else max(ends)  # type: ignore[type-var]
 
 
-def _worker_main(role: str, spec: tuple[int, ...], commands: Any, replies: Any) -> None:
+def _worker_main(
+    role: str, spec: tuple[int, ...], commands: Any, replies: Any, cpus: list[int] | None
+) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
     state = _RankState(role, spec)
     replies.put(("ok", "ready"))

@@ -2,7 +2,7 @@
 
 For the engine benchmark's model shape (8 layers, 2 KV heads, head_dim 64, float32, block_size
 16) and 64/512/2048/8192 tokens, each p,d in {1,2}, whole-request and layerwise wire modes, and
-three block layouts (every rank is its own process, gloo on CPU):
+five block layouts (every rank is its own process, gloo on CPU):
 
     contiguous        both sides' blocks are one run of ids
     prefix-hit        the prefill blocks are two runs (a cached prefix of a quarter of the
@@ -27,6 +27,11 @@ benchmarks/block_runs.py measures how often each arises under load with BlockPoo
               cores from what the KV path's copies (head slices when p != d, scattered blocks)
               cost. On CPU those copies run at memory bandwidth (~3.7 GB/s on the 2-core
               machine, the same order as loopback TCP); on a GPU they are device copies.
+
+First the transports: same_node_over_network = network path time / same-node transport time
+(shared memory, see kv_transfer/same_node.py), worst over p,d in {(1,1),(2,2)} and two layouts,
+with the raw send interleaved (network_over_raw_same_run). Prefill ranks are pinned to one half
+of the cores, decode ranks to the other, where there are two or more.
 
 Prints one JSON object as its last line; `--out PATH` also writes it.
 Run: python -m benchmarks.kv_transfer_speed [--quick] [--out kv.json]
@@ -99,7 +104,15 @@ class Bench:
         self.endpoints = [worker.call(Endpoint()) for worker in decode]
         self.next_transfer_id = 1
 
-    def one_transfer(self, p: int, d: int, num_tokens: int, layerwise: bool, layout: str) -> float:
+    def one_transfer(
+        self,
+        p: int,
+        d: int,
+        num_tokens: int,
+        layerwise: bool,
+        layout: str,
+        transport: str = "network",
+    ) -> float:
         """Seconds from the first prefill rank's start to the last decode rank's landing."""
         num_blocks = -(-num_tokens // BLOCK_SIZE)
         tid, self.next_transfer_id = self.next_transfer_id, self.next_transfer_id + 1
@@ -115,6 +128,7 @@ class Bench:
             decode_endpoints=tuple(self.endpoints[:d]),
             layerwise=layerwise,
             timeout_s=60.0,
+            transport=transport,
         )
         for rank in range(d):
             self.decode[rank].call(Recv(ticket, rank))
@@ -193,6 +207,40 @@ class Bench:
             "overhead_ms_best": round((kv_best - raw_best) * 1e3, 3),
         }
 
+    def same_node_case(
+        self, p: int, d: int, num_tokens: int, layout: str, iters: int
+    ) -> dict[str, Any]:
+        """The same-node transport against the network path (the wire mode the config picks
+        for this size) and a raw send, interleaved."""
+        num_bytes = request_bytes(num_tokens)
+        layerwise = KVTransferConfig().use_layerwise(num_tokens)
+        self.one_transfer(p, d, num_tokens, layerwise, layout, "same_node")  # warm-up, export
+        self.one_transfer(p, d, num_tokens, layerwise, layout)
+        raw_times, network_times, same_node_times = [], [], []
+        for _ in range(iters):
+            raw_times.append(self.one_raw(num_bytes))
+            network_times.append(self.one_transfer(p, d, num_tokens, layerwise, layout))
+            same_node_times.append(
+                self.one_transfer(p, d, num_tokens, layerwise, layout, "same_node")
+            )
+        raw = statistics.median(raw_times)
+        network = statistics.median(network_times)
+        same_node = statistics.median(same_node_times)
+        return {
+            "p": p,
+            "d": d,
+            "tokens": num_tokens,
+            "blocks": layout,
+            "network_mode": "layerwise" if layerwise else "whole",
+            "bytes": num_bytes,
+            "raw_ms": round(raw * 1e3, 3),
+            "network_ms": round(network * 1e3, 3),
+            "same_node_ms": round(same_node * 1e3, 3),
+            "same_node_gbps": round(num_bytes / same_node / 1e9, 3),
+            "same_node_over_network": round(network / same_node, 3),
+            "network_over_raw": round(raw / network, 3),
+        }
+
 
 def iterations(num_tokens: int, quick: bool) -> int:
     base = {64: 30, 512: 15, 2048: 7, 8192: 5}[num_tokens]
@@ -235,14 +283,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument(
+        "--same-node-only", action="store_true", help="only the transport comparison"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = (NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    prefill, decode = start_bench_workers(2, 2, spec)
-    cases = []
+    prefill, decode, pinned = start_bench_workers(2, 2, spec)
+    cases, same_node_cases = [], []
     try:
         bench = Bench(prefill, decode)
-        for p, d in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        # Same-node transport vs the network path vs a raw send, at p=d=1 (one process per
+        # core when pinned) and p=d=2.
+        for p, d in ((1, 1), (2, 2)):
+            for num_tokens in args.tokens:
+                for layout in ("contiguous", "scattered"):
+                    iters = iterations(num_tokens, args.quick)
+                    row = bench.same_node_case(p, d, num_tokens, layout, iters)
+                    print(json.dumps(row), flush=True)
+                    same_node_cases.append(row)
+        for p, d in ((1, 1), (1, 2), (2, 1), (2, 2)) if not args.same_node_only else ():
             for num_tokens in args.tokens:
                 for layerwise in (True, False):
                     for layout in LAYOUTS:
@@ -268,8 +328,19 @@ def main() -> None:
             "block_size": BLOCK_SIZE,
             "dtype": "float32",
         },
-        "backend": "gloo (CPU, 127.0.0.1)",
+        "backend": "gloo (CPU, 127.0.0.1); same-node: shared memory",
         "summary": summarize(cases),
+        # per token count, the worst over p,d and layouts: network time / same-node time
+        "same_node_over_network": {
+            str(t): min(c["same_node_over_network"] for c in same_node_cases if c["tokens"] == t)
+            for t in args.tokens
+        },
+        "network_over_raw_same_run": {
+            str(t): min(c["network_over_raw"] for c in same_node_cases if c["tokens"] == t)
+            for t in args.tokens
+        },
+        "pinned_cpus": pinned,
+        "same_node_cases": same_node_cases,
         "cases": cases,
     }
     if args.out is not None:

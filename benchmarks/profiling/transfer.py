@@ -68,7 +68,7 @@ def measure_transfer(
     token_sizes = transfer_token_sizes(tuple(grid.transfer_tokens), bytes_per_token)
     num_blocks = -(-max(token_sizes) // block_size) + 1
     spec = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    prefill, decode = start_bench_workers(1, 1, spec)
+    prefill, decode, _ = start_bench_workers(1, 1, spec)
     points: list[list[float]] = []
     try:
         endpoint = decode[0].call(Endpoint())

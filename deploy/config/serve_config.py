@@ -70,10 +70,14 @@ class KVCacheConfig:
 
 @dataclass(frozen=True)
 class KVTransferSection:
-    """Deadlines of one KV hand-off, in seconds (kv_transfer/config.py says what each bounds)."""
+    """Deadlines of one KV hand-off, in seconds, and its transport (kv_transfer/config.py says
+    what each means)."""
 
     transfer_timeout_s: float = knob(30.0, checks.seconds())
     start_timeout_s: float = knob(60.0, checks.seconds(allow_zero=True))
+    # how KV moves between a prefill and a decode rank: auto (through shared memory / CUDA IPC
+    # when they run on one node, else the network), same_node, or network (gloo / NCCL)
+    transport: str = knob("auto", checks.choice(("auto", "same_node", "network")))
 
 
 @dataclass(frozen=True)

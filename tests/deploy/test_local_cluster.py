@@ -30,6 +30,11 @@ def test_gpu_sets_give_each_rank_its_own_gpu_and_refuse_a_layout_that_needs_more
     assert gpu_sets([1], 8) == [[0]]
     with pytest.raises(ValueError, match="needs 2 GPUs .* and 1 are visible"):
         gpu_sets([1, 1], 1)
+    # the same-node transport: workers take turns, a worker's TP ranks stay on distinct GPUs
+    assert gpu_sets([1, 1, 1], 1, share=True) == [[0], [0], [0]]
+    assert gpu_sets([2, 1, 1], 2, share=True) == [[0, 1], [0], [1]]
+    with pytest.raises(ValueError, match="needs 3 GPUs"):
+        gpu_sets([2, 1], 1, share=True)  # a TP=2 instance cannot put both ranks on one GPU
 
 
 @pytest.fixture(scope="module")

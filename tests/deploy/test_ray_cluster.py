@@ -78,6 +78,23 @@ def test_32_concurrent_streams_equal_transformers(cluster: RayCluster, reference
     results = stream_all(cluster.address, PROMPTS, MAX_TOKENS)
     assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(PROMPTS)
     assert [r.token_ids for r in results] == reference["short"]
+    # The KV moved through the same-node transport (the default on one node): each prefill
+    # rank actor shared its cache through /dev/shm. Every pool is back to its size.
+    status = cluster.status()
+    prefill = next(w for w in status.workers if w.role == Role.PREFILL)
+    shm = os.listdir("/dev/shm")
+    assert all(any(n.startswith(f"torch_{pid}_") for n in shm) for pid in prefill.pids)
+    deadline = time.monotonic() + 15.0
+    while time.monotonic() < deadline:
+        loads = [w.load for w in cluster.status().workers]
+        if all(
+            load is not None and load.num_free_blocks == load.num_total_blocks for load in loads
+        ):
+            break
+        time.sleep(0.2)
+    assert [
+        (w.load.num_free_blocks, w.load.num_total_blocks) for w in cluster.status().workers
+    ] == [(256, 256)] * 3
 
 
 def test_status_shows_every_worker_and_its_placement(cluster: RayCluster) -> None:

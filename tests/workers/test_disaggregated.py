@@ -28,7 +28,7 @@ from tests.workers.cluster import (
     wait_for_event,
 )
 from worker.config import WorkerConfig
-from worker.protocol import Abort, Load, Reserve, Submit
+from worker.protocol import Abort, Load, ProcessIds, Reserve, Submit
 
 BLOCK_SIZE = 8
 PREFILL_TP = 2
@@ -49,9 +49,11 @@ def reference(model_dir: str, prompts: list[list[int]], params: object) -> list[
         return [out.token_ids for out in llm.generate(prompts, params)]  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model):
+@pytest.fixture(scope="module", params=["same_node", "network"])
+def cluster(tiny_model, request):
+    """The layout once per KV transport (both in this suite's NCCL-like ordered matching)."""
     model_dir = tiny_model("llama")
+    transport = request.param
     # Chunks of 16 under a budget of 16: one chunk per step, so a long prompt takes many steps
     # (the abort tests catch requests queued behind it and mid-prefill).
     prefill = WorkerConfig.prefill(
@@ -59,7 +61,7 @@ def cluster(tiny_model):
             model_dir, tensor_parallel_size=PREFILL_TP, chunk_size=16, max_num_batched_tokens=16
         )
     )
-    decode_kv = KVTransferConfig(transfer_timeout_s=10.0)
+    decode_kv = KVTransferConfig(transfer_timeout_s=10.0, transport=transport)
     specs = [
         ("prefill", prefill),
         ("decode-0", WorkerConfig.decode(engine_config(model_dir), decode_kv)),
@@ -75,7 +77,8 @@ def cluster(tiny_model):
         (
             "decode-doomed",
             WorkerConfig.decode(
-                engine_config(model_dir), KVTransferConfig(transfer_timeout_s=DOOMED_TIMEOUT_S)
+                engine_config(model_dir),
+                KVTransferConfig(transfer_timeout_s=DOOMED_TIMEOUT_S, transport=transport),
             ),
         ),
     ]
@@ -83,6 +86,7 @@ def cluster(tiny_model):
     try:
         cluster.start(specs)
         cluster.model_dir = model_dir  # type: ignore[attr-defined]
+        cluster.transport = transport  # type: ignore[attr-defined]
         cluster.start_free = {i: free_blocks(cluster, i) for i in cluster.workers}  # type: ignore[attr-defined]
         yield cluster
     finally:
@@ -94,6 +98,11 @@ def cluster(tiny_model):
             15.0,
             "every worker process (and the prefill's TP rank) exiting",
         )
+
+
+def shared_memory_of(pid: int) -> list[str]:
+    """The torch shared-memory segments process `pid` created (file names carry its pid)."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{pid}_")]
 
 
 def assert_pools_back(cluster: Cluster, instance_ids: list[str], timeout_s: float = 15.0) -> None:
@@ -139,6 +148,12 @@ def test_greedy_outputs_equal_llm_and_transformers(cluster) -> None:
     used = {source for r in results.values() for source in r.decode_sources}
     assert used == {"decode-0", "decode-1"}
     assert_pools_back(cluster, ["prefill", "decode-0", "decode-1"])
+    # The same-node transport shared each prefill rank's cache through /dev/shm; the network
+    # one never did.
+    prefill_pids = cluster.workers["prefill"].call(ProcessIds())
+    assert len(prefill_pids) == PREFILL_TP
+    exported = [bool(shared_memory_of(pid)) for pid in prefill_pids]
+    assert exported == [cluster.transport == "same_node"] * PREFILL_TP
 
 
 def test_decode_instance_at_tp2_equals_llm(cluster) -> None:

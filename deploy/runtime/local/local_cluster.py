@@ -15,8 +15,10 @@ The same shape as the Ray runtime (deploy/runtime/ray/cluster.py), with a pipe w
 Benchmarks use it for colocated layouts too (N colocated Worker replicas), optionally with each
 worker pinned to its own cores (`spec.pin_cpus`). On CUDA each worker gets GPUs of its own, one per
 TP rank in instance order, through CUDA_VISIBLE_DEVICES (its ranks then take cuda:0..k-1, as under
-Ray); a layout with more ranks than GPUs is refused before anything starts, since NCCL refuses two
-ranks on one GPU and two engines would contend for its memory.
+Ray). A layout with more ranks than GPUs shares them between workers when the KV moves through
+the same-node transport (one GPU runs the default disaggregated layout at TP=1, each process with
+its own KV pool); over NCCL it is refused before anything starts, since NCCL refuses two ranks on
+one GPU.
 
 Keeping serving: a watch thread restarts every worker process that died (killed, or exited
 because its loop failed, e.g. a TP rank died), with the same arguments, and swaps it into the
@@ -80,9 +82,20 @@ def cpu_sets(num_ranks_per_worker: list[int], cpu_ids: list[int]) -> list[list[i
     return sets
 
 
-def gpu_sets(num_ranks_per_worker: list[int], num_gpus: int) -> list[list[int]]:
-    """One GPU per rank, handed out in order; more ranks than GPUs is an error (no wrapping)."""
+def gpu_sets(
+    num_ranks_per_worker: list[int], num_gpus: int, share: bool = False
+) -> list[list[int]]:
+    """One GPU per rank, handed out in order. More ranks than GPUs: with `share` (the KV moves
+    through the same-node transport, not NCCL) workers take turns on the GPUs, each worker's
+    ranks still on GPUs of their own (its TP group is NCCL), each process its own memory
+    share; without it, an error."""
     needed = sum(num_ranks_per_worker)
+    if needed > num_gpus and share and max(num_ranks_per_worker, default=0) <= num_gpus:
+        shared, next_gpu = [], 0
+        for num_ranks in num_ranks_per_worker:
+            shared.append(sorted((next_gpu + j) % num_gpus for j in range(num_ranks)))
+            next_gpu += num_ranks
+        return shared
     if needed > num_gpus:
         raise ValueError(
             f"this layout needs {needed} GPUs (one per TP rank of every instance) and "
@@ -174,7 +187,10 @@ class LocalCluster(ServingCluster):
             self._pins[instance_id] = cpu_ids if self.spec.pin_cpus else None
         if any(config.engine.device.startswith("cuda") for config in configs.values()):
             names = visible_gpus()
-            for instance_id, gpus in zip(configs, gpu_sets(tp_sizes, len(names)), strict=True):
+            # Workers may share a GPU when no KV channel needs NCCL between them.
+            share = all(c.kv_transfer.transport != "network" for c in configs.values())
+            sets = gpu_sets(tp_sizes, len(names), share)
+            for instance_id, gpus in zip(configs, sets, strict=True):
                 self._gpus[instance_id] = [names[index] for index in gpus]
 
         def start_one(instance_id: str) -> ProcessWorker:
