@@ -54,6 +54,24 @@ def test_grouped_decode_matches_one_padded_batch(
         )
         return out, len(meta.mask_cache.get(("decode_groups", sliding_window), []))
 
+    if sliding_window is not None:
+        # A sliding layer reads only the blocks holding its window, every row in one batch:
+        # the same as full-length tables under the window's mask.
+        windowed, groups = run(16)
+        assert groups == 0
+        monkeypatch.setattr(
+            torch_backend,
+            "_window_tables_and_mask",
+            lambda meta, window: (
+                meta.decode_block_tables,
+                torch_backend._length_mask(
+                    meta.decode_context_lens, meta.max_decode_context_len, window
+                ),
+            ),
+        )
+        full, _ = run(16)
+        assert torch.allclose(windowed, full, rtol=0, atol=1e-12)
+        return
     one, one_groups = run(10**9)
     grouped, num_groups = run(16)
     ungrouped, no_groups = run(16, group_decodes=False)  # CUDA's path: one padded batch
