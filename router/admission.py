@@ -2,6 +2,9 @@
 
     try_admit(deadline_s)  ->  running (a slot is free)  |  waiting (queue has room)  |  AdmissionFull
     wait_until_running(ticket)   FIFO; a cancelled waiter leaves the queue
+    park(ticket) / resume(ticket)   a running request the workers had no KV space for gives up
+                                 its slot and waits in a queue place; resumed, it runs again
+                                 ahead of the FIFO
     release(ticket)              frees the slot (or the queue place) and starts the next waiter
 
 Past both bounds a request is refused at once (the router answers RESOURCE_EXHAUSTED), so a
@@ -24,10 +27,11 @@ class AdmissionFull(Exception):
 
 
 class AdmissionTicket:
-    __slots__ = ("_future", "released", "running")
+    __slots__ = ("_future", "parked", "released", "running")
 
     def __init__(self, running: bool, future: asyncio.Future[None] | None = None) -> None:
         self.running = running
+        self.parked = False  # waiting for KV space, in a queue place
         self.released = False
         self._future = future
 
@@ -38,12 +42,14 @@ class AdmissionController:
         self.max_queued = max_queued
         self.num_running = 0
         self._waiting: deque[AdmissionTicket] = deque()
+        self._num_parked = 0
         self._start_interval_s: float | None = None  # smoothed time between waiters' starts
         self._last_start: float | None = None
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests in queue places: waiting for a running slot, or parked for KV space."""
+        return len(self._waiting) + self._num_parked
 
     def expected_wait_s(self) -> float | None:
         """How long a request queued now would wait for its turn (None: no estimate yet)."""
@@ -56,11 +62,8 @@ class AdmissionController:
         if self.num_running < self.max_running and not self._waiting:
             self.num_running += 1
             return AdmissionTicket(running=True)
-        if len(self._waiting) >= self.max_queued:
-            raise AdmissionFull(
-                f"the router is at capacity ({self.num_running} requests running, "
-                f"{len(self._waiting)} queued); retry later"
-            )
+        if self.num_waiting >= self.max_queued:
+            raise AdmissionFull(self._full_message())
         wait_s = self.expected_wait_s()
         if deadline_s is not None and wait_s is not None and wait_s > deadline_s:
             raise AdmissionFull(
@@ -78,10 +81,45 @@ class AdmissionController:
         assert ticket._future is not None
         await ticket._future  # a cancel here propagates; release() cleans up the ticket
 
+    def park(self, ticket: AdmissionTicket) -> None:
+        """A running request waits for KV space: its running slot goes to the next waiter and it
+        takes a queue place instead. Raises AdmissionFull when no queue place is left."""
+        assert ticket.running and not ticket.released
+        if self.num_waiting >= self.max_queued:
+            raise AdmissionFull(self._full_message())
+        ticket.running, ticket.parked = False, True
+        self._num_parked += 1
+        self.num_running -= 1
+        self._start_waiters()
+
+    async def resume(self, ticket: AdmissionTicket) -> None:
+        """A parked request runs again: at once if a slot is free, else first in the queue
+        (it waited longer than anyone queued behind it)."""
+        assert ticket.parked
+        ticket.parked = False
+        self._num_parked -= 1
+        if self.num_running < self.max_running:
+            ticket.running = True
+            self.num_running += 1
+            return
+        ticket._future = asyncio.get_running_loop().create_future()
+        self._waiting.appendleft(ticket)
+        await self.wait_until_running(ticket)
+
+    def _full_message(self) -> str:
+        return (
+            f"the router is at capacity ({self.num_running} requests running, "
+            f"{self.num_waiting} queued); retry later"
+        )
+
     def release(self, ticket: AdmissionTicket) -> None:
         if ticket.released:
             return
         ticket.released = True
+        if ticket.parked:
+            ticket.parked = False
+            self._num_parked -= 1
+            return
         if not ticket.running:
             self._waiting.remove(ticket)
             return

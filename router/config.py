@@ -39,7 +39,9 @@ class RouterConfig:
     request's content.
     Admission: at most `max_running_requests` are dispatched to workers at once and at most
     `max_queued_requests` more wait in the router; past that a request gets RESOURCE_EXHAUSTED
-    at once. `max_model_len` must match the workers' (None: the model's max_position_embeddings).
+    at once. A dispatched request that no worker has KV space for goes back to wait in a queue
+    place until a request ends (RESOURCE_EXHAUSTED only without a free place, past its deadline,
+    or when no worker's whole pool could hold its prompt). `max_model_len` must match the workers' (None: the model's max_position_embeddings).
     `block_size` must match the workers' KV block size (the kv_aware policy hashes prompt
     blocks the way their prefix caches do).
     A prompt longer than `max_prompt_chars_per_token * max_model_len` characters is refused before

@@ -1,6 +1,7 @@
 """One request's life in the router: admit, dispatch, stream, and clean up on every path.
 
     admit (bounded queue) -> pick decode + prefill (policies) -> reserve KV on decode
+      (every instance full: park in a queue place until a request ends, and place again)
       -> submit to prefill -> events: first token (prefill), then the rest (decode)
       -> detokenize, cut at stop strings -> chunks to the servicer
 
@@ -25,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from router.adaptive import Placement
-from router.admission import AdmissionController, AdmissionFull
+from router.admission import AdmissionController, AdmissionFull, AdmissionTicket
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import Dispatch, Dispatcher
 from router.generation_errors import FailureKind, GenerationFailed
@@ -38,6 +39,10 @@ from router.tokenizer import RouterTokenizer
 from router.validation import ValidatedRequest
 from router.worker_api import TokenEvent
 from router.worker_pool import InstanceLost, RequestChannel, WorkerPool
+
+# How long a request parked for KV space waits before it tries again though no request ended:
+# a worker frees space on its own too (a preempted or aborted sequence, a finished transfer).
+_SPACE_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ class GenerationRunner:
             while True:
                 wait_until = progress.recovery.wait_until(self._recovery_wait_s)
                 avoiding = (avoid,) if avoid else ()
+                space = self._pool.space_mark()
                 try:
                     dispatch = await self._dispatcher.dispatch(
                         placed, channel, arrival_time, wait_until, avoiding
@@ -117,6 +123,10 @@ class GenerationRunner:
                             f"the deadline passed while the request waited for a worker: {exc}"
                         )
                         raise GenerationFailed(FailureKind.DEADLINE, message) from exc
+                    if exc.kind is FailureKind.OVERLOADED and await self._wait_for_space(
+                        ticket, progress, space, len(placed.prompt_token_ids)
+                    ):
+                        continue
                     raise _after(lost, exc) from exc
                 progress.start_placement(dispatch)
                 if dispatch.num_failed:  # placements that failed before this one answered
@@ -144,6 +154,32 @@ class GenerationRunner:
             )
             for request_id, instance_ids in channel.abandoned:
                 self._pool.abort_everywhere(request_id, instance_ids)
+
+    async def _wait_for_space(
+        self, ticket: AdmissionTicket, progress: Progress, space: object, num_tokens: int
+    ) -> bool:
+        """Every instance that could take the request was full: wait in a queue place until a
+        request ends (or a while, as a worker may free space on its own), then place it again.
+        False when it cannot wait: its deadline passed, or nothing runs whose end could free
+        space, or no pool is large enough (then it never fits); OVERLOADED when no queue place
+        is left. A cancel here leaves the ticket
+        parked; the caller's release() frees its queue place."""
+        deadline_at = progress.recovery.deadline_at
+        wait_s = _SPACE_RETRY_S
+        if deadline_at is not None:
+            wait_s = min(wait_s, deadline_at - time.monotonic())
+        if wait_s <= 0 or not self._pool.space_may_free(num_tokens):
+            return False
+        try:
+            self._admission.park(ticket)
+        except AdmissionFull as exc:
+            message = f"no worker has KV space for the request, and {exc}"
+            raise GenerationFailed(FailureKind.OVERLOADED, message) from exc
+        self._update_queue_gauges()
+        await self._pool.wait_for_space(space, wait_s)
+        await self._admission.resume(ticket)
+        self._update_queue_gauges()
+        return True
 
     def _recover(self, failure: GenerationFailed, progress: Progress) -> None:
         """Count a recovery from `failure`, or re-raise it (or what replaces it)."""

@@ -24,6 +24,7 @@ a lost instance shows as down, with nothing running and no blocks in use, at onc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -162,6 +163,7 @@ class WorkerPool:
         self._abort_tasks: set[asyncio.Task[None]] = set()
         # Set, and replaced by a fresh one, each time an instance becomes healthy.
         self._recovered: asyncio.Event | None = None
+        self._space_freed: asyncio.Event | None = None
 
     @property
     def prefix_index(self) -> PrefixIndex | None:
@@ -276,6 +278,30 @@ class WorkerPool:
 
     def note_done(self, instance_id: str) -> None:
         self._instances[instance_id].num_active_requests -= 1
+        if self._space_freed is not None:  # a request ended there: its KV space is free again
+            self._space_freed.set()
+            self._space_freed = None
+
+    def space_mark(self) -> object:
+        """A mark to pass to `wait_for_space`: requests that end after it count."""
+        if self._space_freed is None:
+            self._space_freed = asyncio.Event()
+        return self._space_freed
+
+    async def wait_for_space(self, mark: object, timeout_s: float) -> None:
+        """Wait until a request has ended on some instance since `mark`, or `timeout_s`."""
+        assert isinstance(mark, asyncio.Event)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(mark.wait(), max(timeout_s, 0.0))
+
+    def space_may_free(self, num_prompt_tokens: int) -> bool:
+        """Whether a prompt refused for space may fit later: a request of this router runs on
+        some instance (its end frees space), and some instance's whole pool holds the prompt."""
+        instances = self._instances.values()
+        num_blocks = math.ceil(num_prompt_tokens / self._config.block_size)
+        return any(i.num_active_requests > 0 for i in instances) and any(
+            i.load.num_total_blocks >= num_blocks for i in instances
+        )
 
     def abort_everywhere(self, request_id: str, instance_ids: set[str]) -> None:
         """Tell each instance to free the request's state; runs on its own, so a cancelled
