@@ -1,4 +1,5 @@
-"""The Llama decoder (Llama-2, Llama-3, and via config flags Mistral and Qwen2), TP-sharded.
+"""The Llama decoder (Llama-2, Llama-3, and via config flags Mistral, Qwen2, Qwen3, Phi-3 and
+Qwen3-MoE's sparse MLP layers), TP-sharded; Gemma 3 swaps in its own layer and norm classes.
 
 Forward runs over the step's packed tokens with no padding: input_ids and positions are
 [num_tokens]; hidden states are [num_tokens, hidden_size]. q/k/v are one fused column-parallel
@@ -17,6 +18,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
+from engine.models.moe import SparseMoeBlock
 from engine.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -125,11 +127,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = self.attention_class(config, layer_idx, backend)
-        self.mlp: nn.Module = LlamaMLP(config)
-        if config.moe_layers and config.moe_layers[layer_idx]:
-            from engine.models.moe import SparseMoeBlock
-
-            self.mlp = SparseMoeBlock(config)
+        sparse = bool(config.moe_layers) and config.moe_layers[layer_idx]
+        self.mlp: nn.Module = SparseMoeBlock(config) if sparse else LlamaMLP(config)
         self.input_layernorm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
