@@ -22,6 +22,12 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda"
 step gpu-tests 200 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
   tests/engine/test_cuda.py tests/engine/test_tp_nccl.py tests/kv_transfer/test_nccl_transfer.py \
   tests/deploy/test_cuda_serving.py
+# The disaggregated layout served through the router: on one GPU over the same-node transport
+# (CUDA IPC), over NCCL too when there are two or more; 32 concurrent streams whose prefills
+# finish out of order, tokens equal to transformers in float64, every block back. Skips cleanly
+# without CUDA.
+step gpu-disaggregated 240 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
+  tests/kv_transfer/test_same_node_cuda.py tests/workers/test_gpu_disaggregated.py
 step engine-31m-bf16 90 python3 -m benchmarks.engine_speed --device cuda --dtype bfloat16 \
   --out "$out/engine-31m-bf16.json"
 step engine-1b-bf16 150 python3 -m benchmarks.engine_speed --device cuda --dtype bfloat16 --preset 1b \

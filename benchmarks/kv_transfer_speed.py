@@ -121,9 +121,10 @@ class Bench:
             transfer_id=tid,
             block_ids=tuple(decode_ids(num_blocks, layout, tid)),
             num_tokens=num_tokens,
-            prefill_instance_id=f"P{p}",
+            # a pair of instances keeps one transport: its own ids per transport
+            prefill_instance_id=f"P{p}-{transport}",
             prefill_tp_size=p,
-            decode_instance_id=f"D{d}",
+            decode_instance_id=f"D{d}-{transport}",
             decode_tp_size=d,
             decode_endpoints=tuple(self.endpoints[:d]),
             layerwise=layerwise,

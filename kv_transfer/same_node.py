@@ -23,13 +23,12 @@ from __future__ import annotations
 import functools
 import pickle
 import socket
-from dataclasses import replace
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from engine.kv_cache import KVCache
-from kv_transfer.wire import WireView, contiguous_start
+from kv_transfer.wire import WireView
 
 
 def _node_id() -> str:
@@ -43,6 +42,7 @@ def _node_id() -> str:
 
 
 NODE_ID = _node_id()
+_MAX_RUN_COPIES = 1024
 
 
 def uses_same_node(transport: str, decode_node_id: str) -> bool:
@@ -76,19 +76,32 @@ def map_cache(handle: bytes) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
+def paired_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) for each stretch where both sides' ids run on together."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in zip(src_ids, dst_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
 def copy_blocks(
     source: torch.Tensor, src_heads: slice, src_block_ids: list[int], view: WireView
 ) -> None:
-    """Copy the source blocks' `src_heads` into `view`'s blocks and heads: one copy when the
-    source ids are a run (a view of them), else a gather first."""
+    """Copy the source blocks' `src_heads` into `view`'s blocks and heads, in one pass: a
+    strided copy per stretch of ids that run on together on both sides (one when both are
+    runs); past a few hundred stretches, a gather and a scatter cost less than the calls."""
     src = source[:, :, src_heads]  # [L, 2, heads, blocks, block_size, head_dim]
-    start = contiguous_start(src_block_ids)
-    if start is not None:
-        picked = src.narrow(3, start, len(src_block_ids))
+    dst = view.cache.data[:, :, view.heads]
+    runs = paired_runs(src_block_ids, list(view.block_ids))
+    if len(runs) <= _MAX_RUN_COPIES:
+        for src_start, dst_start, length in runs:
+            dst.narrow(3, dst_start, length).copy_(src.narrow(3, src_start, length))
     else:
-        index = torch.tensor(src_block_ids, dtype=torch.long, device=source.device)
-        picked = src.index_select(3, index)
-    whole = replace(view, layerwise=False, pieces=None, grouped=False)  # one piece
-    whole._scatter(None, picked)
-    if picked.is_cuda:  # the blocks are whole before the decode side reports them landed
-        torch.cuda.current_stream(picked.device).synchronize()
+        src_index = torch.tensor(src_block_ids, dtype=torch.long, device=source.device)
+        dst_index = torch.tensor(view.block_ids, dtype=torch.long, device=source.device)
+        dst.index_copy_(3, dst_index, src.index_select(3, src_index))
+    if source.is_cuda:  # the blocks are whole before the decode side reports them landed
+        torch.cuda.current_stream(source.device).synchronize()

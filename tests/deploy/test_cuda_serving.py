@@ -3,8 +3,10 @@ on 127.0.0.1, and greedy output token-identical to transformers in float64 on th
 
 The engine's own GPU parity is tests/engine/test_cuda.py; this runs the whole request path
 (router, worker process, scheduler, streaming) on a GPU. One GPU serves a colocated instance;
-the disaggregated layout needs two (NCCL refuses two ranks on one GPU, and LocalCluster refuses
-such a layout before starting anything), so its test skips on fewer. Skipped without CUDA.
+the disaggregated layout over NCCL needs two (NCCL refuses two ranks on one GPU, and
+LocalCluster refuses such a layout before starting anything), so its test skips on fewer; over
+the same-node transport one GPU serves it (tests/workers/test_gpu_disaggregated.py). Skipped
+without CUDA.
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def test_disaggregated_on_two_gpus_hands_kv_over_nccl_and_matches_transformers(
 ) -> None:
     prompts = make_prompts(512, lens=(5, 17, 33, 64))
     expected = hf_greedy_on_cuda(model_dir, prompts)
-    config = parse_config(serve_config(model_dir, **DISAGGREGATED))
+    layout = {**DISAGGREGATED, "kv_transfer": {"transport": "network"}}  # NCCL, not CUDA IPC
+    config = parse_config(serve_config(model_dir, **layout))
     with LocalCluster(build_cluster_spec(config)) as cluster:
         address = cluster.start()
         results = generate_all(address, prompts)
@@ -121,7 +124,10 @@ def test_disaggregated_on_two_gpus_hands_kv_over_nccl_and_matches_transformers(
     reason="checks the refusal on a machine with exactly one GPU",
 )
 def test_disaggregated_on_one_gpu_is_refused_before_any_worker_starts(model_dir: str) -> None:
-    config = parse_config(serve_config(model_dir, **DISAGGREGATED))
+    """Over NCCL only: the same-node transport shares the GPU (tests/workers/
+    test_gpu_disaggregated.py)."""
+    layout = {**DISAGGREGATED, "kv_transfer": {"transport": "network"}}
+    config = parse_config(serve_config(model_dir, **layout))
     with LocalCluster(build_cluster_spec(config)) as cluster:
         with pytest.raises(ValueError, match="needs 2 GPUs .* and 1 are visible"):
             cluster.start()
