@@ -24,6 +24,7 @@ acknowledges (see KVSender).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -58,6 +59,7 @@ class _Lane:
     same_node: bool = False  # the decode rank copies the KV itself (same_node.py)
 
 
+logger = logging.getLogger(__name__)
 _WAIT_ALL = None  # the poster's last item: every message is posted, wait for them
 _INLINE_MAX_BYTES = 1 << 20
 
@@ -314,13 +316,19 @@ class KVRankSender:
         self.num_kv_heads = num_kv_heads
         self.staging = StagingPool()
         self._export: bytes | None = None
+        self._export_failed = False
         self._export_lock = threading.Lock()
 
-    def _exported(self) -> bytes:
-        """This rank's cache, exported once for same-node peers (same_node.export_cache)."""
+    def _exported(self) -> bytes | None:
+        """This rank's cache, exported once for same-node peers (same_node.export_cache); None
+        when it cannot be (say /dev/shm is too small for it): the pair then uses the network."""
         with self._export_lock:
-            if self._export is None:
-                self._export = export_cache(self.cache)
+            if self._export is None and not self._export_failed:
+                try:
+                    self._export = export_cache(self.cache)
+                except Exception as exc:
+                    self._export_failed = True
+                    logger.warning("same-node transport unavailable, using the network: %s", exc)
             return self._export
 
     def start(self, ticket: KVTicket, block_ids: Sequence[int]) -> SendHandle:
