@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from starlette.types import ASGIApp
 
 from router.adaptive import RequestSLO, adaptive_placer
 from router.admission import AdmissionController
@@ -130,6 +131,7 @@ class Router:
         self.port = 0
         self.metrics_port: int | None = None
         self.http_port: int | None = None
+        self.http_app: ASGIApp | None = None
 
     @property
     def address(self) -> str:
@@ -192,8 +194,9 @@ class Router:
             is_serving=lambda: not self._stopping and self.pool.healthy(),
         )
         config = self.config
+        self.http_app = build_app(front)  # the ASGI app, for in-process callers (tests)
         self._http = HttpServer(
-            build_app(front),
+            self.http_app,
             config.http_host,
             config.http_port or 0,
             config.shutdown_grace_s,

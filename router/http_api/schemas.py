@@ -138,8 +138,10 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
+        if self.logprobs:
             return "logprobs", "logprobs are not supported; leave logprobs unset or false"
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs is not supported (no logprobs); leave it unset"
         if self.tools:
             return "tools", "tools (function calling) are not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
