@@ -24,5 +24,8 @@ Rank level (every TP rank, over its KVCache; channels are made on demand per ran
                   handle.finish(first_token_id); handle.done() / wait(); handle.cancel();
                   sender.cancel_unstarted(ticket) when the prefill never ran.
 
-Re-sharding between TP sizes: plan.py. The wire format and its two modes: wire.py.
+Re-sharding between TP sizes: plan.py. The wire format and its two modes: wire.py. Each channel
+carries one ordered stream of transfers, so nothing relies on tags (NCCL has none): streams.py.
+Channels: channel.py, their rendezvous: rendezvous.py. Within a node the KV skips the socket:
+same_node.py (shared memory on CPU, CUDA IPC on GPU).
 """

@@ -188,6 +188,7 @@ def table(tmp: Path) -> dict[str, Row]:
         "kv_cache.prefix_caching": Row(False, engine("enable_prefix_caching")),
         "kv_transfer.transfer_timeout_s": Row(5.0, kv("transfer_timeout_s")),
         "kv_transfer.start_timeout_s": Row(7.0, kv("start_timeout_s")),
+        "kv_transfer.transport": Row("network", kv("transport")),
         "scheduler.chunk_size": Row(64, engine("chunk_size")),
         "scheduler.max_num_seqs": Row(7, engine("max_num_seqs")),
         "scheduler.max_num_batched_tokens": Row(4096, engine("max_num_batched_tokens")),

@@ -66,3 +66,13 @@ def test_a_ray_actor_given_one_gpu_picks_device_0() -> None:
     assert ids == ["0", "1"], choices  # each actor its own GPU
     for gpu_ids, visible, index in choices:
         assert visible == gpu_ids[0] and index == 0, choices
+
+
+def test_ray_ranks_share_gpus_only_over_the_same_node_transport_at_tp1() -> None:
+    from deploy.runtime.ray.placement import gpus_per_rank
+
+    assert gpus_per_rank("auto", [1, 1, 1], 1.0) == 0.33  # one GPU, the default layout
+    assert gpus_per_rank("same_node", [1, 1, 1, 1], 2.0) == 0.5
+    assert gpus_per_rank("network", [1, 1, 1], 1.0) == 1.0  # NCCL: one rank per GPU
+    assert gpus_per_rank("auto", [2, 1], 1.0) == 1.0  # a TP group needs GPUs of its own
+    assert gpus_per_rank("auto", [1, 1], 4.0) == 1.0  # enough GPUs: one each

@@ -53,6 +53,7 @@ from deploy.runtime.ray.node import LocalRay, connect_ray, start_local_ray
 from deploy.runtime.ray.placement import (
     InstancePlacement,
     PlacementPlan,
+    gpus_per_rank,
     place_instances,
     remove_placements,
     wait_until_placed,
@@ -133,9 +134,10 @@ class RayCluster(ServingCluster):
         else:
             self._node = connect_ray(self.spec.ray.address, self.namespace)
 
-    def placement_plan(self, cluster_cpus: float) -> PlacementPlan:
+    def placement_plan(self, cluster_cpus: float, cluster_gpus: float = 0.0) -> PlacementPlan:
         """Where the workers go. Unless `ray.num_cpus_per_worker` is set, they share the
-        cluster's `cluster_cpus` (2 cores and 4 workers: 0.5 each, at most 1)."""
+        cluster's `cluster_cpus` (2 cores and 4 workers: 0.5 each, at most 1). Ranks share the
+        cluster's GPUs where the same-node transport allows it (placement.gpus_per_rank)."""
         spec, options = self.spec, self.spec.ray
         cpus = options.num_cpus_per_worker
         if cpus is None:
@@ -149,10 +151,17 @@ class RayCluster(ServingCluster):
             cpus,
             dict(options.prefill_resources),
             dict(options.decode_resources),
+            gpus_per_rank(
+                self.decode.kv_transfer.transport,
+                [self.prefill.engine.tensor_parallel_size] * spec.num_prefill_instances
+                + [self.decode.engine.tensor_parallel_size] * spec.num_decode_instances,
+                cluster_gpus,
+            ),
         )
 
     def _place(self) -> None:
-        plan = self.placement_plan(ray.cluster_resources().get("CPU", 1.0))
+        resources = ray.cluster_resources()
+        plan = self.placement_plan(resources.get("CPU", 1.0), resources.get("GPU", 0.0))
         self.placements = place_instances(plan, f"{self.namespace}-")
         wait_until_placed(self.placements, self.start_timeout_s)
 

@@ -15,6 +15,7 @@ group do not fight over one core while another core idles.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ class InstancePlacement:
     bundle_indices: tuple[int, ...]
     worker_indices: tuple[int, ...]  # cluster-wide index of each rank (its core set)
     num_cpus: float
-    num_gpus: int
+    num_gpus: float
 
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
@@ -56,13 +57,25 @@ class PlacementPlan:
     num_cpus_per_worker: float = 1.0
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
+    gpus_per_rank: float = 1.0  # below 1: ranks share GPUs (see gpus_per_rank)
 
 
 def _bundle(plan: PlacementPlan, extra: dict[str, float]) -> dict[str, float]:
     bundle = {"CPU": plan.num_cpus_per_worker, **extra}
     if plan.device.startswith("cuda"):
-        bundle["GPU"] = 1.0
+        bundle["GPU"] = plan.gpus_per_rank
     return bundle
+
+
+def gpus_per_rank(transport: str, tp_sizes: list[int], cluster_gpus: float) -> float:
+    """The GPU share of each rank actor. One each, unless the ranks outnumber the GPUs and no
+    GPU must hold two ranks of one NCCL group: every instance at TP=1 and the KV over the
+    same-node transport (CUDA IPC, not NCCL). Then the ranks split the GPUs evenly (one GPU:
+    the default disaggregated layout, each process with its own KV pool)."""
+    num_ranks = sum(tp_sizes)
+    if transport == "network" or max(tp_sizes) > 1 or not 0 < cluster_gpus < num_ranks:
+        return 1.0
+    return math.floor(100 * cluster_gpus / num_ranks) / 100
 
 
 def place_instances(plan: PlacementPlan, name_prefix: str) -> list[InstancePlacement]:
@@ -83,7 +96,7 @@ def place_instances(plan: PlacementPlan, name_prefix: str) -> list[InstancePlace
     else:
         for j in range(plan.num_decode_instances):
             packed(f"decode-{j}", Role.DECODE, plan.decode_tp_size, plan.decode_resources)
-    num_gpus = 1 if plan.device.startswith("cuda") else 0
+    num_gpus = plan.gpus_per_rank if plan.device.startswith("cuda") else 0.0
     placements, next_worker = [], 0
     for instance_id, role, tp, group, bundle_indices in groups:
         workers = tuple(range(next_worker, next_worker + tp))  # each rank's core set
