@@ -41,7 +41,8 @@ def ordered_matching() -> bool:
 # waits for new work included; deadlines are enforced here instead (by polling, then aborting the
 # group), so the watchdog must never fire first.
 _NCCL_GROUP_TIMEOUT = datetime.timedelta(days=7)
-_CUDA_POLL_S = 0.0002
+_CUDA_POLL_S = 0.00005
+_CUDA_POLL_MAX_S = 0.001
 _LATE_SLACK_S = 0.05  # a wait that ended this close to its deadline timed out
 
 
@@ -213,10 +214,13 @@ class Channel:
             work.wait(as_timedelta(remaining_s(deadline)))
             return
         # NCCL: poll, so a late peer ends in our timeout, not in a watchdog abort of the process.
+        # The pause grows to _CUDA_POLL_MAX_S: an idle header receive costs ~1k wake-ups a second.
+        pause = _CUDA_POLL_S
         while not work.is_completed():
             if remaining_s(deadline) <= 0:
                 raise TimeoutError("the operation did not complete before the deadline")
-            time.sleep(_CUDA_POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, _CUDA_POLL_MAX_S)
         work.wait()  # raises the communicator's error, if it had one
 
     def _live_group(self) -> _PairGroup:
