@@ -8,12 +8,15 @@ These are nginx's `client_header_timeout` and `client_body_timeout`. uvicorn has
 keep-alive timer stops at a request's first byte), so without them a client that sends half a
 request holds its socket for ever. A pause while uvicorn has stopped reading (the app has not
 taken the body yet) is the server's, not the client's, and does not count. On a timeout the
-connection is closed: the app, if it was reading, sees the client gone.
+connection is closed: the app, if it was reading, sees the client gone. The protocol also sets
+TCP_NODELAY on its socket (see `_no_delay`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from typing import Any
 
 import h11
@@ -42,6 +45,7 @@ class _TimedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        _no_delay(transport)
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -98,3 +102,14 @@ class _TimedH11Protocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and not self._reading_head:
             return  # between requests: the keep-alive timer's business
         self.transport.close()
+
+
+def _no_delay(transport: asyncio.Transport) -> None:
+    """Turn Nagle's algorithm off: uvicorn writes a response's head and body apart, and the
+    body would wait for the client's delayed ACK of the head (40 ms on Linux) on every request
+    but a connection's first. asyncio sets this only on sockets made with IPPROTO_TCP, and
+    `socket.create_server` makes them with protocol 0."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
