@@ -4,7 +4,9 @@
 A step's batch is a list of chunks, one per scheduled sequence. A chunk is `token_ids` at
 positions [start_pos, start_pos + len(token_ids)); the KV of positions [0, start_pos) is already in
 the blocks of `block_table`, and the new tokens' KV is written into the same table (which already
-holds enough blocks for start_pos + len(token_ids) tokens). A decode step is a chunk of length 1.
+holds enough blocks for start_pos + len(token_ids) tokens). A decode step is a chunk of length 1;
+a speculative decode ends with `num_draft` proposed tokens and wants the logits of its last
+num_draft + 1 tokens (engine/speculative/).
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ class SequenceChunk:
     block_table: list[int]
     # Whether the logits of the chunk's last token are wanted (False for a non-final prefill chunk).
     sample: bool = True
+    num_draft: int = 0  # proposed tokens at the end of token_ids, verified this step
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this chunk gets: 0, 1, or one per proposed token plus one."""
+        return self.num_draft + 1 if self.sample else 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -42,6 +50,11 @@ class ScheduledBatch:
     @property
     def num_sampled(self) -> int:
         return sum(1 for c in self.chunks if c.sample)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of the step's logits: num_sampled plus every proposed token."""
+        return sum(c.num_logits for c in self.chunks)
 
     def __bool__(self) -> bool:
         return bool(self.chunks)

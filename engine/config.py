@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.speculative.config import SpeculativeConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -53,6 +55,8 @@ class EngineConfig:
     # Hold a prompt chunk back while it would make a running decode miss its TPOT SLO, until the
     # prompt's own TTFT SLO cannot wait (engine/slo.py). Only requests that carry SLOs take part.
     slo_scheduling: bool = False
+    # Speculative decoding of running decodes (engine/speculative/); None: one token per step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -134,7 +134,7 @@ class Executor:
         return self._workers.launcher.pids() if self._finalizer.alive else []
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [batch.num_sampled, vocab_size] (float32; float64 for float64 models)."""
+        """Logits [batch.num_logits, vocab_size] (float32; float64 for float64 models)."""
         return self._on_all_ranks(batch, lambda: self._runner.execute(batch))
 
     def run_on_ranks(self, command: RankCommand[Any, R]) -> R:

@@ -25,6 +25,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slo import PrefillGate, RequestSLO
+from engine.speculative.verify import verify
 from engine.step_costs import StepCosts
 
 
@@ -61,6 +62,7 @@ class LLMEngine:
             seed=config.seed,
             connector=self.connector,
             gate=gate,
+            speculative=config.speculative,
         )
         self.sampler = Sampler()
 
@@ -125,10 +127,15 @@ class LLMEngine:
         for request in self.connector.start_step():  # their KV landed: they join as prefilled
             self.scheduler.add_prefilled(request)
         batch = self.scheduler.schedule()
-        sampled: list[int] = []
+        sampled: list[int] | list[list[int]] = []
         if batch:
-            logits = self.executor.execute(batch)  # [batch.num_sampled, vocab_size]
-            if batch.num_sampled:
+            logits = self.executor.execute(batch)  # [batch.num_logits, vocab_size]
+            if batch.num_logits > batch.num_sampled:  # proposed tokens to verify
+                drafts = [
+                    c.token_ids[len(c.token_ids) - c.num_draft :] for c in batch.chunks if c.sample
+                ]
+                sampled = verify(logits, self.scheduler.sampling_rows(batch), drafts)
+            elif batch.num_sampled:
                 sampled = self.sampler(logits, self.scheduler.sampling_rows(batch))
         outputs = self.scheduler.update(batch, sampled)
         if batch:  # the whole step, as a decode's next token waits for it

@@ -27,7 +27,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] long, in step order (decode chunks first)
     positions: torch.Tensor  # [num_tokens] long
     metadata: AttentionMetadata
-    # [num_sampled] long: the last token of each sampled chunk, in batch order
+    # [num_logits] long: the last token of each sampled chunk (its last num_draft + 1 tokens
+    # for a speculative one), in batch order
     sample_indices: torch.Tensor
 
 
@@ -108,7 +109,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run one step; logits [num_sampled, vocab_size] of the sampled chunks, in batch order."""
+        """Run one step; logits [num_logits, vocab_size] of the sampled chunks, in batch order."""
         if not batch.chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=self.logits_dtype)
         inputs = self.prepare_inputs(batch)
@@ -140,7 +141,12 @@ class ModelRunner:
         last_token = [0] * len(chunks)
         for step_idx, batch_idx in enumerate(order):
             last_token[batch_idx] = token_ends[step_idx] - 1
-        sample_indices = [last_token[i] for i, c in enumerate(chunks) if c.sample]
+        sample_indices = [
+            index
+            for i, c in enumerate(chunks)
+            if c.sample
+            for index in range(last_token[i] - c.num_draft, last_token[i] + 1)
+        ]
         input_ids = list(itertools.chain.from_iterable(c.token_ids for c in ordered))
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

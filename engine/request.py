@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.slo import RequestSLO
+    from engine.speculative.state import SpecState
 
 
 class RequestStatus(enum.IntEnum):
@@ -61,6 +62,7 @@ class Request:
     decodes_here: bool = True  # False: its KV connector hands it off after its first token
     slo: RequestSLO | None = None  # its latency objectives, when the router sent them
     first_token_at: float | None = None  # time.time() of its first token, wherever it came from
+    spec: SpecState | None = None  # its speculation, on an engine that speculates
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -55,7 +55,7 @@ class Sampler:
         for j, i in enumerate(random_idx):
             generator = torch.Generator(device=probs.device)
             generator.manual_seed(mix_seed(rows[i].seed, rows[i].output_pos))
-            token_ids[i] = _draw(probs[j], generator)
+            token_ids[i] = draw(probs[j], generator)
         return token_ids
 
 
@@ -91,7 +91,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.zeros_like(sorted_probs).scatter_(1, sorted_ids, sorted_probs)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One sample from `probs` [vocab] (the exponential race: argmax p_i / E_i, E_i ~ Exp(1))."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     # exponential_ may return an exact 0; 0/0 would be NaN and could pick a filtered-out token.

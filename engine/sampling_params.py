@@ -16,6 +16,7 @@ class SamplingParams:
     A temperature below MIN_TEMPERATURE (0 included) means greedy. top_k <= 0 and top_p == 1.0 disable those filters.
     `seed` makes sampling reproducible per request (same seed, same prompt: same output).
     `stop_token_ids` end a sequence in addition to the model's EOS ids (unless `ignore_eos`).
+    `speculative=False` decodes this request one token per step even where the engine speculates.
     """
 
     max_tokens: int = 16
@@ -25,6 +26,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -16,6 +16,8 @@ The stop rule lives here, once. A KV connector (engine/kv_connector.py) hooks in
   3. requests whose prompt KV arrived from elsewhere (a prefill instance), in arrival order,
   4. waiting requests, first come first served, each starting after its cached prefix.
 Decodes go first so that a long prompt never stalls the tokens of running sequences (SARATHI).
+With speculation (engine/speculative/), a decode (1. or 3.) may carry proposed tokens after its
+last one; `update` keeps the accepted ones and rolls the rest of its KV back.
 A chunk samples only when it reaches the request's last token. With a prefill gate
 (engine/slo.py, `EngineConfig.slo_scheduling`), steps 2 and 4 take only the chunks that fit in
 the slack of this step's decodes, or whose own TTFT SLO cannot wait; the rest wait their turn.
@@ -32,7 +34,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.batch import ScheduledBatch, SequenceChunk
@@ -43,6 +45,8 @@ from engine.prefix_cache import PrefixCache, token_slice
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import SamplingRow
 from engine.slo import PrefillGate, StepWindow
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.proposer import Speculator
 
 
 @dataclass
@@ -51,6 +55,7 @@ class _StepPlan:
 
     token_budget: int
     num_new_tokens: dict[str, int] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # proposed tokens, when any
     preempted: bool = False
     window: StepWindow | None = None  # the prefill gate's, once the decodes are in
 
@@ -72,6 +77,7 @@ class Scheduler:
         connector: KVConnector | None = None,
         gate: PrefillGate | None = None,
         clock: Callable[[], float] = time.time,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
@@ -83,6 +89,9 @@ class Scheduler:
         self.prefix_cache = PrefixCache(block_pool, block_size)
         self.connector = connector if connector is not None else KVConnector()
         self.gate = gate
+        self.speculator = (
+            Speculator(speculative, max_model_len) if speculative is not None else None
+        )
         self._clock = clock  # stamps first tokens (time.time(), as arrival times are)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
@@ -176,8 +185,12 @@ class Scheduler:
                 if not decodes and not self._gate_admits(plan, request, num_new):
                     i += 1
                     continue
-                if not self._reserve_blocks(request, num_new, plan):
+                draft = self._propose(request, plan.token_budget - num_new, decodes)
+                if not self._reserve_blocks(request, num_new + len(draft), plan):
                     return  # it preempted itself: it was the tail, nothing follows
+                if draft:
+                    plan.drafts[request.request_id] = draft
+                    num_new += len(draft)
                 plan.num_new_tokens[request.request_id] = num_new
                 plan.token_budget -= num_new
             i += 1
@@ -206,6 +219,7 @@ class Scheduler:
         assert self.running[-1] is victim
         self.running.pop()
         num_planned = plan.num_new_tokens.pop(victim.request_id, 0)
+        plan.drafts.pop(victim.request_id, None)
         plan.token_budget += num_planned  # it was already scheduled this step: undo that
         self._release_blocks(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -219,6 +233,9 @@ class Scheduler:
         while self.landed and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.landed[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            # Its first decode step speculates like any other.
+            draft = self._propose(request, plan.token_budget - 1, num_new == 1)
+            num_new += len(draft)
             total = request.num_computed_tokens + num_new
             num_needed = max(0, -(-total // self.block_size) - len(request.block_table))
             if not pool.can_allocate(num_needed):
@@ -227,6 +244,8 @@ class Scheduler:
             request.block_table.extend(pool.allocate(num_needed))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if draft:
+                plan.drafts[request.request_id] = draft
             plan.num_new_tokens[request.request_id] = num_new
             plan.token_budget -= num_new
 
@@ -267,6 +286,11 @@ class Scheduler:
             plan.token_budget -= num_new
         self.waiting.extendleft(reversed(held))
 
+    def _propose(self, request: Request, room: int, decodes: bool) -> list[int]:
+        if not decodes or self.speculator is None:
+            return []
+        return self.speculator.propose(request, room)
+
     def _can_never_fit(self, request: Request) -> bool:
         """Finish (error) the queue head if even the whole pool cannot hold its longest form."""
         max_new = request.params.max_tokens if request.decodes_here else 1
@@ -287,17 +311,20 @@ class Scheduler:
     def _build_batch(self, plan: _StepPlan) -> ScheduledBatch:
         chunks: list[SequenceChunk] = []
         requests = self.requests
+        drafts = plan.drafts
         for request_id, num_new in plan.num_new_tokens.items():
             request = requests[request_id]
             start = request.num_computed_tokens
-            end = start + num_new
+            draft = drafts.get(request_id, [])
+            end = start + num_new - len(draft)
             chunks.append(
                 SequenceChunk(
                     request_id,
-                    token_slice(request, start, end),
+                    token_slice(request, start, end) + draft,
                     start,
                     list(request.block_table),
                     end == request.num_tokens,
+                    len(draft),
                 )
             )
         return ScheduledBatch(chunks)
@@ -314,8 +341,11 @@ class Scheduler:
                 rows.append(SamplingRow(params, params.seed or 0, request.num_output_tokens))
         return rows
 
-    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[StepOutput]:
-        """Record a computed step: one sampled token per chunk with `sample=True`, in order."""
+    def update(
+        self, batch: ScheduledBatch, sampled_token_ids: Sequence[int | Sequence[int]]
+    ) -> list[StepOutput]:
+        """Record a computed step: per chunk with `sample=True`, in order, its sampled token, or
+        for a speculative chunk its new tokens (the accepted proposals, then the target's own)."""
         if len(sampled_token_ids) != batch.num_sampled:
             raise ValueError(
                 f"got {len(sampled_token_ids)} sampled tokens for "
@@ -325,23 +355,37 @@ class Scheduler:
         sampled = iter(sampled_token_ids)
         num_finished = 0
         for chunk in batch.chunks:
-            token_id = next(sampled) if chunk.sample else None
+            new = next(sampled) if chunk.sample else None
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.prefix_cache.register(request)
-            if token_id is None:
+            if new is None:
+                request.num_computed_tokens += len(chunk.token_ids)
+                self.prefix_cache.register(request)
                 continue
-            request.output_token_ids.append(token_id)
+            new_tokens = [new] if isinstance(new, int) else list(new)
+            status = None
+            num_kept = 0
+            for token_id in new_tokens:  # a stop inside the accepted run ends it there
+                request.output_token_ids.append(token_id)
+                num_kept += 1
+                status = request.stop_status(token_id, self.eos_token_ids, self.max_model_len)
+                if status is not None:
+                    break
+            # KV is valid for the chunk's tokens up to the last kept one's predecessor: the
+            # rejected proposals' slots are rolled back (overwritten by later steps).
+            request.num_computed_tokens = chunk.context_len - chunk.num_draft - 1 + num_kept
+            if chunk.num_draft:
+                self._observe_speculation(request, chunk.num_draft, len(new_tokens) - 1)
+            self.prefix_cache.register(request)
             if request.first_token_at is None:
                 request.first_token_at = self._clock()
-            status = request.stop_status(token_id, self.eos_token_ids, self.max_model_len)
+            kept = new_tokens[:num_kept]
             if status is None and not request.decodes_here:
                 if self.connector.hand_off(request):  # it holds the blocks from here on
                     status = RequestStatus.FINISHED_HANDED_OFF
             if status is None:
-                outputs.append(StepOutput(request.request_id, [token_id]))
+                outputs.append(StepOutput(request.request_id, kept))
             else:
                 self._finish(request, status)
                 num_finished += 1
@@ -349,7 +393,7 @@ class Scheduler:
                 outputs.append(
                     StepOutput(
                         request.request_id,
-                        [token_id],
+                        kept,
                         True,
                         FINISH_REASONS.get(status),
                         handed_off=handed_off,
@@ -358,6 +402,17 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
+
+    def _observe_speculation(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """Count the verification, adapt the request's proposal length, and free the blocks
+        that only rejected proposals reached (the next token's block stays)."""
+        assert self.speculator is not None
+        self.speculator.observe(request, num_proposed, num_accepted)
+        num_keep = -(-request.num_tokens // self.block_size)
+        if len(request.block_table) > num_keep:
+            surplus = request.block_table[num_keep:]
+            del request.block_table[num_keep:]
+            self.block_pool.free_sequence_blocks(surplus)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release its blocks; the caller takes it out of running/waiting."""
