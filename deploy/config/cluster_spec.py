@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from deploy.config.models import resolve_model
 from deploy.config.serve_config import RaySection, ServeConfig
 from engine.config import EngineConfig
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer.config import KVTransferConfig
 from router.config import RouterConfig
 from worker.config import WorkerConfig
@@ -125,8 +126,17 @@ def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int
         kv_cache_memory_bytes=kv_cache.memory_mb * 1024 * 1024,
         enable_prefix_caching=kv_cache.prefix_caching,
         max_model_len=config.router.max_model_len,
+        speculative=speculative_config(config),
         **dataclasses.asdict(config.scheduler),  # chunk_size, max_num_seqs, ...: the same names
     )
+
+
+def speculative_config(config: ServeConfig) -> SpeculativeConfig | None:
+    """The engine's speculation (null method: none); the section's keys are its names."""
+    section = config.speculative
+    if section.method is None:
+        return None
+    return SpeculativeConfig(**dataclasses.asdict(section))
 
 
 def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:

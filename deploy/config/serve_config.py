@@ -93,6 +93,45 @@ class SchedulerConfig:
     slo_scheduling: bool = knob(False, checks.boolean)
 
 
+def _check_speculative_method(key: str, value: Any) -> None:
+    if value is None or value == "ngram":
+        return
+    if value == "draft":
+        raise ConfigError(
+            f"{key} 'draft' (a draft model) is not supported by this build; use 'ngram' "
+            "(prompt lookup) or null"
+        )
+    raise ConfigError(f"{key} must be ngram or null (off), got {value!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeSection:
+    """Speculative decoding on every instance that decodes (engine/speculative/): `method`
+    null is off; "ngram" proposes up to `num_tokens` tokens a step by prompt lookup, matching
+    the last `prompt_lookup_min`..`prompt_lookup_max` tokens. A request may turn it off."""
+
+    method: str | None = knob(None, _check_speculative_method)
+    num_tokens: int = knob(4, checks.integer(1))
+    prompt_lookup_min: int = knob(1, checks.integer(1))
+    prompt_lookup_max: int = knob(4, checks.integer(1))
+    draft_model: str | None = knob(None, checks.optional_text)
+
+    def __post_init__(self) -> None:
+        for knob_field in dataclasses.fields(self):  # each value's type before it is compared
+            knob_field.metadata["check"](
+                f"speculative.{knob_field.name}", getattr(self, knob_field.name)
+            )
+        if self.num_tokens > 32:
+            raise ConfigError(f"speculative.num_tokens must be at most 32, got {self.num_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.draft_model is not None and self.method != "draft":
+            raise ConfigError("speculative.draft_model is only for method 'draft'")
+
+
 @dataclass(frozen=True)
 class RouterSection:
     """Where the gRPC router listens, who may call it, and what it admits.
@@ -204,6 +243,7 @@ class ServeConfig:
     kv_cache: KVCacheConfig = section(KVCacheConfig)
     kv_transfer: KVTransferSection = section(KVTransferSection)
     scheduler: SchedulerConfig = section(SchedulerConfig)
+    speculative: SpeculativeSection = section(SpeculativeSection)
     router: RouterSection = section(RouterSection)
     ray: RaySection = section(RaySection)
 

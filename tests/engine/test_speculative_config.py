@@ -1,0 +1,37 @@
+"""The serve config's `speculative` section: parsed at the edge, unknown keys and bad values
+refused by name, and carried into every instance's EngineConfig."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.config.checks import ConfigError
+from deploy.config.cluster_spec import engine_config
+from deploy.config.serve_config import parse_config
+from engine.speculative.config import SpeculativeConfig
+
+
+def test_section_reaches_the_engine_config() -> None:
+    config = parse_config({"speculative": {"method": "ngram", "num_tokens": 6}})
+    engine = engine_config(config, "/models/x", 1)
+    assert engine.speculative == SpeculativeConfig(method="ngram", num_tokens=6)
+    assert engine_config(parse_config({}), "/models/x", 1).speculative is None
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"methd": "ngram"}, "unknown key 'methd' in speculative (did you mean 'method'?)"),
+        ({"method": "eagle"}, "speculative.method must be ngram or null"),
+        ({"method": "draft", "draft_model": "/m"}, "'draft' (a draft model) is not supported"),
+        ({"method": "ngram", "num_tokens": 0}, "speculative.num_tokens must be an integer >= 1"),
+        ({"method": "ngram", "num_tokens": "4"}, "speculative.num_tokens must be an integer"),
+        ({"method": "ngram", "num_tokens": 33}, "at most 32"),
+        ({"prompt_lookup_min": 5}, "must not exceed speculative.prompt_lookup_max"),
+        ({"method": "ngram", "draft_model": "/m"}, "draft_model is only for method 'draft'"),
+    ],
+)
+def test_bad_sections_are_refused_by_name(section: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"speculative": section})
+    assert message in str(info.value)
