@@ -70,3 +70,14 @@ def test_serve_refuses_an_unknown_architecture_before_starting_workers(
     # `pdserve serve` exits on it at once: no cluster, no worker process is started
     assert main(["serve", "--model", str(model_dir)]) != 0
     assert "FalconForCausalLM" in capsys.readouterr().err
+
+
+def test_moe_tp_sizes_split_the_experts_width_too(tmp_path: Path) -> None:
+    config = {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,  # the dense layers': splits over 1, 2, 4, 8
+        "moe_intermediate_size": 36,  # each expert's: over 1, 2, 4 only (not 8)
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert allowed_tp_sizes(tmp_path) == [1, 2, 4]
