@@ -3,9 +3,9 @@ cache, through memory both processes map, instead of receiving it through a sock
 
     prefill rank                                decode rank
     first same-node dial: export the cache      the channel's first transfer: map it (once)
-      CPU: move it to shared memory (in place,    CPU: the same /dev/shm pages
-           once); hand out its file name          GPU: a CUDA IPC mapping of the same memory
-      GPU: a CUDA IPC handle
+      CPU: move it to shared memory (in place,    CPU: the same pages, through
+           once); hand out its descriptor              /proc/<pid>/fd/<fd>
+      GPU: a CUDA IPC handle                      GPU: a CUDA IPC mapping of the same memory
     per transfer, on the pair's gloo channel (one ordered stream, streams.py):
       header at start                           header -> this transfer is next
       at finish: its source block ids, trailer  ids, trailer OK -> copy source blocks (their
@@ -21,6 +21,7 @@ this one when the decode rank's endpoint names this node.
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import socket
 
@@ -58,10 +59,13 @@ def export_cache(cache: KVCache) -> bytes:
     if data.is_cuda:
         rebuild, args = reduce_tensor(data)
         return pickle.dumps(("cuda", rebuild, args))
-    data.share_memory_()  # in place: the model's views of the cache keep working
-    manager, name, size = data.untyped_storage()._share_filename_cpu_()
+    # In place: the model's views of the cache keep working. By file descriptor, which the
+    # peer opens through /proc: torch's file-name sharing would start torch_shm_manager, a
+    # process that inherits this one's sockets and so hides its death from every peer.
+    data.share_memory_()
+    fd, size = data.untyped_storage()._share_fd_cpu_()
     layout = (data.dtype, tuple(data.shape), data.stride(), data.storage_offset())
-    return pickle.dumps(("cpu", (manager, name, size), layout))
+    return pickle.dumps(("cpu", (os.getpid(), fd, size), layout))
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,8 +75,12 @@ def map_cache(handle: bytes) -> torch.Tensor:
     if kind == "cuda":
         rebuild, args = rest
         return rebuild(*args)
-    (manager, name, size), (dtype, shape, stride, offset) = rest
-    storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
+    (pid, fd, size), (dtype, shape, stride, offset) = rest
+    opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    try:
+        storage = torch.UntypedStorage._new_shared_fd_cpu(opened, size)  # type: ignore[attr-defined]
+    finally:
+        os.close(opened)  # the mapping stays
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
