@@ -226,7 +226,7 @@ def _body_error(problems: Any) -> ApiError:
     for part in location:
         if isinstance(part, int):
             param += f"[{part}]"
-        elif not _FIELD_NAME.match(str(part)) or part in ("str", "int"):
+        elif not _FIELD_NAME.match(str(part)) or part in ("str", "int", "float", "bool"):
             continue  # the union member pydantic tried, or a dict's key: not a field name
         elif not param:
             param = str(part)
