@@ -28,6 +28,7 @@ from tests.deploy.ray_support import (
     stream_all,
     tiny_model_with_tokenizer,
 )
+from tests.workers.test_disaggregated import shared_memory_of
 from worker.protocol import Load, Role
 
 MAX_TOKENS = 12
@@ -82,8 +83,7 @@ def test_32_concurrent_streams_equal_transformers(cluster: RayCluster, reference
     # rank actor shared its cache through /dev/shm. Every pool is back to its size.
     status = cluster.status()
     prefill = next(w for w in status.workers if w.role == Role.PREFILL)
-    shm = os.listdir("/dev/shm")
-    assert all(any(n.startswith(f"torch_{pid}_") for n in shm) for pid in prefill.pids)
+    assert all(shared_memory_of(pid) for pid in prefill.pids)
     deadline = time.monotonic() + 15.0
     while time.monotonic() < deadline:
         loads = [w.load for w in cluster.status().workers]
@@ -226,7 +226,7 @@ def _router_says_healthy(metrics_address: str, instance_id: str) -> bool:
 def test_killed_tp_rank_shows_its_instance_down_and_ray_restarts_it(
     cluster: RayCluster, reference
 ) -> None:
-    """Issue 12, defects 2 and 7: the driver notices its dead rank, exits so that Ray restarts it
+    """The driver notices its dead rank, exits so that Ray restarts it
     (alive but broken it would stay down for good), and the router's metrics (what `pdserve
     status` shows) say down at once and healthy again after the restart."""
     metrics = f"127.0.0.1:{cluster.metrics_port}"

@@ -101,8 +101,14 @@ def cluster(tiny_model, request):
 
 
 def shared_memory_of(pid: int) -> list[str]:
-    """The torch shared-memory segments process `pid` created (file names carry its pid)."""
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{pid}_")]
+    """The torch shared-memory segments process `pid` holds open (its cache, once exported)."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return [target for target in targets if target.startswith("/dev/shm/torch_")]
 
 
 def assert_pools_back(cluster: Cluster, instance_ids: list[str], timeout_s: float = 15.0) -> None:
@@ -201,7 +207,7 @@ def test_prefix_cache_hit_equals_miss_and_counts_skipped_tokens(cluster) -> None
     assert after_miss == before
     assert after_hit - after_miss == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # 40 skipped
     # ... and the first token's timings say so (the request left the prefill's scheduler in
-    # the step that computed it; they read 0 before the seventh session)
+    # the step that computed it, not after it, which would read 0)
     assert (miss.num_cached_tokens, hit.num_cached_tokens) == (0, 40)
     assert relay.worker("prefill").call(Load()).prefix_cache_hit_rate > 0
     assert_pools_back(cluster, ["prefill", "decode-0"])
