@@ -3,8 +3,8 @@
 Model: Llama, hidden 512, 8 layers, 8 heads / 2 KV heads, intermediate 1408, vocab 8192 (~31M
 parameters), random weights, built once with `save_pretrained` into --model-dir. --preset picks
 another shape: "1b" (TinyLlama-shaped, for GPUs) or one per model family at the 31M shape:
-"qwen3", "phi3", "qwen3-moe" (8 experts of width 352, top 2) and "gemma3" (window 256 on five
-layers of six).
+"qwen3", "phi3", "qwen3-moe" and "mixtral" (8 experts of width 352, top 2) and "gemma3"
+(window 256 on five layers of six).
 Workloads (fixed seed, every request runs to its target length: ignore_eos / EOS disabled):
   mixed    prompts uniform in [32, 512] tokens, outputs uniform in [16, 256]
   uniform  every prompt --uniform-prompt-len tokens, every output --uniform-output-len
@@ -34,6 +34,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
+    MixtralConfig,
     Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
@@ -79,6 +80,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 352,
         "norm_topk_prob": True,
     },
+    "mixtral": {
+        **MODEL_CONFIG,
+        "family": "mixtral",
+        "intermediate_size": 352,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
     "gemma3": {
         **MODEL_CONFIG,
         "family": "gemma3",
@@ -92,6 +100,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "phi3": Phi3Config,
     "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
     "gemma3": Gemma3TextConfig,
 }
 CACHE_DIR = Path.home() / ".cache" / "pdserve"

@@ -58,6 +58,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()
+    # Mixtral keeps the routing weights in float32 and scales each expert's output by them
+    # there; Qwen3-MoE casts them to the model dtype first.
+    moe_weights_float32: bool = False
     # Gemma 3: RoPE of the sliding-window layers (the full layers use rope_parameters), the
     # embedding multiplier and tanh soft-capping of the final logits.
     local_rope_parameters: dict[str, Any] = field(default_factory=dict)
@@ -176,8 +179,18 @@ def _gemma_fields(hf_config: Any) -> dict[str, Any]:
 
 
 def _moe_fields(hf_config: Any) -> dict[str, Any]:
-    """Qwen3-MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step."""
+    """Qwen3-MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step.
+    Mixtral: every layer is sparse, experts as wide as intermediate_size, top-k renormalised."""
     num_experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    if hf_config.model_type == "mixtral":
+        return dict(
+            num_experts=int(hf_config.num_local_experts),
+            num_experts_per_tok=int(hf_config.num_experts_per_tok),
+            moe_intermediate_size=int(hf_config.intermediate_size),
+            norm_topk_prob=True,
+            moe_layers=(True,) * hf_config.num_hidden_layers,
+            moe_weights_float32=True,
+        )
     if hf_config.model_type != "qwen3_moe" or not num_experts:
         return {}
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])

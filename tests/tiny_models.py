@@ -11,6 +11,7 @@ Families (all small: hidden 64, 2 layers, vocab 512):
     "qwen3"    per-head q/k RMSNorm, explicit head_dim
     "phi3"     q/k/v and gate/up fused in the checkpoint
     "qwen3_moe" 3 layers: 8 experts, top-2 with renormalised weights; layer 1 dense
+    "mixtral"  4 experts of width 64, top 2, on both layers; sliding window of 24 tokens
     "gemma3"   text-only Gemma 3: layer 0 slides (window 16), layer 1 full, each with its own
                RoPE base; q/k norms, query_pre_attn_scalar 24, tied embeddings, final logit
                soft-capping at 1, random norm weights (transformers starts them at 0)
@@ -32,6 +33,7 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
@@ -39,7 +41,17 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-FAMILIES = ("llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "qwen3_moe", "gemma3")
+FAMILIES = (
+    "llama",
+    "llama3",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "phi3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma3",
+)
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -89,6 +101,10 @@ def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
+    elif family == "mixtral":
+        kwargs.update(
+            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=24
+        )
     elif family == "gemma3":
         kwargs.update(
             head_dim=16,
@@ -112,6 +128,7 @@ def tiny_config(family: str = "llama", **overrides: Any) -> PretrainedConfig:
         "qwen3": Qwen3Config,
         "phi3": Phi3Config,
         "qwen3_moe": Qwen3MoeConfig,
+        "mixtral": MixtralConfig,
         "gemma3": Gemma3TextConfig,
     }.get(family, LlamaConfig)
     return config_cls(**kwargs)

@@ -1,8 +1,8 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE), its experts split across TP ranks as vLLM does.
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral), its experts split across TP ranks as vLLM does.
 
 Routing is transformers' exactly: router logits in the model dtype, softmax in float32, top-k
 of the probabilities, optionally renormalised over the k chosen (`norm_topk_prob`), then cast
-back to the model dtype.
+back to the model dtype (Qwen3-MoE) or kept in float32 (Mixtral).
 
 Tensor parallelism without expert parallelism: every rank holds every expert, each expert's
 intermediate dim split across ranks (gate/up by rows, down by columns, as a dense MLP is). A
@@ -41,6 +41,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.weights_float32 = config.moe_weights_float32
         self.local_size = divide(config.moe_intermediate_size, tp_size(), "moe_intermediate_size")
         hidden, local = config.hidden_size, self.local_size
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)
@@ -65,13 +66,14 @@ class SparseMoeBlock(nn.Module):
         _copy(param[shard_id], loaded[:, start : start + self.local_size])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [tokens, top_k] in x's dtype, expert ids [tokens, top_k]), as transformers."""
+        """(weights [tokens, top_k], expert ids [tokens, top_k]), as transformers: the weights in
+        x's dtype, or in float32 where the model keeps them so (Mixtral)."""
         logits = self.gate(x)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), experts
+        return (weights if self.weights_float32 else weights.to(logits.dtype)), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
@@ -94,6 +96,7 @@ class SparseMoeBlock(nn.Module):
                     gate, up = F.linear(routed[rows], self.w13[expert]).chunk(2, dim=-1)
                     out[rows] = F.linear(F.silu(gate) * up, self.w2[expert])
                     start += count
-        out *= weights.reshape(-1, 1)[order]
+        scaled = out * weights.reshape(-1, 1)[order]  # float32 for Mixtral, then cast back
+        out = scaled.to(x.dtype)
         result = torch.zeros_like(x).index_add_(0, token_ids, out)
         return tp_all_reduce(result)

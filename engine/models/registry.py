@@ -15,6 +15,7 @@ _MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("engine.models.phi3", "Phi3ForCausalLM"),
     "Gemma3ForCausalLM": ("engine.models.gemma3", "Gemma3ForCausalLM"),
 }

@@ -17,7 +17,7 @@ from engine.model_config import ModelConfig
 from engine.models.moe import SparseMoeBlock, grouped_mm_available
 from tests.engine.test_llm import hf_greedy, make_prompts
 
-NEW_FAMILIES = ("qwen3", "phi3", "qwen3_moe", "gemma3")
+NEW_FAMILIES = ("qwen3", "phi3", "qwen3_moe", "mixtral", "gemma3")
 MAX_NEW_TOKENS = 48
 SHARED = make_prompts((35,), seed=2)[0]
 PROMPTS = [SHARED + tail for tail in make_prompts((5, 11, 17, 1), seed=3)]

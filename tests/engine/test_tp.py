@@ -3,7 +3,7 @@
 Covers KV heads split across ranks (llama: 2 KV heads), KV heads replicated when TP exceeds them
 (mistral: 1 KV head) together with a vocab that does not split evenly, sharded q/k/v biases with
 tied embeddings (qwen2), the newer families (Qwen3, Phi-3's fused checkpoint tensors,
-Qwen3-MoE's experts, Gemma 3), and a dead rank turning into an error instead of a hang.
+Qwen3-MoE's and Mixtral's experts, Gemma 3), and a dead rank turning into an error instead of a hang.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def run(model_dir: str, tp_size: int, chunk_size: int | None = None):
         ("qwen3", {}, 1),  # per-head q/k norms replicated
         ("phi3", {}, 1),  # fused checkpoint q/k/v and gate/up, each part split
         ("qwen3_moe", {}, 1),  # every expert's intermediate dim split, router replicated
+        ("mixtral", {}, 1),  # the same for Mixtral's checkpoint names, with a sliding window
         ("gemma3", {}, 1),  # sliding and full layers, tied embeddings, soft-capped logits
     ],
 )

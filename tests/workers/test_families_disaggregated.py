@@ -32,7 +32,7 @@ def engine_config(model_dir: str, **overrides: object) -> EngineConfig:
     return EngineConfig(model_dir=model_dir, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3_moe", "mixtral", "gemma3"])
 def test_family_served_disaggregated_equals_transformers(tiny_model, family: str) -> None:
     model_dir = tiny_model(family)
     expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
