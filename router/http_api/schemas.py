@@ -24,10 +24,13 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
+    Tag,
+    field_validator,
 )
 
 _INT32 = (-(2**31), 2**31 - 1)
@@ -51,6 +54,43 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=_INT32[1])]
 Count = Annotated[StrictInt, Field(ge=_INT32[0], le=_INT32[1])]  # an int32 field of the proto
 Seed = Annotated[StrictInt, Field(ge=_INT64[0], le=_INT64[1])]
 Number = StrictFloat  # takes an integer too ("temperature": 0), never a string or a bool
+
+# Validating a JSON array costs per item, before any check of the request's size could refuse
+# it: within `http_max_body_bytes`, 262,000 messages took seconds of the event loop. So arrays
+# that grow with a prompt are counted (cheaply, on the raw value) before their items are
+# validated. A conversation of more messages than this is no chat (OpenAI caps it at 2,048).
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 4096  # text parts of all messages together
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _prompt_shape(value: Any) -> str:
+    """The one union member a prompt's raw value is meant as, from its shape alone.
+
+    Trying every member (pydantic's default) validates a 2,000,000-id prompt four times and
+    builds an error for each id under `list[str]`; this picks one. The tags are the members'
+    type names, which the error handler leaves out of the field's name (`prompt[3]`)."""
+    if not isinstance(value, list):
+        return "str"
+    if value and isinstance(value[0], str):
+        return "list[str]"
+    if value and isinstance(value[0], list):
+        return "list[list[int]]"
+    return "list[int]"
+
+
+Prompt = Annotated[
+    Annotated[Text, Tag("str")]
+    | Annotated[list[Text], Tag("list[str]")]
+    | Annotated[list[TokenId], Tag("list[int]")]
+    | Annotated[list[list[TokenId]], Tag("list[list[int]]")],
+    Discriminator(_prompt_shape),
+]
+
+
+def _at_most(value: Any, limit: int, what: str) -> None:
+    if isinstance(value, list) and len(value) > limit:
+        raise ValueError(f"has {len(value)} {what}, over the limit of {limit}")
 
 
 class _Request(BaseModel):
@@ -87,6 +127,12 @@ class SamplingFields(_Request):
     ttft_slo_s: Number | None = None
     tpot_slo_s: Number | None = None
 
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _few_stop_token_ids(cls, value: Any) -> Any:
+        _at_most(value, MAX_STOP_TOKEN_IDS, "ids")
+        return value
+
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to something pdserve does not do."""
         if self.n not in (None, 1):
@@ -101,11 +147,19 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     # A string, token ids, or a batch of one of either (a batch of more is refused).
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompt
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
     best_of: StrictInt | None = None
     suffix: Text | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """A batch is refused before its prompts are validated (every one would be)."""
+        if isinstance(value, list) and len(value) > 1 and isinstance(value[0], (str, list)):
+            raise ValueError(f"is a batch of {len(value)}; send one prompt per request")
+        return value
 
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.logprobs is not None:
@@ -136,6 +190,22 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, value: Any) -> Any:
+        _at_most(value, MAX_MESSAGES, "messages")
+        if isinstance(value, list):
+            num_parts = sum(
+                len(content)
+                for message in value
+                if isinstance(message, dict) and isinstance(content := message.get("content"), list)
+            )
+            if num_parts > MAX_CONTENT_PARTS:
+                raise ValueError(
+                    f"has {num_parts} content parts, over the limit of {MAX_CONTENT_PARTS}"
+                )
+        return value
 
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.logprobs:
