@@ -15,19 +15,15 @@ and one and a half times it), in turn from:
     drop_kv_channel   abort a TCP connection between a prefill rank and a decode worker
                       (`ss -K`: the KV channel's sockets; needs the kernel's sock_destroy)
 
-After each fault it waits until the cluster has healed: every instance healthy in its load
-reports and routable by the router, and gRPC health SERVING (`heal_s`).
+After each fault it waits until every instance is healthy, routable and SERVING (`heal_s`).
 
 The last line printed is one JSON object (also written to --out):
   requests, completed, faults_injected, faults (each with its kind, target, heal_s)
-  failed_before_first_token  clients that got an error (not their own cancel or deadline,
-                             not RESOURCE_EXHAUSTED: counted as `overloaded`) and no token
+  failed_before_first_token  clients with an error and no token (RESOURCE_EXHAUSTED: `overloaded`)
   lost_streams               streams that got tokens and then no final message
   migrated, retried          requests whose final timings report a migration / a retry
-  repeated_or_skipped_tokens streams whose tokens differ from the reference (not a prefix of
-                             it, or not all of it for a finished stream)
-  migration_completed_pct    of the streams a loss hit after their first token (migrated or
-                             lost), the share that finished by migration
+  repeated_or_skipped_tokens streams whose tokens are not (a prefix of) the reference
+  migration_completed_pct    of streams a loss hit after a first token, those migrated
   leaked_blocks              KV blocks still in use on every worker once the load has stopped
   hangs                      requests with no status by their deadline (+10 s)
   rss_growth_pct             per process kind (router, prefill, decode), end over start

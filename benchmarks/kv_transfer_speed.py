@@ -5,12 +5,8 @@ For the engine benchmark's model shape (8 layers, 2 KV heads, head_dim 64, float
 five block layouts (every rank is its own process, gloo on CPU):
 
     contiguous        both sides' blocks are one run of ids
-    prefix-hit        the prefill blocks are two runs (a cached prefix of a quarter of the
-                      prompt, then the new blocks), the decode blocks one run (the prefill side
-                      gathers)
-    split-decode      the prefill blocks are one run, the decode blocks four runs (a
-                      reservation in a fragmented pool): layerwise sends four pieces per
-                      (layer, k/v, head), in place on both sides
+    prefix-hit        prefill blocks in two runs (a cached quarter, then the new blocks)
+    split-decode      decode blocks in four runs (a fragmented pool): four pieces, in place
     scattered-source  the prefill blocks are scattered, the decode blocks one run (the prefill
                       side gathers, the decode side receives in place)
     scattered         both scattered, more runs than a transfer splits into (gather and scatter)
@@ -24,17 +20,14 @@ benchmarks/block_runs.py measures how often each arises under load with BlockPoo
     overhead_ms (64 tokens)  kv time - raw time: what the protocol costs per request
     raw_topology_ms, ratio_to_topology   the same bytes as one contiguous tensor per rank
               pair of the p -> d plan, all at once: separates what the fan-out costs on these
-              cores from what the KV path's copies (head slices when p != d, scattered blocks)
-              cost. On CPU those copies run at memory bandwidth (~3.7 GB/s on the 2-core
-              machine, the same order as loopback TCP); on a GPU they are device copies.
+              cores from what the KV path's copies (head slices, scattered blocks) cost.
 
 First the transports: same_node_over_network = network path time / same-node transport time
 (shared memory, see kv_transfer/same_node.py), worst over p,d in {(1,1),(2,2)} and two layouts,
 with the raw send interleaved (network_over_raw_same_run). Prefill ranks are pinned to one half
 of the cores, decode ranks to the other, where there are two or more.
 
-Prints one JSON object as its last line; `--out PATH` also writes it.
-Run: python -m benchmarks.kv_transfer_speed [--quick] [--out kv.json]
+Run: python -m benchmarks.kv_transfer_speed [--quick] [--out kv.json] (last line: one JSON object)
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
     python -m benchmarks.load_cancel [--scale 0.1] [--no-ray] [--config my.yaml] --out run.json
 
 `pdserve serve` starts as a child process (deploy/local.yaml's layout unless --config: one
-prefill instance at TP=2, two decode instances, on Ray unless --no-ray), then the sequence of
-issue 12, each count times --scale:
+prefill instance at TP=2, two decode instances, on Ray unless --no-ray), then this sequence,
+each count times --scale:
 
     1. 600 concurrent streams                 4. 2,000 short requests, 10% cancelled
     2. 1,500 concurrent streams                  (at most 200 in flight)

@@ -8,7 +8,7 @@ layouts as the benchmark runs them on this machine, at the rates the benchmark's
   disaggregated  1 prefill + 1 decode instance, TP=1 each, the KV over the measured channel
   colocated      2 replicas, chunked prefill (chunk 512, 2048-token budget, 64 sequences)
 and goodput comes from planner/metrics.goodput on those (rate, attainment) points, as the
-benchmark computes its own (benchmarks/goodput/sweep.py: sweep_rates).
+benchmark's own does.
 
 Terms the engine profile alone lacks, each measured by `pdserve profile --path` on a real
 instance behind the real router (benchmarks/profiling/path.py), none fitted to a goodput:
@@ -27,8 +27,7 @@ And two mechanisms of pdserve's dispatch (planner/simulator.py): a disaggregated
 for the decode loop's step under way before its prompt is queued (`reserve_before_prefill`); a
 colocated prompt goes to the replica with the fewest prompt tokens short of a first token
 (least_tokens).
-One profile is a few minutes of a machine whose speed drifts: `compare_profiles` takes several
-and reports the median prediction with its range.
+`compare_profiles` takes several profiles (speed drifts) and reports the median and range.
 """
 
 from __future__ import annotations

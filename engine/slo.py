@@ -44,9 +44,7 @@ MARGIN_FRACTION = 0.25  # and this share of the chunk's own estimated cost
 TPOT_TARGET = 0.85
 # And a prompt is held only until its first token would still come by this share of its TTFT
 # SLO. Held to the SLO itself, prompts released at the last moment missed it by the few tens of
-# milliseconds the estimate of their compute was short: in session 19's chatbot run, at 0.5
-# requests/s per core, 4 of 60 adaptive requests ended 1.33-1.66 s against a 1.30 s SLO, every
-# one held (predicted 0.4-1.4 s), where the colocated baseline, never holding, missed none.
+# milliseconds the estimate of their compute was short (docs/design/scheduler-and-slo-gate.md).
 TTFT_TARGET = 0.85
 
 

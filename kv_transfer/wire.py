@@ -22,17 +22,11 @@ payload, with a CANCELLED trailer; one that never started sends only a CANCELLED
 way the stream stays in step.
 
 Copies. The KV cache is head-major, [num_layers, 2, heads, num_blocks, block_size, head_dim]
-(see engine/kv_cache.py), so one (layer, k/v, head) over a run of consecutive blocks is one
-contiguous region, whichever subset of heads the channel carries (re-sharding between TP sizes):
-layerwise messages are sent from it and received into it without a copy. The decode side's pieces
-are runs by construction, so it receives in place whenever its reservation spans at most
-MAX_PIECES runs of at least `min_piece_bytes` per message (KVTransferConfig; BlockPool.
-allocate_run makes a reservation one run when the pool has one, else the fewest it can); the
-prefill side gathers (index_select) a piece into a reused staging buffer when its own blocks for
-that piece are not a run. Past MAX_PIECES (or in whole mode) there is one piece, and the decode
-side stages and scatters (index_copy_) as well. When a message per head would be smaller than
-`min_piece_bytes` (short requests, small heads) or too many for the tag window (many layers
-times many heads), the heads of a (layer, k/v) travel together, gathered and scattered.
+(engine/kv_cache.py), so one (layer, k/v, head) over a run of blocks is one contiguous region:
+layerwise messages leave from it and land in it without a copy. The decode side receives in
+place when its reservation spans at most MAX_PIECES runs; the prefill side gathers a piece that
+is not a run into a staging buffer; past MAX_PIECES, in whole mode, or when per-head messages
+would be under `min_piece_bytes`, both sides gather and scatter (docs/design/kv-handoff.md).
 """
 
 from __future__ import annotations

@@ -6,14 +6,8 @@ schedules by SLO (engine/slo.py, the prefill gate): a prompt chunk that would ma
 decode miss its TPOT SLO waits, decode-only steps go on, until the prompt's own TTFT SLO cannot
 wait any longer. So a tight decode is protected where it runs, and what a placement costs is
 the waiting it causes. For each request the router weighs every placement, local on any
-instance or remote from any instance to any other (router/placement_model.py predicts them):
-
-    TTFT = prompt compute queued on A + the gate's hold on A + this prompt's compute
-           [+ the KV transfer]
-    TPOT = B's decode step with the request added, plus the prompts the gate will have to run
-           beside it anyway (those that cannot wait out its decode) [+ the hand-off's gap],
-           over its tokens; at least the time between tokens B's decodes show now
-    harm = decodes the prompt would be forced onto, or that its decode would slow past their SLO
+instance or remote from any instance to any other (placement_model.py predicts each one's TTFT,
+TPOT and the decodes it would harm).
 
 The request takes the option that breaks the fewest objectives (its own two, and each harmed
 decode), then the lowest TTFT/ttft_slo + TPOT/tpot_slo + crowding (the least loaded, relative
@@ -28,16 +22,10 @@ changed. Each instance's gate sets, step by step, how many prompt tokens it admi
 decodes; the router's share of prefill-role instances and the gates' holds both follow the
 traffic, with no restart.
 
-Model (router/latency_model.py): the planner's latency model (planner/latency.StepModel, from
-the profile file) times a speed factor the router learns from every first token, and a decode
-speed learned apart, from the decode steps the instances report.
-
-With `layout_search` (RouterConfig.adaptive_layout_search, on by default) the options are first
-cut to the cluster's layout for the window's traffic (router/layout_model.py): while it is
-split, prefill on its prefill-only instances and decode on the others. The search splits when
-the local layout's requests end at risk and the split predicts them safe, which a placer that
-weighs one request at a time sees only once its own options force it; every request that ends
-(its worst objective, from the first token and token times the router relays) feeds it.
+The latency model (latency_model.py) is the profile's step model corrected online. With `layout_search` (RouterConfig.adaptive_layout_search, on by default) the options are first
+cut to the cluster's layout for the window's traffic (layout_model.py): while it is split,
+prefill on its prefill-only instances and decode on the others; every request that ends feeds
+it. Reasoning and evidence: docs/design/adaptive-placement.md.
 """
 
 from __future__ import annotations
@@ -236,9 +224,8 @@ class AdaptivePlacer:
         before the submission lands, so the arrivals meanwhile see it; `release` takes it back
         if it does not land). Its TTFT counts from the choice, as the prediction did: the
         submission waits for the instances to take it (between their steps, under load), and a
-        TTFT counted from there is short by that wait. In session
-        22's run Q, code, the layout search split on a median local TTFT of 0.27 of the SLO;
-        the client's records of the local requests with a first token by then give 0.40."""
+        TTFT counted from there is short by that wait, and the layout search, reading it, would
+        see more TTFT room than the clients do and split where it should not."""
         now = self._clock() if placement.chosen_at is None else placement.chosen_at
         prefill = self._instances.setdefault(placement.prefill_id, InstanceView())
         decode = self._instances.setdefault(placement.decode_id, InstanceView())

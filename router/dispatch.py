@@ -138,9 +138,8 @@ class Dispatcher:
         prompt tokens the prefill instance computes). The submission waits for the instances
         to be between steps, and the arrivals meanwhile must see it: counted only once it had
         landed, a burst's arrivals each saw the queue without the others' prompts and piled
-        onto one instance (session 24's run W, code: a 57-token prompt placed beside a
-        320-token one predicted a TTFT of 0.28 of its SLO and took 1.47; 122 tokens behind 216
-        and 47, predicted 0.54, took 1.19)."""
+        onto one instance, each predicted well inside its TTFT SLO and each taking past it
+        (docs/design/adaptive-placement.md)."""
         prompt = request.prompt_token_ids
         num_tokens = self._prefill_policy.placed(prompt, prefill_id)
         self._pool.note_dispatch(prefill_id, num_tokens, is_prefill=True)

@@ -9,7 +9,7 @@ profile's; until an engine has reported one, the decode step goes at `speed`. Th
 apart: tied (a decode bias on top of the prefill speed), every jump of the prefill speed moved
 the decode prediction until the next reports brought the bias back, and a split's prefill-only
 instance, whose prompts are measured in batches, took the prefill speed from 1.5 to 3.0 within
-seconds (session 17).
+seconds.
 """
 
 from __future__ import annotations

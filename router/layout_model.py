@@ -1,125 +1,33 @@
 """The cluster's layout for the traffic of the last window: how many of the adaptive instances
 should prefill only (k), the others decoding only, or none (k = 0: every request chooses its
-own placement, router/adaptive.py). DistServe's placement search, online, over what arrived.
+own placement, the per-request placer). DistServe's placement search, online, over what arrived.
 
-Why the cluster needs it on top of the per-request choice: what a split buys is that the
-decode instances see no prompts at all. One request placed remote does not buy that, while the
-other requests keep prefilling beside its decode; so a placer that decides one request at a
-time goes to the split only after the TPOT tail has crossed, and then half-way (measured on
-chatbot at 2.07 req/s per core: 18 requests split and met their SLOs, 29 stayed local on the
-prefilling instance, predicted and measured past their TPOT SLO).
+A split buys decode instances that see no prompts at all; one request placed remote does not, so
+a per-request placer reaches the split late and half-way. This search decides for the cluster.
 
 The local layout is judged by what it does, the split by what it is predicted to do:
 
-    local (k = 0)   measured: the TPOT and the worst objective (TTFT or TPOT), each over its
-                    SLO, of every request that ran local and ended in the window (the router
-                    relays every token), and of those still decoding with MIN_TOKENS_SO_FAR
-                    tokens out, at their TPOT so far.
-                    Its tail is what a prediction misses: two models of it were tried and both
-                    put chatbot's local TPOT at 0.35-0.5 of its SLO where the runs measured
-                    0.7-0.8 and crossed it (a mean-field one, and the planner's discrete-event
-                    simulator with the engines' chunking at the speeds the run's calibration
-                    measured): the steps slow down as both cores fill and the router and the
-                    client take their share (the median time between tokens went from 10 to 19
-                    ms as the rate rose), which neither model has.
-    split (k > 0)   predicted in steady state from the latency model, for the window's
-                    arrivals (rate lambda, each with its prompt n, output m and SLOs):
-      decode instance   lambda_d = lambda / (N - k) requests per second decode on it; per
-                        token step(B), B = lambda_d * E[m] * step (Little's law, a fixed
-                        point), plus the hand-off's gap (transfer + half a step) over m - 1
-      prefill instance  lambda_p = lambda / k, utilisation rho = lambda_p * E[c]; TTFT = c +
-                        the M/G/1 wait lambda_p E[s^2] / (2 (1 - rho)) + the transfer, c at
-                        the base speed (the fastest the first tokens show lately: the prompt
-                        compute the workers measured beside decodes, on cores the router and
-                        the other instance share, rose 1.7x with the load, 0.13 to 0.22 s, in
-                        a chatbot run where one prefill-only core kept up with 3.16 req/s per
-                        core); a prompt's share s of the core while others queue is c over
-                        PREFILL_BATCH_GAIN (rho = lambda_p E[s]): a prefill-only core with a
-                        queue runs several prompts in one step, and that costs less per prompt
-                        than each alone (session 20's run K, chatbot: one prefill-only core
-                        carried 15.3 requests/s of 179-token prompts, 56 of 60 inside their
-                        TTFT SLO, 0.065 s each, where one alone took 0.12 s at the run's
-                        calibrated speed; without the gain one core would be past what it
-                        can carry from 4.1 req/s per core on, where the fixed disaggregated
-                        layout attained 100% to 5.08 and 90% at 8.42)
-                    The forecast says which splits can carry the window's prompts at all
-                    (rho < 1), and which of those does best (with more than two instances:
-                    how many prefill). It does not say whether to split: it is a steady
-                    state, and the traffic that tells is not (a bench point is 60 requests,
-                    a few seconds of arrivals whose decodes end seconds later: in run K's
-                    chatbot the fixed split's decode core held 17 sequences at 13 requests/s
-                    with 33 ms between tokens, where Little's law, at the speed the run's
-                    calibration measured, puts the batch past 100 and the TPOT past its
-                    SLO from 4 requests/s per core on, and the split attained 93%).
-    the split, run  measured: the worst objective of each request placed after the split.
+    local (k = 0)   measured: each local request's TPOT and worst objective over its SLO, for
+                    those that ended in the window and those still decoding with at least
+                    MIN_TOKENS_SO_FAR tokens out (at their TPOT so far). Its tail is measured,
+                    not modelled: steps slow as both cores fill, which no model here captures.
+    split (k > 0)   predicted in steady state for the window's arrivals (rate lambda, each with
+                    its prompt n, output m and SLOs) from the latency model:
+      decode instance   lambda_d = lambda / (N - k); per token step(B), B = lambda_d * E[m] *
+                        step (Little's law, a fixed point), plus the hand-off's gap over m - 1
+      prefill instance  lambda_p = lambda / k; TTFT = c + the M/G/1 wait
+                        lambda_p E[s^2] / (2 (1 - rho)) + the transfer, c at the base speed,
+                        s = c / PREFILL_BATCH_GAIN (a queued prefill-only core batches prompts)
+                    The forecast says which splits can carry the prompts (rho < 1) and which
+                    does best; not whether to split, since a bench point is no steady state.
 
-The cluster splits when at least TAIL of the window's local requests (MIN_DECODES of them or
-more) missed their TPOT SLO and a split can carry the window's prompts: then the local layout
-is failing the requests a split is for, and what the split does is measured from there on.
-Still decoding counts: a burst's long answers end seconds after it began, and a tail of ended
-requests alone came when most of it was placed (session 21, chatbot at 4.5-4.6 req/s per core:
-runs O and P split after 49 and 48 of 60 arrivals, and attained 83% and 63%; the requests still
-decoding, from their 16th token, showed the same tail after 29 and 15). So far is not final: of
-O's and P's chatbot requests past their TPOT SLO at their 16th token, 60% ended past it (code
-23%, whose local TTFTs leave no room for a split anyway; summarization 76%); a count past the
-SLO by 1.2 was surer (76%) but showed the tail after 35 and 29 arrivals.
-Missed, not at risk: a local layout whose requests end near their SLOs
-still meets them, and the split it would move to is only predicted (session 19's
-summarization split at 0.94 requests/s per core on 18% of local requests past RISK while every
-local request met its SLOs, and 63% of the split's then missed, their decode steps 1.7x the
-fixed disaggregated layout's at the same rate). TPOT, not TTFT: what a split buys is decodes
-that see no prompts; it gives the prompts fewer cores, so local requests late to their first
-token only get later (the code runs split on a tail of TTFT misses and lost 0.52-0.72x to
-colocated, which the prefill gate alone beat by 1.34x). And only while the prompts have room:
-the median TTFT of the window's local requests, ended or still decoding (a TTFT is whole at
-the first token), at most TTFT_ROOM of its SLO. Still decoding counts here from the first token,
-not the 16th: when the load steps up, the window's ended requests are those of the lower load
-before, and a burst's first requests 16 tokens in are those whose prompts came before the
-queue: in session 22's run Q, code, the router split 1.5 s into the 14.15 req/s per core point
-on a median of 0.27, where the client's records of the local requests with a first token by
-then give 0.40; it attained 43% where colocated attained 92%. The split gives the prompts k of
-N cores, so each prefill-only core queues N/k times the prompts, and a local layout whose
-first tokens already take a good share of their SLO has no room for that. Measured, the two
-kinds of traffic stand far apart: where the split won (sessions 19-20, chatbot, mixed, shift),
-the adaptive layout's local requests had a median TTFT of 0.05-0.25 of the SLO at the points
-that split; where it lost (code, runs M and N, 0.75x and 0.53x, each a point lost to a split
-taken on a TPOT tail of 1 request in 8), 0.58 and 0.65, and colocated code's held 0.41-0.55 at
-the rates where a few TPOT misses showed beside them (runs L and M). Replayed through the
-search (benchmarks/layout_replay.py, runs L and M), TTFT_ROOM 0.3 splits no code point and
-every chatbot, mixed and shift point the search split before; 0.4 splits a third of run M's
-colocated code at 9.76 req/s per core, where colocated attained 88%.
-
-It goes back to k = 0 when the rate falls under BACK_RATE of the rate it split at (an idle spell alone does not: traffic that comes
-back after one finds the layout it left, and the window judges it once it holds enough
-arrivals), when its prefill instances are predicted past what they can carry (a rate or a mix
-of prompts that would only queue up), or when more of the split's own requests miss an SLO than
-TAIL and than the local layout's did when it split, or, under a lower rate than it split at
-(below SAME_LOAD of it), more than TAIL: the local layout's misses were measured at the load it
-split at, and the split must not keep running on their credit. Under a higher rate (above the
-split's by 1/SAME_LOAD) they are no bar either way: the local layout, already past its TPOT
-tail at the lower load, misses more TPOTs at this one, so the split goes back only when more
-than TAIL of its requests miss their TTFT (its prompts on k cores where local gives them N), and
-more than the local requests did when it split (at this load they would miss more). One miss is
-no tail: it goes back for doing worse on MIN_MISSES of its requests or more (session 23's run V,
-mixed: a split taken 9 s into the 2.12 req/s per core point went back 5 s later on 1 TTFT miss
-in 8, and the point attained 72% where colocated attained 83%). In
-session 22's run Q, chatbot, a split taken at 1.59 req/s per core (12% of local requests past
-their TPOT) went back 3 s into the 4.35 point on 25% of its requests past an SLO, all TPOTs at
-1.00-1.15 of it; the 40 requests placed local after it missed 29 TPOTs, and the refusal kept
-the split away for 30 s (43% at 4.35, where the fixed split attained 97%). In run M's code the split taken
-at 6.97 req/s per core (local requests 25% past their TPOT) ran on through the next point, 5.89,
-where 19 of its 60 requests missed their TTFT and the local layout had met every SLO at 4.98,
-since 32% was not worse than what the local layout did at 6.97. Then it does not split again for
-REFUSE_WINDOWS windows, twice that after a second such split in a row, and so on (a split that
-went back for the rate resets it): in session 20's run L, chatbot, a split tried at 2.53 req/s
-per core did worse and went back, its refusal ran out at the next point, 2.14, the window's
-local requests still those the 2.53 overload had left, and the split tried again there, 17 of
-its 42 requests past their TPOT where colocated missed 2 of 60. For the same reason a layout
-is judged only by the requests placed under it: local requests placed before a split went
-back do not count toward the next one. A change waits DWELL of the window after the last one
-(the window's arrivals and ended requests must be the new ones).
-
-On by default (RouterConfig.adaptive_layout_search).
+It splits when at least TAIL of the window's local requests (MIN_DECODES or more) missed their
+TPOT SLO, a split can carry the prompts, and the median local TTFT is at most TTFT_ROOM of its
+SLO. It goes back when the rate falls under BACK_RATE of the split's, when its prefill instances
+are predicted overloaded, or when its own requests do worse (at least MIN_MISSES) than the local
+layout did; after such a return it refuses to split for REFUSE_WINDOWS windows, doubling in a row.
+A change waits DWELL of the window. The reasoning, the evidence and how each constant was fitted:
+docs/design/adaptive-placement.md. On by default (RouterConfig.adaptive_layout_search).
 """
 
 from __future__ import annotations

@@ -12,34 +12,22 @@ until its own TTFT SLO cannot wait. So, for a request of `n` prompt tokens and `
              A's decodes whose slack does not fit `own` (their slack: the time left before
              their TPOT SLO breaks, less the steps they still need); those that run longer it
              is run onto at once (holding would not save them), and each it takes past its
-             SLO itself counts as harmed (past the gate's TPOT_TARGET alone is no miss: so
-             counted, a decode the prompt would leave at 0.9 of its SLO was a broken objective,
-             and the instance whose decodes were already lost drew code's prompts, session 22)
+             SLO itself counts as harmed (past the gate's TPOT_TARGET alone is no miss, else
+             the instance whose decodes are already lost would draw the prompts)
     TTFT     queued on A + hold + own [+ transfer] + lag, how much later than predicted A's
-             first tokens have come lately: an instance that fell behind (a burst of slow
-             steps, hand-offs it received) is seen behind, as its decodes' time between
-             tokens shows it for TPOT. Without it, session 19's code run kept placing on the
-             instance whose prompts were missing their TTFT while the other met every one
+             first tokens have come lately: an instance that fell behind is seen behind
     window   m x B's step: how long it decodes on B
     forced   prompts that will run beside its decode on B although it is tight: B's queued ones
              and the ones the last window placed on B, pro rata, whose TTFT cannot wait `window`
     TPOT     B's step with it added + (forced [+ the hand-off's gap]) / (m - 1), and at
-             least the time between tokens B's decodes show now, plus its step's growth: the
-             model extrapolates the last window's prompts, but this placer's own next
-             placements may pile onto B, and its decodes' tokens tell
-    gap      the transfer + half a step, plus what the last hand-offs took beyond that: the
-             time from a remote request's first token to its second, as the router saw it.
-             The transfer waits for both engines to be between steps, and under load that
-             dominates: the bench's summaries, 20 tokens at a 24 ms TPOT SLO, waited 0.74 s
-             on average for their second token where the model gave 0.04 s (session 18's
-             run D, 2.58 requests/s per core), and 18 of 20 missed their TPOT
+             least the time between tokens B's decodes show now, plus its step's growth
+    gap      the transfer + half a step, plus what the last hand-offs took beyond that (the
+             transfer waits for both engines to be between steps, which dominates under load)
     harm     + decodes on B its joining slows past their SLO
-    crowding the share of each A decode's slack its prompt uses, and of each B decode's slack
-             its joining uses (its step's growth over the steps they share), summed: prompts go
-             where decodes can take them, loose requests pack where the batch can take them,
-             and an instance with tight decodes keeps a light batch. A decode past its SLO
-             counts whole: were it nothing (nothing left to protect), the instance whose
-             decodes are all late would look free and draw every request
+    crowding the share of each A or B decode's slack it uses, summed (a decode past its SLO
+             counts whole, else an instance whose decodes are all late would look free)
+
+Why each term is there, and what it was measured against: docs/design/adaptive-placement.md.
 """
 
 from __future__ import annotations
@@ -212,10 +200,9 @@ class InstanceView:
         A local prompt's lag is trusted LAG_FRESH_S: it is how far the instance is behind. A
         remote prompt's is mostly the hand-off's (the KV staged and sent, the first token relayed
         once the decode instance takes it), which an idle spell does not take away: it is held
-        until the next remote prompt measures it again. Forgotten, it let a burst's first remote
-        placements predict TTFTs of 0.14-0.23 of code's SLO that took 0.57-0.89 (session 21's run
-        P); a remote prompt under 120 tokens took a median 0.16 s there to its first token, a
-        local one 0.07 s."""
+        until the next remote prompt measures it again. Forgotten, a burst's first remote
+        placements after an idle spell predict TTFTs a third of those they take: a short remote
+        prompt takes about twice a local one's time to its first token."""
         if remote:
             return max(0.0, self.remote_lag_s)
         return max(0.0, self.lag_s) if self.lag_at >= now - LAG_FRESH_S else 0.0
@@ -247,9 +234,8 @@ class Option:
 
         A remote option that breaks the request's own objective loses a tie on objectives to
         a local one: the transfer costs both instances CPU, and when the request is lost
-        either way it buys nothing. In session 18's code runs, the remote placements taken at
-        the top rates predicted TTFTs past the SLO (0.54 s and 0.61 s against 0.29 s), and
-        measured 0.50 s and 0.32 s, against 0.26 s and 0.18 s for the local ones beside them."""
+        either way it buys nothing: at the top rates, remote placements predicted past their TTFT
+        SLO measured slower than the local ones placed beside them."""
         own_misses = int(self.ttft_s > slo.ttft_s) + int(self.tpot_s > slo.tpot_s)
         load = self.ttft_s / slo.ttft_s + self.tpot_s / slo.tpot_s + self.crowding
         lost_transfer = int(self.remote and own_misses > 0)

@@ -128,7 +128,7 @@ def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(
             max_position_embeddings=1024,
         )
     )
-    # The gates alone: since session 20 the layout search splits the cluster once local
+    # The gates alone: the layout search splits the cluster once local
     # requests miss their TPOT (the tight half's 1.6-step TPOT does), and a split taken stays
     # while its requests do well, loose ones included; its moves are router/layout_model.py's
     # tests'.

@@ -1,4 +1,4 @@
-"""The plain-process cluster keeps serving (issue 12): it outlives idle time past every timeout,
+"""The plain-process cluster keeps serving under load with cancels: it outlives idle time past every timeout,
 cancelled requests give back every KV block at once, and a worker that dies (or loses a TP rank)
 is reported down, restarted, and serves again.
 

@@ -1,4 +1,4 @@
-"""Worker processes ignore terminal signals and obey their parent (issue 12, defect 6).
+"""Worker processes ignore terminal signals and obey their parent.
 
 A stand-in for `pdserve serve --no-ray` runs in a session of its own and hosts a prefill worker at
 TP=2 (a ProcessWorker child, which spawns TP rank 1). SIGINT and SIGTERM to the whole process

@@ -1,4 +1,4 @@
-"""An idle TP group stays up; a dead driver or a dead rank is still noticed (issue 12, defect 1).
+"""An idle TP group stays up; a dead driver or a dead rank is still noticed.
 
 The TP group's collective timeout (`tp_timeout_s`) is shortened to 2 s, and the group idles for
 well past it: an idle rank waits for its next step without a deadline, so the next step runs and

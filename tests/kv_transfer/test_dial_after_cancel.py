@@ -2,7 +2,7 @@
 was cancelled, or its reservation timed out): the dial fails at once, instead of waiting out its
 deadline on the decode rank's store; such a wait held the store client every send of the prefill
 rank to that decode rank shares, and under load with cancels stalled a whole prefill instance for
-~30 s at a time (issue 12, defect 3)."""
+~30 s at a time."""
 
 from __future__ import annotations
 

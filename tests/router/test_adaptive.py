@@ -227,8 +227,7 @@ def test_an_instance_whose_decodes_are_past_their_slo_draws_no_more(
     placer: AdaptivePlacer, clock: Clock
 ):
     """Lost decodes have nothing left to protect, but they count whole: counted as nothing, the
-    instance whose decodes are all late looked free and drew every request (the bench's chatbot
-    run, session 13)."""
+    instance whose decodes are all late would look free and draw every request."""
     for n in range(3):  # b's three 20-token answers, stalled 3 s after their first token
         late = place(placer, f"late{n}", 300, 20, CHATBOT, only=("b",))
         placer.prefilled(f"late{n}", late, None)
@@ -275,8 +274,8 @@ def test_a_slow_hand_off_raises_the_remote_tpot_until_it_is_a_window_old(
 ):
     """The router times each remote request's first token to its second: what that took
     beyond the model's gap (transfer + a step and a half) joins every remote option's TPOT,
-    and is forgotten a window after the last one measured (session 18's summaries waited
-    0.74 s for their second token where the model gave 0.04 s)."""
+    and is forgotten a window after the last one measured (under load a hand-off can take
+    many times the model's gap)."""
     test_prefill_where_the_cache_is_and_decode_where_the_batch_is_light(placer, clock)
     remote = placer.choose(
         600, 64, RequestSLO(ttft_s=0.25, tpot_s=0.022), states("a", "b"), {"a": 560, "b": 0}
@@ -324,8 +323,8 @@ def test_an_instance_whose_first_tokens_come_late_is_seen_behind(
 ):
     """a's prompts have been getting their first token 0.3 s later than predicted (it fell
     behind): its TTFT prediction carries that lag, so a code prompt goes to b, and the lag is
-    forgotten once a's first tokens are no longer fresh (session 19's code run kept placing
-    on the instance that was missing every TTFT while the other met them all)."""
+    forgotten once a's first tokens are no longer fresh (without it the placer keeps placing
+    on the instance that is missing every TTFT while the other meets them all)."""
     for n in range(4):
         late = place(placer, f"late{n}", 100, 2, CODE, only=("a",))
         clock.now += late.predicted_ttft_s - late.predicted_lag_s + 0.3  # the model's, + 0.3 s
@@ -358,8 +357,8 @@ def test_a_remote_prompts_lateness_is_its_own_and_outlasts_an_idle_spell(
 ):
     """a prefilled prompts for b that got their first token 0.1 s later than predicted (the
     hand-off's cost): a's remote option carries that after an idle spell, its local option does
-    not (session 21's run P: a burst's first remote placements, predicted at 0.14-0.23 of code's
-    TTFT SLO with nothing fresh to carry, took 0.57-0.89 of it)."""
+    not (with nothing fresh to carry, a burst's first remote placements would be predicted at a
+    third of the TTFT they take)."""
     for n in range(4):
         chosen = placer.choose(100, 20, CODE, states("a", "b"))
         remote = Placement("a", "b", chosen.predicted_ttft_s, chosen.predicted_tpot_s, 0)

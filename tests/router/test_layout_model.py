@@ -1,5 +1,5 @@
 """The cluster-level layout search (router/layout_model.py) on the bench model's profile, at the
-speed run A's chatbot calibration measured (1.45x the profile): the cluster splits when its
+speed a chatbot calibration on the 2-core machine measured (1.45x the profile): the cluster splits when its
 local requests miss their TPOT SLO and the split predicts them safe, not before (not on local
 requests that only came near their SLOs, nor on local TTFT misses, which a split worsens); it comes back when the
 rate falls, when the split cannot keep up, or when the split's own requests did worse than the
@@ -100,13 +100,13 @@ def code_tail(ttft: float) -> tuple[LayoutModel, list[int]]:
 
 
 def test_local_requests_whose_first_tokens_have_no_room_do_not_split():
-    # run N's code at 3.27 req/s per core: one local request in eight past its TPOT SLO, their
-    # median TTFT 0.65 of its SLO; a split (one prefill core for every prompt) lost the point
+    # code at 3.27 req/s per core: one local request in eight past its TPOT SLO, their median
+    # TTFT 0.65 of its SLO; a split (one prefill core for every prompt) would lose the point
     layout, chosen = code_tail(0.65)
     assert set(chosen) == {0}
     assert layout.missed(layout.local, True) >= layout_model.TAIL
     assert layout.ttft_room(layout.local) == 0.65
-    # the same tail with first tokens at a fifth of their SLO (chatbot's, run M): split
+    # the same tail with first tokens at a fifth of their SLO (as chatbot's are): split
     layout, chosen = code_tail(0.2)
     assert chosen[-1] == 1
 
@@ -211,8 +211,8 @@ def test_under_a_higher_load_a_split_is_judged_by_its_ttfts():
     # local requests at 2 req/s: a quarter of them miss their TPOT
     assert drive(layout, 2.0, 20, 179, CHAT_OUTPUTS, CHATBOT, worst=QUARTER)[-1] == 1
     # at 4 req/s a split whose TPOTs miss twice as often as local's did at 2 stays: local would
-    # miss more there (run Q's chatbot went back at 4.35 req/s per core, and local then missed
-    # 29 TPOTs of 40)
+    # miss more there (a chatbot split that went back at 4.35 req/s per core left local
+    # requests missing 29 TPOTs of 40)
     higher = drive(
         layout, 4.0, 10, 179, CHAT_OUTPUTS, CHATBOT, start=20.0, worst=[MISSED, 0.5], local=False
     )
@@ -327,7 +327,7 @@ def test_a_split_whose_prefill_instance_cannot_keep_up_is_not_taken():
 
 
 def k_model() -> LatencyModel:
-    """The profile at the speeds run K's chatbot calibration measured (session 20)."""
+    """The profile at the speeds a chatbot calibration on the 2-core machine measured."""
     model = LatencyModel.from_file(str(PROFILE))
     model.speed = 1.03
     model.decode_speed = 1.31
@@ -338,13 +338,13 @@ K_CHATBOT = RequestSLO(ttft_s=1.415, tpot_s=0.0454)
 
 
 def test_a_prefill_only_core_is_forecast_with_its_batched_steps():
-    # Run K: one prefill-only core carried chatbot's 179-token prompts at 5.08 req/s per core
+    # Measured: one prefill-only core carried chatbot's 179-token prompts at 5.08 req/s per core
     # (100%) and 7.12 (93%); one prompt at a time, it would be past the core from 4.1 on
     for rate in (5.08, 7.12):
         layout = LayoutModel(k_model(), WINDOW_S)
         drive(layout, 2 * rate, 10, 179, CHAT_OUTPUTS, K_CHATBOT)
         assert layout.last[0].utilisation < 1.0, rate
-    # and a rate past what batching buys is still past it (run K's 9.96: 34 of 60 TTFTs missed)
+    # and a rate past what batching buys is still past it (at 9.96, 34 of 60 TTFTs missed)
     layout = LayoutModel(k_model(), WINDOW_S)
     drive(layout, 2 * 9.96, 10, 179, CHAT_OUTPUTS, K_CHATBOT)
     assert layout.last[0].utilisation >= 1.0 and layout.last[0].at_risk == 1.0

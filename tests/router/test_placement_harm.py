@@ -23,8 +23,8 @@ def test_a_forced_prompt_harms_a_decode_only_when_it_takes_it_past_its_slo_itsel
 ):
     """The gate runs a code prompt onto a summary it cannot wait for. When what the prompt adds
     eats only the gate's margin (the slack to TPOT_TARGET), the summary still meets its SLO: no
-    harm. Counted as harm, the instance whose decodes were already lost looked cheaper and drew
-    code's prompts (session 22's run R: 25-29 of the last 30 on one instance)."""
+    harm. Counted as harm, the instance whose decodes were already lost would look cheaper and
+    draw nearly all of code's prompts."""
     now, model = placer._clock(), placer.model
     view = InstanceView()
     own_s = model.prefill_s(300, 1, 651.0)

@@ -168,7 +168,7 @@ def test_admission_runs_fifo_and_refuses_past_both_bounds() -> None:
 
 def test_a_prompt_counts_as_queued_until_its_first_token_only(tiny_model_dir: str) -> None:
     """The prefill policies read an instance's outstanding prompt tokens as its queue: a request
-    that is decoding no longer counts there (until the seventh session it did, for good)."""
+    that is decoding no longer counts there, else an instance with long decodes looks busy for good."""
     with _two_synthetic(tiny_model_dir, step_interval_s=0.05) as (pool, stub, _):
         call = stub.Generate(pb.GenerateRequest(token_ids=[5] * 40, max_tokens=200), timeout=30)
         next(call)  # the first token: the prompt is prefilled, the request decodes on
@@ -184,8 +184,7 @@ def test_a_burst_sees_the_placements_whose_submissions_are_still_on_the_way(
 ) -> None:
     """An engine answers a submission between its steps. Arrivals meanwhile see the placements
     still on the way: four at once spread over both instances. Counted only once they had
-    landed (until the twenty-fifth session), all four saw two empty instances and took the
-    first. A call cancelled while its submission is on the way leaves nothing counted."""
+    landed, all four would see two empty instances and take the first. A call cancelled while its submission is on the way leaves nothing counted."""
     delays = {"submit_delay_s": 0.5, "prefill_delay_s": 5.0}
     with _two_synthetic(tiny_model_dir, **delays) as (pool, stub, workers):
         request = pb.GenerateRequest(token_ids=[5] * 40, max_tokens=4)

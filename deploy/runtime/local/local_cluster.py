@@ -11,8 +11,7 @@
     control relay ◀── each worker's own pipe ── send_control(instance_id, message) in a worker
                   ──▶ workers[instance_id].post(Deliver(message)), one thread per addressee
 
-The same shape as the Ray runtime (deploy/runtime/ray/cluster.py), with a pipe where Ray has actor calls.
-Benchmarks use it for colocated layouts too (N colocated Worker replicas), optionally with each
+The Ray runtime's shape (deploy/runtime/ray/cluster.py), a pipe where Ray has actor calls. Benchmarks use it for colocated layouts too (N colocated Worker replicas), optionally with each
 worker pinned to its own cores (`spec.pin_cpus`). On CUDA each worker gets GPUs of its own, one per
 TP rank in instance order, through CUDA_VISIBLE_DEVICES (its ranks then take cuda:0..k-1, as under
 Ray). A layout with more ranks than GPUs shares them between workers when the KV moves through

@@ -18,9 +18,7 @@ Start-up, in order (each step reported through `progress`):
    wait until its health is SERVING.
 
 Failures: a worker actor whose process dies is restarted by Ray (`ray.max_restarts`) behind the
-same name and handle. Its in-flight requests end with UNAVAILABLE ("worker decode-1 became
-unavailable (...); retry the request"): pdserve does not re-run them, because tokens already
-streamed cannot be taken back and sampling may not be reproducible. New requests avoid the
+same name and handle; what becomes of its in-flight requests: docs/design/recovery.md. New requests avoid the
 instance (the router's pool marks it unhealthy) until its load reports healthy again, which is
 after its constructor rebuilt the worker and its KV pair channels (deploy/runtime/channels.py). A
 restarted prefill driver replaces its TP rank actors (deploy/runtime/ray/launcher.py).
