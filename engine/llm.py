@@ -63,6 +63,7 @@ class LLMEngine:
             connector=self.connector,
             gate=gate,
             speculative=config.speculative,
+            step_costs=self.step_costs,
         )
         self.sampler = Sampler()
 

@@ -47,6 +47,7 @@ from engine.sampler import SamplingRow
 from engine.slo import PrefillGate, StepWindow
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.proposer import Speculator
+from engine.step_costs import StepCosts
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Scheduler:
         gate: PrefillGate | None = None,
         clock: Callable[[], float] = time.time,
         speculative: SpeculativeConfig | None = None,
+        step_costs: StepCosts | None = None,
     ) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
@@ -90,7 +92,7 @@ class Scheduler:
         self.connector = connector if connector is not None else KVConnector()
         self.gate = gate
         self.speculator = (
-            Speculator(speculative, max_model_len) if speculative is not None else None
+            Speculator(speculative, max_model_len, step_costs) if speculative is not None else None
         )
         self._clock = clock  # stamps first tokens (time.time(), as arrival times are)
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -161,6 +163,8 @@ class Scheduler:
     # --------------------------------------------------------------- schedule
     def schedule(self) -> ScheduledBatch:
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        if self.speculator is not None:
+            self.speculator.begin_step(self.running)
         self._schedule_running(plan, decodes=True)
         if self.gate is not None:  # this step's decodes, and the landed ones about to join
             decodes = [self.requests[i] for i in plan.num_new_tokens]

@@ -8,7 +8,8 @@ Two straight lines, each an exponentially weighted least-squares fit over recent
                                                              step, over its prompt tokens)
 
 A prompt token attends to every token before it, so its cost grows with the context its chunk
-sits at (the mean of the chunk's positions). Weights decay per observation (`DECAY`), so the fit
+sits at (the mean of the chunk's positions). A speculative decode counts as a decode plus its
+proposed tokens as prompt tokens: they cost what prompt tokens at that context cost. Weights decay per observation (`DECAY`), so the fit
 follows a machine whose speed moves. Until a line has seen enough steps it answers None and the
 gate lets every chunk through.
 """
@@ -59,7 +60,11 @@ class StepCosts:
         weighted_ctx = 0.0
         for chunk in batch.chunks:
             n = chunk.num_new_tokens
-            if n == 1 and chunk.start_pos > 0 and chunk.sample:
+            if chunk.num_draft:
+                num_decodes += 1
+                num_prompt += chunk.num_draft
+                weighted_ctx += chunk.num_draft * (chunk.start_pos + (n + 1) / 2)
+            elif n == 1 and chunk.start_pos > 0 and chunk.sample:
                 num_decodes += 1
             else:
                 num_prompt += n

@@ -1,5 +1,14 @@
 """The scheduler's side of speculation: what each decode proposes, and what its verification
-taught (counts, the adaptive length)."""
+taught (counts, the adaptive length).
+
+Cost check per step: a verified token costs about what a prompt token does (`price`, learned
+by engine/step_costs.py), while a decode step of B sequences costs `step`; a proposal of k
+tokens at acceptance rate a pays when the tokens it is expected to add, a + a^2 + ... + a^k,
+are worth its price: (a + ... + a^k) / k >= price * B / step. At batch 1 the right side is
+small (one token reads the weights, a few more cost little); in a large CPU batch, where a step
+is compute bound, only requests that copy well still propose. Until both costs are learned
+every request proposes.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +16,34 @@ from engine.request import Request
 from engine.speculative import ngram
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.state import SpecState
+from engine.step_costs import StepCosts
 
 
 class Speculator:
     """Proposes tokens for decodes under one SpeculativeConfig; counts over all requests."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, costs: StepCosts | None = None
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.costs = costs
         self.num_proposed = 0
         self.num_accepted = 0
+        self._threshold = 0.0  # this step's worth a proposed token must reach (module doc)
+
+    def begin_step(self, running: list[Request]) -> None:
+        """Price this step's proposals for a batch of the `running` requests."""
+        self._threshold = 0.0
+        costs = self.costs
+        if costs is None or not running:
+            return
+        batch_size = len(running)
+        context = sum(r.num_tokens for r in running) // batch_size
+        step = costs.decode_step_s(batch_size)
+        price = costs.prefill_s(1, context)
+        if step and price is not None:
+            self._threshold = min(1.0, price * batch_size / step)
 
     def propose(self, request: Request, room: int) -> list[int]:
         """Tokens to verify after the request's last one this step: none for a request that
@@ -34,6 +61,7 @@ class Speculator:
             request.params.max_tokens - request.num_output_tokens - 1,
             self.max_model_len - request.num_tokens - 1,
         )
+        num_tokens = min(num_tokens, _worth(state.rate, self._threshold))
         if num_tokens <= 0 or not state.wants_proposal():
             return []
         return ngram.propose(
@@ -45,3 +73,15 @@ class Speculator:
         request.spec.observe(num_proposed, num_accepted)
         self.num_proposed += num_proposed
         self.num_accepted += num_accepted
+
+
+def _worth(rate: float, threshold: float) -> int:
+    """The largest k with (rate + rate^2 + ... + rate^k) / k >= threshold (at most 32)."""
+    total, power, k = 0.0, 1.0, 0
+    while k < 32:
+        power *= rate
+        if (total + power) / (k + 1) < threshold:
+            break
+        total += power
+        k += 1
+    return k

@@ -5,7 +5,8 @@ Adaptive length: all accepted grows k by one (up to the configured maximum); a p
 sets k to the accepted run plus one; none accepted halves k, and two or more misses in a row
 stop proposing for 2, 4, ... up to 64 decode steps. A request with nothing to copy therefore
 costs plain decodes after a few tries, and one that starts copying again is found on the next
-probe.
+probe. `rate` (an exponential average of accepted / proposed) is what the step's cost check
+in proposer.py weighs against the price of a verified token.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_PAUSE_STEPS = 64
+RATE_WEIGHT = 0.3  # of the newest verification in `rate`
 
 
 @dataclass
@@ -24,6 +26,7 @@ class SpecState:
     num_verifications: int = 0
     misses: int = 0  # verifications in a row with nothing accepted
     paused_steps: int = 0  # decode steps left without proposing
+    rate: float = 0.6  # expected share of proposed tokens accepted (optimistic at first)
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_tokens or self.max_tokens
@@ -39,6 +42,7 @@ class SpecState:
         self.num_proposed += num_proposed
         self.num_accepted += num_accepted
         self.num_verifications += 1
+        self.rate += RATE_WEIGHT * (num_accepted / num_proposed - self.rate)
         if num_accepted == num_proposed:
             self.num_tokens = min(self.num_tokens + 1, self.max_tokens)
             self.misses = 0
