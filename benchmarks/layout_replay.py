@@ -1,5 +1,5 @@
 """Replays a `pdserve bench --compare` run's recorded traffic through the cluster-level layout
-search (router/layout_model.py) and sets what it would have chosen beside what each fixed
+search (router/adaptive/layout_model.py) and sets what it would have chosen beside what each fixed
 layout measured at the same point: where the search would split, disaggregated should attain
 more than colocated there, and where it stays local, not less.
 
@@ -28,8 +28,8 @@ from benchmarks.goodput.report import slos_of
 from benchmarks.output import emit
 from engine.slo import RequestSLO
 from planner.metrics import RequestRecord, SLOs, attainment
-from router.latency_model import LatencyModel
-from router.layout_model import Arrival, LayoutModel, Running
+from router.adaptive.latency_model import LatencyModel
+from router.adaptive.layout_model import Arrival, LayoutModel, Running
 
 
 def records_of(point: dict[str, Any]) -> list[RequestRecord]:

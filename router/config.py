@@ -51,7 +51,7 @@ class RouterConfig:
     all; 0 turns that off. A request that finds no healthy instance to take it, at dispatch or
     after a failure, waits up to `recovery_wait_s` for one to come back (a restarted worker),
     never past the client's deadline; 0 fails it at once with UNAVAILABLE.
-    Adaptive placement (a cluster of Role.ADAPTIVE instances, router/adaptive.py) predicts each
+    Adaptive placement (a cluster of Role.ADAPTIVE instances, router/adaptive/placer.py) predicts each
     request's TTFT and TPOT with the latency model in `latency_profile` (a profile file that
     `pdserve profile` writes; `latency_profile_model` names the model when it holds several),
     corrected online by the workers' measured step times, against the request's own SLOs or, when
@@ -95,7 +95,7 @@ class RouterConfig:
     default_ttft_slo_s: float = 2.0
     default_tpot_slo_s: float = 0.1
     adaptive_window_s: float = 10.0
-    # The cluster-level split of router/layout_model.py: the adaptive instances split into
+    # The cluster-level split of router/adaptive/layout_model.py: the adaptive instances split into
     # prefill-only and decode-only ones while the local layout's requests end at risk and the
     # split predicts them safe (off: every request chooses its own placement, always).
     adaptive_layout_search: bool = True

@@ -3,7 +3,7 @@
     disaggregated:  decode = decode_policy(...);  ticket = decode.reserve(req)
                     prefill = prefill_policy(...); prefill.submit(req, ticket)
     colocated:      prefill = prefill_policy(...); prefill.submit(req, None)
-    adaptive:       (A, B) = placer.choose(...)  (router/adaptive.py)
+    adaptive:       (A, B) = placer.choose(...)  (router/adaptive/placer.py)
                     A == B: A.submit(req, None)       else: as disaggregated, A for B
 
 An instance that answers Overloaded (or fails, or times out) is left out and the policy picks

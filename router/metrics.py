@@ -105,7 +105,7 @@ class RouterMetrics:
         self._init_placement_metrics(histogram)
 
     def _init_placement_metrics(self, histogram: Callable[[str, str], Histogram]) -> None:
-        """An adaptive cluster's decisions (router/adaptive.py)."""
+        """An adaptive cluster's decisions (router/adaptive/placer.py)."""
         self.placements = Counter(
             "pdserve:placements",
             "Requests placed by an adaptive cluster, by kind (local: "

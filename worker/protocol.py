@@ -34,7 +34,7 @@ class Role(str, enum.Enum):
     """What the router uses an instance for. A PREFILL instance prefills for decode instances,
     a DECODE instance decodes KV it received; a COLOCATED one runs both phases of its own
     requests. An ADAPTIVE one does all three, and the router chooses per request
-    (router/adaptive.py). One worker may hold both connector sides (worker/config.py)."""
+    (router/adaptive/placer.py). One worker may hold both connector sides (worker/config.py)."""
 
     PREFILL = "prefill"
     DECODE = "decode"

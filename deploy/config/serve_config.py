@@ -169,7 +169,7 @@ class RouterSection:
     max_retries: int = knob(3, checks.integer(0))
     recovery_wait_s: float = knob(30.0, checks.seconds(allow_zero=True))
     # mode adaptive: the latency profile (`pdserve profile`) placement predicts with, and the
-    # SLOs of a request that sets none (router/adaptive.py)
+    # SLOs of a request that sets none (router/adaptive/placer.py)
     latency_profile: str | None = knob(None, checks.file)
     latency_profile_model: str | None = knob(None, checks.optional_text)
     default_ttft_slo_s: float = knob(2.0, checks.seconds())

@@ -130,8 +130,8 @@ def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(
     )
     # The gates alone: the layout search splits the cluster once local
     # requests miss their TPOT (the tight half's 1.6-step TPOT does), and a split taken stays
-    # while its requests do well, loose ones included; its moves are router/layout_model.py's
-    # tests'.
+    # while its requests do well, loose ones included; its moves are tested in
+    # tests/router/test_layout_model.py.
     router = RouterConfig(
         model_dir=model,
         port=0,

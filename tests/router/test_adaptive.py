@@ -1,5 +1,5 @@
-"""The adaptive placer's decisions (router/adaptive.py, router/placement_model.py) on the bench
-model's profile, with a clock the test moves: loose traffic runs where it is prefilled, a prompt
+"""The adaptive placer's decisions (router/adaptive/placer.py and placement_model.py) on the
+bench model's profile, with a clock the test moves: loose traffic runs where it is prefilled, a prompt
 avoids the instance whose gate would hold it, a request decodes away from the prompts that would
 be forced into its steps, roles follow the remote placements of the window, and the model learns
 the machine's speed and decode step."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from router.adaptive import WINDOW_S, AdaptivePlacer, Placement, RequestSLO
-from router.latency_model import LatencyModel
-from router.placement_model import InstanceView, Option, PlacementModel
+from router.adaptive.latency_model import LatencyModel
+from router.adaptive.placement_model import InstanceView, Option, PlacementModel
 from router.policies import InstanceState
 from router.worker_api import InstanceLoad, Role
 

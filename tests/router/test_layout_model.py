@@ -1,4 +1,4 @@
-"""The cluster-level layout search (router/layout_model.py) on the bench model's profile, at the
+"""The cluster-level layout search (router/adaptive/layout_model.py) on the bench model's profile, at the
 speed a chatbot calibration on the 2-core machine measured (1.45x the profile): the cluster splits when its
 local requests miss their TPOT SLO and the split predicts them safe, not before (not on local
 requests that only came near their SLOs, nor on local TTFT misses, which a split worsens); it comes back when the
@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.slo import RequestSLO
-from router import layout_model
-from router.adaptive import AdaptivePlacer, Placement
-from router.latency_model import LatencyModel
-from router.layout_model import Arrival, LayoutModel
+from router.adaptive import AdaptivePlacer, Placement, layout_model
+from router.adaptive.latency_model import LatencyModel
+from router.adaptive.layout_model import Arrival, LayoutModel
 from router.policies import InstanceState
 from router.worker_api import InstanceLoad, Role
 

@@ -1,4 +1,4 @@
-"""How the placer counts the decodes a placement harms (router/placement_model.py): against
+"""How the placer counts the decodes a placement harms (router/adaptive/placement_model.py): against
 each decode's TPOT SLO itself, not the gate's target."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from engine.slo import TPOT_TARGET
 from router.adaptive import AdaptivePlacer
-from router.latency_model import LatencyModel
-from router.placement_model import Decoding, InstanceView
+from router.adaptive.latency_model import LatencyModel
+from router.adaptive.placement_model import Decoding, InstanceView
 from tests.router.test_adaptive import CODE, PROFILE, SUMMARIZATION, Clock
 
 

@@ -1,4 +1,4 @@
-"""What one placement option of an adaptive request is predicted to give (router/adaptive.py
+"""What one placement option of an adaptive request is predicted to give (placer.py
 chooses among them). Pure Python over the router's own view of each instance.
 
 An option is (A, B): prefill on A, decode on B (A == B: local). The instances' engines schedule
@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.slo import MARGIN_FRACTION, TPOT_TARGET, TTFT_TARGET, RequestSLO
-from router.latency_model import LatencyModel
+from router.adaptive.latency_model import LatencyModel
 
 # What moving the KV must win, in the score's units (TTFT and TPOT as shares of their SLOs):
 # a remote placement is taken over a local one that meets the same objectives only when it

@@ -40,7 +40,7 @@ from statistics import median
 from typing import NamedTuple
 
 from engine.slo import RequestSLO
-from router.latency_model import LatencyModel
+from router.adaptive.latency_model import LatencyModel
 
 RISK = 0.85  # a latency past this share of its SLO puts the request at risk (in a forecast)
 TAIL = 0.1  # the share of local requests missing their TPOT SLO that calls for a split

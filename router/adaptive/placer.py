@@ -36,11 +36,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.slo import RequestSLO
+from router.adaptive.latency_model import LatencyModel
+from router.adaptive.layout_model import Arrival, LayoutModel, Running
+from router.adaptive.placement_model import Decoding, InstanceView, PlacementModel, Queued
 from router.config import RouterConfig
-from router.latency_model import LatencyModel
-from router.layout_model import Arrival, LayoutModel, Running
 from router.metrics import RouterMetrics
-from router.placement_model import Decoding, InstanceView, PlacementModel, Queued
 from router.policies import InstanceState
 
 WINDOW_S = 10.0  # the placements roles follow, by default (router.adaptive_window_s)
@@ -162,7 +162,7 @@ class AdaptivePlacer:
         slo: RequestSLO,
         now: float,
     ) -> list[tuple[str, str]]:
-        """The (prefill, decode) pairs the cluster's layout allows (router/layout_model.py):
+        """The (prefill, decode) pairs the cluster's layout allows (layout_model.py):
         every pair when it is not split, else prefill on a prefill-only instance and decode on
         another. The prefill-only instances stay the same while their number does; new ones
         are those with the fewest decodes."""

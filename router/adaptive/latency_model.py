@@ -1,5 +1,5 @@
 """The adaptive placer's latency model: the planner's StepModel (from a profile file) in
-seconds, corrected online by what the workers measure (router/adaptive.py uses it).
+seconds, corrected online by what the workers measure (placer.py uses it).
 
 Two factors, each an exponential average of measured over profiled: `speed`, from every first
 token's prefill compute against the profiled one (a profile taken on another day, or a machine
