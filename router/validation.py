@@ -33,6 +33,7 @@ MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
 # Shorter prompts are tokenized on the event loop: a hop to a thread costs more than they do.
 MAX_INLINE_TOKENIZE_CHARS = 8192
+_TEMPLATE_CHARS_PER_MESSAGE = 32  # about what a chat template adds around each message
 _TOKENIZER_THREADS = 2
 
 
@@ -154,11 +155,20 @@ class RequestValidator:
                 raise InvalidRequest(
                     f"messages[{index}].role is {message.role!r}; use one of {CHAT_ROLES}"
                 )
+        max_model_len = self._limits.max_model_len
+        if len(messages) > max_model_len:  # every template spends a token or more on each
+            raise InvalidRequest(
+                f"there are {len(messages)} messages, more than the model's maximum length "
+                f"{max_model_len} could hold; send fewer"
+            )
         num_chars = sum(len(m.content) for m in messages)
         self._check_prompt_chars("the messages have", num_chars)
         turns = [(m.role, m.content) for m in messages]
+        # The template writes each message's role and markers too: many short messages are
+        # rendered off the event loop like one long one.
+        size = num_chars + len(messages) * _TEMPLATE_CHARS_PER_MESSAGE
         try:
-            token_ids = await self._tokenize(self._tokenizer.encode_chat, turns, num_chars)
+            token_ids = await self._tokenize(self._tokenizer.encode_chat, turns, size)
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc)) from exc
         if not token_ids:

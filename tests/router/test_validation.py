@@ -56,6 +56,10 @@ BAD_REQUESTS = [
         pb.GenerateRequest(messages=[pb.ChatMessage(role="robot", content="x")]),
         "messages[0].role is 'robot'",
     ),
+    (  # refused before the template renders them all (on the event loop, for short ones)
+        pb.GenerateRequest(messages=[pb.ChatMessage(role="user")] * 100_000),
+        "there are 100000 messages, more than the model's maximum length 512",
+    ),
     (pb.GenerateRequest(prompt="hi", request_id="x" * 200), "request_id must be at most 128"),
 ]
 
