@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from deploy.config.cluster_spec import ClusterSpec
-from deploy.runtime.local.handles import HandleBase
+from deploy.runtime.handle import HandleBase
 from engine.gc_tuning import freeze_startup_heap
 from router.server import Router
 from worker.config import WorkerConfig

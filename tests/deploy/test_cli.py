@@ -23,7 +23,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from deploy.cli.main import main
-from deploy.runtime.local.handles import LocalHandle
+from deploy.runtime.handle import LocalHandle
 from engine.config import EngineConfig
 from router.config import RouterConfig
 from tests.router.harness import RouterThread

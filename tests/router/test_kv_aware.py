@@ -16,7 +16,7 @@ import pytest
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from deploy.runtime.local.handles import LocalHandle
+from deploy.runtime.handle import LocalHandle
 from engine.block_pool import hash_prompt_blocks
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams

@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from deploy.runtime.channels import PeerCall
-from deploy.runtime.local.handles import HandleBase
+from deploy.runtime.handle import HandleBase
 from worker.protocol import Deliver, Role, WorkerCall, WorkerUnavailable
 
 # Actor calls run on these threads, submission and result alike, as ProcessHandle's pipe calls
@@ -57,7 +57,7 @@ def actor_call(namespace: str, timeout_s: float) -> PeerCall:
 
 class RayHandle(HandleBase):
     """A router handle over the worker actor named `actor_name(instance_id)` in `namespace`.
-    The handle methods are deploy/runtime/local/handles.py's; only how a call is made differs."""
+    The handle methods are deploy/runtime/handle.py's; only how a call is made differs."""
 
     def __init__(
         self,
