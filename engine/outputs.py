@@ -48,6 +48,8 @@ class SchedulerStats:
     num_preemptions: int
     num_queued_prompt_tokens: int  # tokens of waiting requests still to compute
     num_decoding: int = 0  # running requests past their first token
+    num_spec_proposed: int = 0  # speculative tokens proposed and accepted, over all requests
+    num_spec_accepted: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -447,4 +447,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_queued_prompt_tokens=sum(r.num_tokens for r in self.waiting),
             num_decoding=sum(1 for r in self.running if r.num_output_tokens),
+            num_spec_proposed=self.speculator.num_proposed if self.speculator else 0,
+            num_spec_accepted=self.speculator.num_accepted if self.speculator else 0,
         )

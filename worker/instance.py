@@ -200,6 +200,9 @@ class Worker(WorkerLoop):
             "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
             "chunk_size": float(self.config.engine.chunk_size),
         }
+        if self.config.engine.speculative is not None:  # cumulative, as the prefix counts
+            extra["num_spec_proposed_tokens"] = float(stats.num_spec_proposed)
+            extra["num_spec_accepted_tokens"] = float(stats.num_spec_accepted)
         # The decode step this engine measures at its decode batch (engine/step_costs.py),
         # which an adaptive router's latency model learns from; and its prefill gate's holds.
         decode_batch = max(1, stats.num_decoding)

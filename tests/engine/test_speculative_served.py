@@ -1,0 +1,72 @@
+"""Speculation on a served disaggregated cluster, in real processes: a prefill instance (TP=1)
+hands each request's KV to a decode instance at TP=2 that speculates from the request's first
+decode step. Its pool is too small for the batch, so it preempts mid-speculation. Tokens equal
+transformers' float64 greedy ones, the decode instance reports proposed and accepted tokens,
+and every pool comes back whole.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.speculative.config import SpeculativeConfig
+from kv_transfer.config import KVTransferConfig
+from tests.engine.test_llm import hf_greedy
+from tests.engine.test_speculative import BASE
+from tests.workers.cluster import Cluster, Relay, free_blocks, make_requests, wait_for
+from worker.config import WorkerConfig
+from worker.protocol import Load
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 40
+
+
+def engine_config(model_dir: str, **overrides: object) -> EngineConfig:
+    kwargs: dict[str, object] = {"dtype": "float64", "block_size": 8, "num_kv_blocks": 64}
+    kwargs.update(overrides)
+    return EngineConfig(model_dir=model_dir, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_served_speculation_equals_transformers(tiny_model, family: str) -> None:
+    model_dir = tiny_model(family)
+    first = hf_greedy(model_dir, BASE, 24)
+    prompts = [p + o + p for p, o in zip(BASE, first, strict=True)]
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    prefill = engine_config(model_dir)
+    decode = engine_config(
+        model_dir,
+        tensor_parallel_size=2,
+        num_kv_blocks=24,
+        speculative=SpeculativeConfig(num_tokens=4, prompt_lookup_max=3),
+    )
+    cluster = Cluster()
+    try:
+        cluster.start(
+            [
+                ("prefill", WorkerConfig.prefill(prefill)),
+                ("decode", WorkerConfig.decode(decode, KVTransferConfig(transfer_timeout_s=10.0))),
+            ]
+        )
+        start_free = {i: free_blocks(cluster, i) for i in cluster.workers}
+        relay = Relay(cluster, "prefill", ["decode"], 1)
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        results = relay.run(make_requests(prompts, params, "spec"), timeout_s=180.0)
+        assert [r.token_ids for r in results.values()] == expected
+        load = relay.worker("decode").call(Load())
+        proposed = load.extra["num_spec_proposed_tokens"]
+        accepted = load.extra["num_spec_accepted_tokens"]
+        assert 0 < accepted < proposed, (proposed, accepted)
+        assert load.num_preemptions > 0
+        for instance_id, start in start_free.items():
+            wait_for(
+                lambda i=instance_id, n=start: free_blocks(cluster, i) == n,
+                15.0,
+                f"{instance_id} back to {start} free blocks",
+            )
+    finally:
+        cluster.shutdown()
+        for worker in list(cluster.workers.values()):
+            worker.kill()
