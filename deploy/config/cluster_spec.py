@@ -22,6 +22,27 @@ from engine.speculative.config import SpeculativeConfig
 from kv_transfer.config import KVTransferConfig
 from router.config import RouterConfig
 from worker.config import WorkerConfig
+from worker.protocol import Role
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One instance to start: its name (for the router, logs and Ray actors), the typed role the
+    router uses it for, and the config its workers are built with."""
+
+    instance_id: str
+    role: Role
+    config: WorkerConfig
+
+    @property
+    def prefills(self) -> bool:
+        """Whether it prefills prompts whose KV another instance decodes."""
+        return self.role in (Role.PREFILL, Role.ADAPTIVE)
+
+    @property
+    def decodes_remote(self) -> bool:
+        """Whether it decodes KV another instance prefilled."""
+        return self.role in (Role.DECODE, Role.ADAPTIVE)
 
 
 @dataclass(frozen=True)
@@ -91,27 +112,36 @@ class ClusterSpec:
         """Worker processes in all: one per TP rank of every instance."""
         return sum(self.worker_config(i).engine.tensor_parallel_size for i in self.instance_ids())
 
+    def instances(self) -> list[InstanceSpec]:
+        """prefill-0.., decode-0.. (or colocated-0.., adaptive-0..), each with its role and
+        config: the one place an instance's name and role are decided."""
+        counts = (
+            (Role.PREFILL, self.prefill, self.num_prefill_instances),
+            (Role.DECODE, self.decode, self.num_decode_instances),
+            (Role.COLOCATED, self.colocated, self.num_colocated_instances),
+            (Role.ADAPTIVE, self.adaptive, self.num_adaptive_instances),
+        )
+        return [
+            InstanceSpec(f"{role.value}-{i}", role, config)
+            for role, config, count in counts
+            if config is not None
+            for i in range(count)
+        ]
+
+    def instance(self, instance_id: str) -> InstanceSpec:
+        """The instance named `instance_id`; KeyError names the ones there are."""
+        for instance in self.instances():
+            if instance.instance_id == instance_id:
+                return instance
+        raise KeyError(f"no instance {instance_id!r}; the cluster has {self.instance_ids()}")
+
     def worker_config(self, instance_id: str) -> WorkerConfig:
         """The config instance `instance_id` ("prefill-0", "decode-1", ...) is built with."""
-        configs = {
-            "prefill": self.prefill,
-            "decode": self.decode,
-            "colocated": self.colocated,
-            "adaptive": self.adaptive,
-        }
-        config = configs[instance_id.rsplit("-", 1)[0]]
-        assert config is not None, f"no config for {instance_id}"
-        return config
+        return self.instance(instance_id).config
 
-    def instance_ids(self) -> list[str]:
-        """prefill-0.., decode-0.. (or colocated-0..): the names the router and logs use."""
-        if self.is_colocated:
-            return [f"colocated-{i}" for i in range(self.num_colocated_instances)]
-        if self.is_adaptive:
-            return [f"adaptive-{i}" for i in range(self.num_adaptive_instances)]
-        return [f"prefill-{i}" for i in range(self.num_prefill_instances)] + [
-            f"decode-{i}" for i in range(self.num_decode_instances)
-        ]
+    def instance_ids(self, role: Role | None = None) -> list[str]:
+        """The names the router and logs use, of every instance or those of `role`."""
+        return [i.instance_id for i in self.instances() if role is None or i.role == role]
 
 
 def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int) -> EngineConfig:

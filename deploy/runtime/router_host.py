@@ -84,16 +84,13 @@ class ServingCluster:
 
     def _start_router(self) -> None:
         """The router on its loop thread, with a handle (`_handle`) per worker."""
-        spec, ids = self.spec, self.spec.instance_ids()
+        spec, instances = self.spec, self.spec.instances()
         prefill_tp = {
-            i: spec.worker_config(i).engine.tensor_parallel_size
-            for i in ids
-            if i.startswith(("prefill", "adaptive"))
+            i.instance_id: i.config.engine.tensor_parallel_size for i in instances if i.prefills
         }
-        for i in ids:
-            role = Role(i.rsplit("-", 1)[0])
-            tp = prefill_tp if role in (Role.DECODE, Role.ADAPTIVE) else {}
-            self.handles[i] = self._handle(i, role, tp)
+        for i in instances:
+            tp = prefill_tp if i.decodes_remote else {}
+            self.handles[i.instance_id] = self._handle(i.instance_id, i.role, tp)
         front = [h for h in self.handles.values() if h.role != Role.DECODE]
         back = [h for h in self.handles.values() if h.role == Role.DECODE]
         self._loop = asyncio.new_event_loop()

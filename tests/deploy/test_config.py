@@ -20,6 +20,7 @@ from deploy.config.serve_config import (
 from deploy.runtime.launch import open_cluster
 from deploy.runtime.local.local_cluster import LocalCluster
 from deploy.runtime.ray.cluster import RayCluster
+from worker.protocol import Role
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,6 +213,11 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
     )
     spec = build_cluster_spec(config)
     assert spec.instance_ids() == ["prefill-0", "decode-0", "decode-1", "decode-2"]
+    assert [i.role for i in spec.instances()] == [Role.PREFILL] + [Role.DECODE] * 3
+    assert spec.instance_ids(Role.DECODE) == ["decode-0", "decode-1", "decode-2"]
+    assert spec.worker_config("decode-2") is spec.decode and spec.instance("prefill-0").prefills
+    with pytest.raises(KeyError, match="no instance 'decode-3'"):
+        spec.instance("decode-3")
     assert spec.prefill is not None and spec.decode is not None
     prefill, decode = spec.prefill.engine, spec.decode.engine
     assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)

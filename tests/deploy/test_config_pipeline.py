@@ -81,7 +81,7 @@ def ray_view(cluster: RayCluster, monkeypatch: pytest.MonkeyPatch) -> View:
     cluster._start_ray()  # what `start` does first, with Ray itself left out
     workers, plan = cluster.worker_configs(), cluster.placement_plan(cluster_cpus=2.0)
     # the placement groups hold exactly the workers that get a config
-    roles = [instance_id.split("-")[0] for instance_id in workers]
+    roles = [cluster.spec.instance(instance_id).role for instance_id in workers]
     assert (plan.num_prefill_instances, plan.num_decode_instances) == (
         roles.count("prefill"),
         roles.count("decode"),

@@ -324,7 +324,7 @@ class LocalCluster(ServingCluster):
                     worker.kill()
                     return
                 self.workers[instance_id] = worker  # the relay delivers the peers' acks to it
-            if instance_id.startswith(("prefill", "adaptive")):
+            if self.spec.instance(instance_id).prefills:
                 self._settle_prefill(instance_id, worker)
             handle = self.handles[instance_id]
             assert isinstance(handle, ProcessHandle)
@@ -339,7 +339,11 @@ class LocalCluster(ServingCluster):
             lambda command: worker.call(command, timeout_s),
             instance_id,
             self.spec.worker_config(instance_id).engine.tensor_parallel_size,
-            [i for i in self.workers if i.startswith(("decode", "adaptive")) and i != instance_id],
+            [
+                i.instance_id
+                for i in self.spec.instances()
+                if i.decodes_remote and i.instance_id != instance_id
+            ],
             lambda peer_id, command: self.workers[peer_id].call(command, timeout_s),
             timeout_s,
         )

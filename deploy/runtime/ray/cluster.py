@@ -215,7 +215,7 @@ class RayCluster(ServingCluster):
         return dict.fromkeys(self._ids_of(other), peers.engine.tensor_parallel_size)
 
     def _ids_of(self, role: Role) -> list[str]:
-        return [i for i in self.spec.instance_ids() if i.startswith(f"{role.value}-")]
+        return self.spec.instance_ids(role)
 
     def _handle(self, instance_id: str, role: Role, prefill_tp: dict[str, int]) -> RayHandle:
         actor, timeout_s = self.worker_actors[instance_id], self.spec.router.worker_timeout_s
