@@ -218,6 +218,8 @@ class LLM:
                 num_cached_tokens=r.num_cached_tokens,
                 num_preemptions=r.num_preemptions,
                 error=errors.get(r.request_id),
+                num_spec_proposed=r.spec.num_proposed if r.spec else 0,
+                num_spec_accepted=r.spec.num_accepted if r.spec else 0,
             )
             for r in requests
         ]

@@ -33,6 +33,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose compute the prefix cache skipped
     num_preemptions: int = 0
     error: str | None = None
+    # speculative decoding: tokens proposed for it and accepted by the model (0 without)
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,10 @@ def test_greedy_equals_transformers_and_plain_decoding(tiny_model, family: str) 
     plain, _, _ = run(model_dir, prompts, spec=None)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain] == expected
     assert 0 < accepted < proposed, (proposed, accepted)
+    # per request, in the outputs: the counts add up to the engine's
+    assert sum(o.num_spec_proposed for o in outputs) == proposed
+    assert sum(o.num_spec_accepted for o in outputs) == accepted
+    assert {(o.num_spec_proposed, o.num_spec_accepted) for o in plain} == {(0, 0)}
 
 
 def test_requests_with_and_without_speculation_share_steps(tiny_model) -> None:
