@@ -148,13 +148,6 @@ class RouterMetrics:
         self.worker_blocks_used = gauge("pdserve:kv_blocks_used", "KV blocks in use per worker.")
         self.worker_blocks_total = gauge("pdserve:kv_blocks_total", "KV blocks per worker.")
         self.worker_healthy = gauge("pdserve:worker_healthy", "1 when the worker is healthy.")
-        # Cumulative KV transfer totals that workers report in InstanceLoad.extra.
-        self.kv_transfer_bytes = gauge(
-            "pdserve:kv_transfer_bytes_total", "KV bytes transferred, as reported by the worker."
-        )
-        self.kv_transfer_seconds = gauge(
-            "pdserve:kv_transfer_seconds_total", "Seconds spent on KV transfers, per worker."
-        )
         # Prefix-cache tokens, as vLLM's prefix_cache_queries / prefix_cache_hits (their ratio
         # is the hit rate KV-aware routing raises).
         self.prefix_cache_queries = gauge(
@@ -179,17 +172,13 @@ class RouterMetrics:
         self.worker_blocks_used.labels(*labels).set(load.num_total_blocks - load.num_free_blocks)
         self.worker_blocks_total.labels(*labels).set(load.num_total_blocks)
         self.worker_healthy.labels(*labels).set(1.0 if load.healthy else 0.0)
-        if "kv_transfer_bytes_total" in load.extra:
-            self.kv_transfer_bytes.labels(*labels).set(load.extra["kv_transfer_bytes_total"])
-        if "kv_transfer_seconds_total" in load.extra:
-            self.kv_transfer_seconds.labels(*labels).set(load.extra["kv_transfer_seconds_total"])
-        if "num_prefix_queried_tokens" in load.extra:
-            self.prefix_cache_queries.labels(*labels).set(load.extra["num_prefix_queried_tokens"])
-            self.prefix_cache_hits.labels(*labels).set(load.extra["num_prefix_hit_tokens"])
-        if "num_held_chunks" in load.extra:
-            self.prefill_chunks_held.labels(*labels).set(load.extra["num_held_chunks"])
-        if "decode_step_s" in load.extra:
-            self.decode_step_seconds.labels(*labels).set(load.extra["decode_step_s"])
+        details = load.details
+        self.prefix_cache_queries.labels(*labels).set(details.num_prefix_queried_tokens)
+        self.prefix_cache_hits.labels(*labels).set(details.num_prefix_hit_tokens)
+        if details.num_held_chunks is not None:
+            self.prefill_chunks_held.labels(*labels).set(details.num_held_chunks)
+        if details.decode_step_s is not None:
+            self.decode_step_seconds.labels(*labels).set(details.decode_step_s)
 
     def observe_down(self, instance_id: str, role: Role) -> None:
         """A worker that does not answer: down, and holding nothing (a dead process holds no

@@ -25,6 +25,7 @@ from typing import Protocol
 from kv_transfer.messages import KVTicket
 from worker.protocol import (
     InstanceLoad,
+    LoadDetails,
     Overloaded,
     PrefixReport,
     RequestTimings,
@@ -38,6 +39,7 @@ __all__ = [
     "DecodeHandle",
     "InstanceLoad",
     "KVTicket",
+    "LoadDetails",
     "Overloaded",
     "PrefillHandle",
     "PrefixReport",

@@ -47,6 +47,7 @@ from worker.loop import WorkerLoop, on_loop_thread
 from worker.protocol import (
     ControlMessage,
     InstanceLoad,
+    LoadDetails,
     Overloaded,
     PrefixReport,
     SendControl,
@@ -195,30 +196,27 @@ class Worker(WorkerLoop):
     @on_loop_thread
     def load(self, prefix: PrefixReport = PrefixReport.NONE) -> InstanceLoad:
         stats = self.engine.stats
-        extra = {
-            "num_prefix_hit_tokens": float(stats.num_prefix_hit_tokens),
-            "num_prefix_queried_tokens": float(stats.num_prefix_queried_tokens),
-            "chunk_size": float(self.config.engine.chunk_size),
-        }
-        if self.config.engine.speculative is not None:  # cumulative, as the prefix counts
-            extra["num_spec_proposed_tokens"] = float(stats.num_spec_proposed)
-            extra["num_spec_accepted_tokens"] = float(stats.num_spec_accepted)
+        speculative = self.config.engine.speculative is not None
         # The decode step this engine measures at its decode batch (engine/step_costs.py),
         # which an adaptive router's latency model learns from; and its prefill gate's holds.
         decode_batch = max(1, stats.num_decoding)
         decode_step_s = self.engine.step_costs.decode_step_s(decode_batch)
-        if decode_step_s is not None:
-            extra["decode_step_s"] = decode_step_s
-            extra["decode_batch"] = float(decode_batch)
         gate = self.engine.scheduler.gate
-        if gate is not None:
-            extra["num_held_chunks"] = float(gate.num_held)
-        num_receiving = 0
-        if self.sending is not None:
-            extra["num_transfers_in_flight"] = float(self.sending.kv_sender.num_in_flight)
-        if self.receiving is not None:
-            num_receiving = self.receiving.num_receiving
-            extra["num_receiving"] = float(num_receiving)
+        num_receiving = self.receiving.num_receiving if self.receiving is not None else 0
+        details = LoadDetails(
+            chunk_size=self.config.engine.chunk_size,
+            num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
+            num_prefix_queried_tokens=stats.num_prefix_queried_tokens,
+            num_spec_proposed_tokens=stats.num_spec_proposed if speculative else None,
+            num_spec_accepted_tokens=stats.num_spec_accepted if speculative else None,
+            decode_step_s=decode_step_s,
+            decode_batch=decode_batch if decode_step_s is not None else None,
+            num_held_chunks=gate.num_held if gate is not None else None,
+            num_transfers_in_flight=self.sending.kv_sender.num_in_flight
+            if self.sending is not None
+            else None,
+            num_receiving=num_receiving if self.receiving is not None else None,
+        )
         return InstanceLoad(
             self.instance_id,
             self.role,
@@ -230,7 +228,7 @@ class Worker(WorkerLoop):
             prefix_cache_hit_rate=stats.prefix_hit_rate,
             num_preemptions=stats.num_preemptions,
             healthy=self.healthy,
-            extra=extra,
+            details=details,
             prefix_cache=None
             if prefix is PrefixReport.NONE
             else self.engine.prefix_cache_changes(prefix is PrefixReport.SNAPSHOT),

@@ -90,6 +90,9 @@ class RequestTimings:
     decode_queue_s: float = 0.0
     decode_s: float = 0.0
     num_cached_tokens: int = 0
+    # speculative decoding on the decode side (on the last event): tokens proposed, accepted
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     @property
     def kv_transfer_s(self) -> float:
@@ -114,6 +117,24 @@ class TokenEvent:
     failed_peer: str = ""
 
 
+@dataclass(frozen=True)
+class LoadDetails:
+    """What a load report adds beyond queue and pool sizes, for the router's placer and metrics.
+    None: the instance has no such part (no speculation, no SLO gate, no KV sender or receiver)
+    or has not measured it yet (a decode step)."""
+
+    chunk_size: int = 0  # the engine's prompt chunk, which the adaptive placer predicts with
+    num_prefix_hit_tokens: int = 0  # cumulative, as vLLM's prefix_cache_hits
+    num_prefix_queried_tokens: int = 0  # cumulative, as vLLM's prefix_cache_queries
+    num_spec_proposed_tokens: int | None = None  # cumulative, with speculative decoding
+    num_spec_accepted_tokens: int | None = None
+    decode_step_s: float | None = None  # the decode step the engine measures at decode_batch
+    decode_batch: int | None = None
+    num_held_chunks: int | None = None  # prompt chunks the SLO gate held back, cumulative
+    num_transfers_in_flight: int | None = None  # KV sends not yet acknowledged
+    num_receiving: int | None = None  # KV receives under way
+
+
 @dataclass
 class InstanceLoad:
     instance_id: str
@@ -126,7 +147,7 @@ class InstanceLoad:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     healthy: bool = True
-    extra: dict[str, float] = field(default_factory=dict)
+    details: LoadDetails = field(default_factory=LoadDetails)
     prefix_cache: PrefixCacheChanges | None = None  # when the load call asked for it
 
 

@@ -134,7 +134,7 @@ def settle_prefill_channels(
             if (
                 not load.num_waiting_requests
                 and not load.num_running
-                and not load.extra.get("num_transfers_in_flight")
+                and not load.details.num_transfers_in_flight
             ):
                 break
             time.sleep(0.02)

@@ -114,9 +114,9 @@ class AdaptivePlacer:
         views = {i: self._instances.setdefault(i, InstanceView()) for i in ids}
         for view in views.values():
             view.forget_before(now - self.window_s)
-        chunk_size = candidates[0].load.extra.get("chunk_size")
+        chunk_size = candidates[0].load.details.chunk_size
         if chunk_size:
-            self.model.chunk_size = int(chunk_size)
+            self.model.chunk_size = chunk_size
         for state in candidates:
             self._learn_decode_step(state, views[state.instance_id])
         free_blocks = {state.instance_id: state.num_free_blocks_estimate for state in candidates}
@@ -194,9 +194,8 @@ class AdaptivePlacer:
         if self._learned_from.get(state.instance_id) == id(state.load):
             return  # once per report, however many arrivals read it
         self._learned_from[state.instance_id] = id(state.load)
-        measured_s = state.load.extra.get("decode_step_s")
-        batch = int(state.load.extra.get("decode_batch", 0))
-        if measured_s and batch > 0:
+        measured_s, batch = state.load.details.decode_step_s, state.load.details.decode_batch
+        if measured_s and batch:
             contexts = [
                 d.num_prompt_tokens + d.num_tokens
                 for d in view.decoding.values()

@@ -106,7 +106,7 @@ def test_a_bad_slo_is_invalid_argument(model_dir: str) -> None:
 
 
 def held_chunks(cluster: LocalCluster) -> float:
-    return sum(load.extra.get("num_held_chunks", 0.0) for load in cluster.status())
+    return sum(load.details.num_held_chunks or 0 for load in cluster.status())
 
 
 def test_a_shift_from_tight_to_loose_traffic_moves_what_the_instances_admit(

@@ -14,7 +14,7 @@ from router.adaptive import WINDOW_S, AdaptivePlacer, Placement, RequestSLO
 from router.adaptive.latency_model import LatencyModel
 from router.adaptive.placement_model import InstanceView, Option, PlacementModel
 from router.policies import InstanceState
-from router.worker_api import InstanceLoad, Role
+from router.worker_api import InstanceLoad, LoadDetails, Role
 
 PROFILE = Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json"
 # The SLOs `pdserve bench --workloads mixed,shift` calibrated on the 2-core machine: summarization
@@ -42,9 +42,11 @@ def placer(clock: Clock) -> AdaptivePlacer:
     return AdaptivePlacer(LatencyModel.from_file(str(PROFILE)), clock=clock)
 
 
-def states(*ids: str, **extra: float) -> list[InstanceState]:
+def states(*ids: str, **details: float) -> list[InstanceState]:
     return [
-        InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512, extra=dict(extra)))
+        InstanceState(
+            i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512, details=LoadDetails(**details))
+        )
         for i in ids
     ]
 
@@ -197,7 +199,7 @@ def test_the_decode_bias_learns_from_the_steps_the_engines_report(placer: Adapti
     profiled_s = placer.model.decode_step_s(4, 0.0)
     for _ in range(40):  # each instance reports a 4-sequence step 1.5x the profile's
         placer.choose(
-            200, 50, CHATBOT, states("a", "b", decode_step_s=1.5 * profiled_s, decode_batch=4.0)
+            200, 50, CHATBOT, states("a", "b", decode_step_s=1.5 * profiled_s, decode_batch=4)
         )
     assert placer.model.decode_bias == pytest.approx(1.5, rel=0.02)
     after = place(placer, "s", 200, 50, CHATBOT)

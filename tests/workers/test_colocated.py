@@ -142,7 +142,7 @@ def test_prefix_hit_counts_skipped_tokens_and_equals_miss(tiny_model, reference)
         worker.shutdown()
     assert tokens_of(events) == reference[1]
     assert events[0].timings is not None and events[0].timings.num_cached_tokens == 64
-    assert load.extra["num_prefix_hit_tokens"] == 64.0  # 70 tokens: 8 full blocks of 8
+    assert load.details.num_prefix_hit_tokens == 64  # 70 tokens: 8 full blocks of 8
     assert load.prefix_cache_hit_rate == pytest.approx(64 / 140)
 
 

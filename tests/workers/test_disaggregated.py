@@ -196,7 +196,7 @@ def test_prefix_cache_hit_equals_miss_and_counts_skipped_tokens(cluster) -> None
     relay = Relay(cluster, "prefill", ["decode-0"], PREFILL_TP)
 
     def hit_tokens() -> float:
-        return relay.worker("prefill").call(Load()).extra["num_prefix_hit_tokens"]
+        return relay.worker("prefill").call(Load()).details.num_prefix_hit_tokens
 
     before = hit_tokens()
     miss = relay.run(make_requests([prompt], GREEDY, "miss"))["miss-0"]

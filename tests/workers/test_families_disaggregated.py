@@ -54,7 +54,7 @@ def test_family_served_disaggregated_equals_transformers(tiny_model, family: str
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
         def hit_tokens() -> int:
-            return int(relay.worker("prefill").call(Load()).extra["num_prefix_hit_tokens"])
+            return int(relay.worker("prefill").call(Load()).details.num_prefix_hit_tokens)
 
         miss = relay.run(make_requests(PROMPTS, params, "miss"), timeout_s=120.0)
         after_miss = hit_tokens()

@@ -137,6 +137,7 @@ def test_two_adaptive_instances_prefill_for_each_other_and_run_their_own(
             assert time.monotonic() < deadline, f"{instance_id} holds blocks"
             time.sleep(0.02)
         worker.call(worker.engine.block_pool.check_integrity)
-        extra = worker.load().extra  # what the router's placer and metrics read
-        assert extra["decode_step_s"] > 0 and extra["decode_batch"] >= 1
-        assert extra["num_held_chunks"] >= 0
+        details = worker.load().details  # what the router's placer and metrics read
+        assert details.decode_step_s is not None and details.decode_step_s > 0
+        assert details.decode_batch is not None and details.decode_batch >= 1
+        assert details.num_held_chunks is not None and details.num_held_chunks >= 0
