@@ -20,6 +20,9 @@ class StepOutput:
     finish_reason: str | None = None  # one of engine.request.FINISH_REASONS' values once finished
     error: str | None = None  # what went wrong, when finish_reason == "error"
     handed_off: bool = False  # finished here with its first token; it decodes elsewhere
+    # On the last output: its speculative tokens proposed and accepted here (engine/speculative/)
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
 
 @dataclass

@@ -401,6 +401,8 @@ class Scheduler:
                         True,
                         FINISH_REASONS.get(status),
                         handed_off=handed_off,
+                        num_spec_proposed=request.spec.num_proposed if request.spec else 0,
+                        num_spec_accepted=request.spec.num_accepted if request.spec else 0,
                     )
                 )
         if num_finished:
