@@ -55,6 +55,8 @@ class GenerationChunk:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    num_spec_proposed_tokens: int = 0  # speculative decoding: proposed, accepted (last chunk)
+    num_spec_accepted_tokens: int = 0
     timings: RouterTimings | None = None  # on the last chunk
     prefill_instance: str = ""  # on the last chunk: where the request ran
     decode_instance: str = ""
@@ -342,6 +344,8 @@ class GenerationRunner:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_completion_tokens=len(progress.sent_token_ids),
             num_cached_tokens=worker.num_cached_tokens,
+            num_spec_proposed_tokens=worker.num_spec_proposed_tokens,
+            num_spec_accepted_tokens=worker.num_spec_accepted_tokens,
             timings=timings,
             prefill_instance=progress.prefill_instance,
             decode_instance=progress.decode_instance,

@@ -164,6 +164,17 @@ class RouterMetrics:
         self.decode_step_seconds = gauge(
             "pdserve:decode_step_seconds", "The decode step the worker measures at its batch."
         )
+        # Speculative decoding (engine/speculative/), as vLLM's spec_decode_num_draft_tokens /
+        # num_accepted_tokens, and their ratio.
+        self.spec_proposed = gauge(
+            "pdserve:spec_decode_num_draft_tokens_total", "Tokens proposed for verification."
+        )
+        self.spec_accepted = gauge(
+            "pdserve:spec_decode_num_accepted_tokens_total", "Proposed tokens the model accepted."
+        )
+        self.spec_acceptance = gauge(
+            "pdserve:spec_decode_acceptance_rate", "Accepted over proposed tokens, cumulative."
+        )
 
     def observe_load(self, load: InstanceLoad) -> None:
         labels = (load.instance_id, load.role.value)
@@ -179,6 +190,11 @@ class RouterMetrics:
             self.prefill_chunks_held.labels(*labels).set(details.num_held_chunks)
         if details.decode_step_s is not None:
             self.decode_step_seconds.labels(*labels).set(details.decode_step_s)
+        proposed, accepted = details.num_spec_proposed_tokens, details.num_spec_accepted_tokens
+        if proposed is not None and accepted is not None:
+            self.spec_proposed.labels(*labels).set(proposed)
+            self.spec_accepted.labels(*labels).set(accepted)
+            self.spec_acceptance.labels(*labels).set(accepted / proposed if proposed else 0.0)
 
     def observe_down(self, instance_id: str, role: Role) -> None:
         """A worker that does not answer: down, and holding nothing (a dead process holds no

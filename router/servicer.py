@@ -134,6 +134,8 @@ def chunk_to_response(chunk: GenerationChunk) -> pb.GenerateResponse:
     response.usage.prompt_tokens = chunk.num_prompt_tokens
     response.usage.completion_tokens = chunk.num_completion_tokens
     response.usage.cached_prompt_tokens = chunk.num_cached_tokens
+    response.usage.spec_proposed_tokens = chunk.num_spec_proposed_tokens
+    response.usage.spec_accepted_tokens = chunk.num_spec_accepted_tokens
     if chunk.timings is not None:
         _copy_timings(chunk.timings, response.timings)
         response.prefill_instance = chunk.prefill_instance

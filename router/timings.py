@@ -88,3 +88,6 @@ def merge_timings(merged: RequestTimings, update: RequestTimings) -> None:
             setattr(merged, name, value)
     if update.num_cached_tokens:
         merged.num_cached_tokens = update.num_cached_tokens
+    # each decode instance's last event counts its own part (a migrated stream has several)
+    merged.num_spec_proposed_tokens += update.num_spec_proposed_tokens
+    merged.num_spec_accepted_tokens += update.num_spec_accepted_tokens

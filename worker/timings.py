@@ -54,4 +54,9 @@ class TrackedRequest:
             return first
         if self.timings is None:  # ended before any token
             return RequestTimings(prefill_queue_s=started_at - self.start)
-        return replace(self.timings, decode_s=now - self.decode_from)
+        return replace(
+            self.timings,
+            decode_s=now - self.decode_from,
+            num_spec_proposed_tokens=output.num_spec_proposed,
+            num_spec_accepted_tokens=output.num_spec_accepted,
+        )

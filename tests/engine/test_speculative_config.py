@@ -35,3 +35,17 @@ def test_bad_sections_are_refused_by_name(section: dict[str, object], message: s
     with pytest.raises(ConfigError) as info:
         parse_config({"speculative": section})
     assert message in str(info.value)
+
+
+def test_acceptance_metrics_follow_the_worker_load() -> None:
+    from router.metrics import RouterMetrics  # noqa: PLC0415 (router side of the same counts)
+    from worker.protocol import InstanceLoad, LoadDetails, Role  # noqa: PLC0415
+
+    metrics = RouterMetrics()
+    details = LoadDetails(num_spec_proposed_tokens=40, num_spec_accepted_tokens=30)
+    metrics.observe_load(InstanceLoad("decode-0", Role.DECODE, details=details))
+    labels = {"instance": "decode-0", "role": "decode"}
+    sample = metrics.registry.get_sample_value
+    assert sample("pdserve:spec_decode_num_draft_tokens_total", labels) == 40.0
+    assert sample("pdserve:spec_decode_num_accepted_tokens_total", labels) == 30.0
+    assert sample("pdserve:spec_decode_acceptance_rate", labels) == 0.75

@@ -16,7 +16,7 @@ from tests.engine.test_llm import hf_greedy
 from tests.engine.test_speculative import BASE
 from tests.workers.cluster import Cluster, Relay, free_blocks, make_requests, wait_for
 from worker.config import WorkerConfig
-from worker.protocol import Load
+from worker.protocol import Load, TokenEvent
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,23 @@ def test_served_speculation_equals_transformers(tiny_model, family: str) -> None
         start_free = {i: free_blocks(cluster, i) for i in cluster.workers}
         relay = Relay(cluster, "prefill", ["decode"], 1)
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-        results = relay.run(make_requests(prompts, params, "spec"), timeout_s=180.0)
+        finals: list[TokenEvent] = []  # each request's last decode event, with its timings
+        results = relay.run(
+            make_requests(prompts, params, "spec"),
+            timeout_s=180.0,
+            on_poll=lambda events: finals.extend(
+                e for e in events if e.finish_reason and e.source == "decode"
+            ),
+        )
         assert [r.token_ids for r in results.values()] == expected
         load = relay.worker("decode").call(Load())
         proposed = load.details.num_spec_proposed_tokens
         accepted = load.details.num_spec_accepted_tokens
         assert 0 < accepted < proposed, (proposed, accepted)
+        # per request in the timings (what the router's usage reports), adding up
+        assert len(finals) == len(prompts)
+        assert sum(e.timings.num_spec_proposed_tokens for e in finals if e.timings) == proposed
+        assert sum(e.timings.num_spec_accepted_tokens for e in finals if e.timings) == accepted
         assert load.num_preemptions > 0
         for instance_id, start in start_free.items():
             wait_for(
