@@ -64,6 +64,7 @@ class LLMEngine:
             gate=gate,
             speculative=config.speculative,
             step_costs=self.step_costs,
+            release_window=model_config.release_window,
         )
         self.sampler = Sampler()
 

@@ -102,6 +102,16 @@ class ModelConfig:
     def rope_type(self) -> str:
         return str(self.rope_parameters.get("rope_type", "default"))
 
+    @property
+    def release_window(self) -> int | None:
+        """The smallest window when every layer slides, else None. One block table serves all
+        layers, so a block goes back to the pool only once no layer's window reaches it: with a
+        full-attention layer (Gemma 3's every sixth) none does."""
+        windows = self.sliding_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return min(w for w in windows if w is not None)
+
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read `model_dir/config.json` (and `generation_config.json` if present)."""

@@ -59,6 +59,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # leading block_table entries given back once every layer's window passed them (their ids
+    # now repeat the first kept block's, so they are never freed twice)
+    num_released_blocks: int = 0
     decodes_here: bool = True  # False: its KV connector hands it off after its first token
     slo: RequestSLO | None = None  # its latency objectives, when the router sent them
     first_token_at: float | None = None  # time.time() of its first token, wherever it came from

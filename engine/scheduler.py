@@ -80,8 +80,12 @@ class Scheduler:
         clock: Callable[[], float] = time.time,
         speculative: SpeculativeConfig | None = None,
         step_costs: StepCosts | None = None,
+        release_window: int | None = None,
     ) -> None:
         self.block_pool = block_pool
+        # When every layer slides, the smallest window: a decoding request's blocks wholly
+        # before it hold keys no later query reads, so they go back to the pool.
+        self.release_window = release_window
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -366,6 +370,7 @@ class Scheduler:
             if new is None:
                 request.num_computed_tokens += len(chunk.token_ids)
                 self.prefix_cache.register(request)
+                self._release_out_of_window(request)
                 continue
             new_tokens = [new] if isinstance(new, int) else list(new)
             status = None
@@ -382,6 +387,7 @@ class Scheduler:
             if chunk.num_draft:
                 self._observe_speculation(request, chunk.num_draft, len(new_tokens) - 1)
             self.prefix_cache.register(request)
+            self._release_out_of_window(request)
             if request.first_token_at is None:
                 request.first_token_at = self._clock()
             kept = new_tokens[:num_kept]
@@ -428,9 +434,30 @@ class Scheduler:
         self._release_blocks(request)
         del self.requests[request.request_id]
 
+    def _release_out_of_window(self, request: Request) -> None:
+        """Give back the blocks wholly before every layer's window. The next query sits at
+        position >= num_computed_tokens and reads keys from num_computed_tokens - W + 1 on, as
+        the attention backends cut their tables. Only where the request decodes here: a hand-off
+        ships the whole table. Released entries repeat the first kept block's id, so the table
+        stays indexed by position and a backend that masks rather than skips reads its own block.
+        """
+        window = self.release_window
+        if window is None or not request.decodes_here:
+            return
+        table = request.block_table
+        num_out = min((request.num_computed_tokens - window + 1) // self.block_size, len(table) - 1)
+        done = request.num_released_blocks
+        if num_out <= done:
+            return
+        # registered in the prefix cache already (`register` runs first): they stay findable
+        self.block_pool.free_sequence_blocks(table[done:num_out])
+        table[:num_out] = [table[num_out]] * num_out
+        request.num_released_blocks = num_out
+
     def _release_blocks(self, request: Request) -> None:
-        self.block_pool.free_sequence_blocks(request.block_table)
+        self.block_pool.free_sequence_blocks(request.block_table[request.num_released_blocks :])
         request.block_table = []
+        request.num_released_blocks = 0
         request.num_computed_tokens = 0
         self.prefix_cache.forget(request.request_id)
 

@@ -29,7 +29,10 @@ def test_chunked_prefix_hits_and_preemption_equal_transformers(tiny_model, famil
     expected = hf_greedy(model_dir, PROMPTS, MAX_NEW_TOKENS)
     assert len({t for e in expected for t in e}) > 20, "degenerate reference output"
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    kwargs = {"dtype": "float64", "block_size": 8, "num_kv_blocks": 24}
+    # Mixtral slides on every layer, so decoding gives blocks before its window back: a pool
+    # of 24 would hold every window at once; 14 still fits the longest request whole
+    num_blocks = 14 if family == "mixtral" else 24
+    kwargs = {"dtype": "float64", "block_size": 8, "num_kv_blocks": num_blocks}
     with LLM(model_dir, chunk_size=16, max_num_batched_tokens=32, **kwargs) as llm:
         first = llm.generate(PROMPTS, params)
         second = llm.generate(PROMPTS, params)
@@ -39,7 +42,7 @@ def test_chunked_prefix_hits_and_preemption_equal_transformers(tiny_model, famil
     assert stats.num_preemptions > 0
     assert stats.num_prefix_hit_tokens > 0
     assert any(o.num_cached_tokens >= 32 for o in second)
-    assert stats.num_free_blocks == 24
+    assert stats.num_free_blocks == num_blocks
 
 
 @pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="no grouped_mm")
