@@ -63,7 +63,7 @@ class StepCosts:
             if chunk.num_draft:
                 num_decodes += 1
                 num_prompt += chunk.num_draft
-                weighted_ctx += chunk.num_draft * (chunk.start_pos + (n + 1) / 2)
+                weighted_ctx += chunk.num_draft * (chunk.start_pos + n / 2)  # at 1..num_draft
             elif n == 1 and chunk.start_pos > 0 and chunk.sample:
                 num_decodes += 1
             else:
