@@ -24,6 +24,8 @@ from tests.tiny_models import make_tiny_model
 from tests.workers.test_admission import NUM_BLOCKS, engine_config
 from worker.config import WorkerConfig
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 PROFILE = Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json"
 MAX_TOKENS = 8
 TIGHT = {"ttft_slo_s": 60.0, "tpot_slo_s": 1e-4}  # nothing meets it

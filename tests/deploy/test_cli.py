@@ -33,6 +33,8 @@ from worker.config import WorkerConfig
 from worker.instance import Worker
 from worker.protocol import Role
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 150.0
 PROMPT = "The quick brown fox"

@@ -42,6 +42,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("lc_model"), "llama"))
 
 
+@pytest.mark.slow
 def test_colocated_replicas_are_pinned_serve_round_robin_and_leave_nothing(
     model_dir: str,
 ) -> None:

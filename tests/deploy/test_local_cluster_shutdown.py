@@ -8,6 +8,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.local.local_cluster import LocalCluster, RestartBackoff
 from engine import EngineConfig
@@ -15,6 +17,8 @@ from router.config import RouterConfig
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
 from worker.config import WorkerConfig
+
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
 
 
 def _spawned_children() -> set[int]:

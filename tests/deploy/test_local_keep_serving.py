@@ -31,6 +31,8 @@ from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
 from worker.protocol import ProcessIds
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 SHORT_S = 2.0  # the TP collective timeout and both KV deadlines
 NUM_BLOCKS = 256
 LONG_TOKENS = 400  # long enough to kill a TP rank while these streams decode

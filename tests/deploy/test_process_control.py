@@ -18,6 +18,8 @@ import pytest
 from deploy.runtime.local.control_relay import ControlRelay
 from deploy.runtime.local.process_host import PipeControl, ProcessWorker
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 BIG = 1 << 20  # a message that takes a while to write: a kill lands mid-write or mid-lock
 
 

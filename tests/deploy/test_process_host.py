@@ -13,6 +13,8 @@ import pytest
 from deploy.runtime.local.process_host import ProcessWorker
 from worker.protocol import WorkerUnavailable
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 
 class Echo:
     def __init__(self, prefix: str) -> None:

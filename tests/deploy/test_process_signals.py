@@ -13,12 +13,16 @@ import os
 import signal
 import time
 
+import pytest
+
 from deploy.runtime.local.process_host import ProcessWorker
 from engine.config import EngineConfig
 from tests.engine.test_tp_idle import _alive
 from worker.config import WorkerConfig
 from worker.instance import Worker
 from worker.protocol import Load, ProcessIds
+
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
 
 
 def _noted(signum: int, frame: object) -> None:

@@ -31,6 +31,8 @@ from tests.deploy.ray_support import (
 from tests.workers.test_disaggregated import shared_memory_of
 from worker.protocol import Load, Role
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 MAX_TOKENS = 12
 PROMPTS = make_prompts(tuple(3 + (7 * i) % 41 for i in range(32)), seed=3)
 LONG_MAX_TOKENS = 400  # streams that are still running when an actor is killed

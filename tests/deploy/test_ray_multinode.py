@@ -11,6 +11,7 @@ import tempfile
 import time
 
 import grpc
+import pytest
 import ray
 from ray.cluster_utils import Cluster
 
@@ -23,6 +24,8 @@ from tests.deploy.ray_support import (
     stream_all,
     tiny_model_with_tokenizer,
 )
+
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
 
 PROMPTS = make_prompts((4, 9, 17, 26, 31, 12, 40, 6), seed=5)
 MAX_TOKENS = 10

@@ -10,6 +10,8 @@ from deploy.config.serve_config import ConfigError
 from deploy.runtime.ray.cluster import RayCluster
 from tests.deploy.ray_support import serve_spec, tiny_model_with_tokenizer
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 
 def test_worker_actors_restart_without_limit_unless_configured(
     tmp_path_factory: pytest.TempPathFactory,

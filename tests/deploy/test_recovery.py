@@ -28,6 +28,8 @@ from deploy.runtime.local.local_cluster import LocalCluster
 from tests.deploy.ray_support import hf_greedy, make_prompts, serve_spec, tiny_model_with_tokenizer
 from worker.protocol import ProcessIds
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 NUM_BLOCKS = 256
 LONG_TOKENS = 300  # long enough to kill a decode instance while these stream
 LONG_PROMPTS = make_prompts((9, 14, 5, 11, 20, 7), seed=4)

@@ -22,6 +22,8 @@ import pytest
 from deploy.runtime.ray.node import REPO_ROOT, descendant_pids, process_is_running
 from tests.deploy.ray_support import StreamResult, stream, tiny_model_with_tokenizer
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 # What both layouts share: a small KV pool and a router on loopback with a free port.
 _COMMON = """\
 kv_cache:

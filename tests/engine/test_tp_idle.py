@@ -20,6 +20,8 @@ from engine.executor import Executor
 from tests.engine.greedy_loop import greedy_generate
 from tests.engine.test_model_parity import make_prompts
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 GROUP_TIMEOUT_S = 2.0
 
 

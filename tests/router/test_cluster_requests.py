@@ -26,6 +26,8 @@ from kv_transfer.config import KVTransferConfig
 from router.config import RouterConfig
 from worker.config import WorkerConfig
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 BLOCK_SIZE = 8
 NUM_KV_BLOCKS = 128
 PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [1, 99, 98, 97]]

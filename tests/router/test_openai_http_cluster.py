@@ -24,6 +24,8 @@ from kv_transfer.config import KVTransferConfig
 from router.config import RouterConfig
 from worker.config import WorkerConfig
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 BLOCK_SIZE = 8
 NUM_KV_BLOCKS = 128
 LONG_MAX_TOKENS = 480  # decoding takes seconds: the client leaves long before the end

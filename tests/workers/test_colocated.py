@@ -146,6 +146,7 @@ def test_prefix_hit_counts_skipped_tokens_and_equals_miss(tiny_model, reference)
     assert load.prefix_cache_hit_rate == pytest.approx(64 / 140)
 
 
+@pytest.mark.slow
 def test_process_worker_outputs_and_abort_while_decoding(tiny_model, reference) -> None:
     host = ProcessWorker(Worker, WorkerConfig(config(tiny_model("llama"))), "colo-p", name="colo-p")
     try:
@@ -267,6 +268,7 @@ def test_overloaded_past_the_queue_bound(tiny_model) -> None:
         worker.shutdown()
 
 
+@pytest.mark.slow
 def test_a_lost_tp_rank_ends_its_requests_as_a_lost_instance(tiny_model) -> None:
     """The loop dies because a TP rank did: its requests' error events name this instance as
     the failed peer, so the router places them again (a plain crash stays INTERNAL)."""

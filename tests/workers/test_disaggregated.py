@@ -30,6 +30,8 @@ from tests.workers.cluster import (
 from worker.config import WorkerConfig
 from worker.protocol import Abort, Load, ProcessIds, Reserve, Submit
 
+pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
+
 BLOCK_SIZE = 8
 PREFILL_TP = 2
 DOOMED_TIMEOUT_S = 2.0  # the transfer deadline of the decode instance the last test kills
