@@ -28,6 +28,9 @@ class Group:
     base: int = 0
     finish: list[tuple[int, int, int]] = field(default_factory=list)  # (counter, rid, epoch)
     members: list[tuple[int, int, int]] = field(default_factory=list)  # (-admit seq, rid, epoch)
+    # Members whose KV still grows (all, unless the model's window caps it), and when each stops.
+    growing: int = 0
+    capped: list[tuple[int, int, int]] = field(default_factory=list)  # (counter, rid, epoch)
 
     @property
     def sum_ctx(self) -> int:
@@ -52,11 +55,20 @@ class RequestTable:
 
 
 class DecodeSide:
-    """KV memory and the groups of one instance. `capacity` in tokens (None: unlimited)."""
+    """KV memory and the groups of one instance. `capacity` in tokens (None: unlimited).
+    `window`: the most KV tokens a request keeps once decoding (a model whose every layer
+    slides gives back the rest); a request lands with its whole context, then shrinks to it."""
 
-    def __init__(self, table: RequestTable, capacity: int | None, max_seqs: int | None) -> None:
+    def __init__(
+        self,
+        table: RequestTable,
+        capacity: int | None,
+        max_seqs: int | None,
+        window: int | None = None,
+    ) -> None:
         self.table = table
         self.capacity = math.inf if capacity is None else capacity
+        self.window = math.inf if window is None else window
         self.max_seqs = max_seqs or 1 << 60
         self.waiting: deque[int] = deque()  # KV is here (or must be recomputed); not stepping
         self.ready: list[Group] = []  # groups back at the first stage
@@ -79,7 +91,7 @@ class DecodeSide:
         group = self._merge_ready()
         recomputed, recomputed_sq = self._admit(group)
         self._preempt_for_growth(group)
-        self.used += group.n  # each member's next token
+        self.used += group.growing  # each growing member's next token
         return group, recomputed, recomputed_sq
 
     def _merge_ready(self) -> Group:
@@ -101,8 +113,12 @@ class DecodeSide:
         for entry in other.members:
             if table.epoch[entry[1]] == entry[2]:
                 heapq.heappush(group.members, entry)
+        for key, rid, epoch in other.capped:
+            if table.epoch[rid] == epoch:
+                heapq.heappush(group.capped, (key + delta, rid, epoch))
         group.base += other.base - other.n * delta
         group.n += other.n
+        group.growing += other.growing
 
     def _admit(self, group: Group) -> tuple[int, int]:
         table = self.table
@@ -115,7 +131,7 @@ class DecodeSide:
             if self.used + extra + 1 > self.capacity and not lone:
                 break
             self.waiting.popleft()
-            self.used += extra
+            self.used += int(min(ctx, self.window)) - table.held[rid]
             table.held[rid] = 0
             if table.recompute[rid]:
                 table.recompute[rid] = False
@@ -136,6 +152,11 @@ class DecodeSide:
         heapq.heappush(group.finish, (group.counter + remaining, rid, epoch))
         self._admit_seq += 1
         heapq.heappush(group.members, (-self._admit_seq, rid, epoch))
+        if ctx < self.window:
+            group.growing += 1
+            if self.window != math.inf:
+                stop = group.counter + int(self.window - ctx)
+                heapq.heappush(group.capped, (stop, rid, epoch))
 
     def _leave(self, group: Group, rid: int) -> int:
         """Take `rid` out of `group`; returns the KV tokens it held."""
@@ -146,11 +167,14 @@ class DecodeSide:
         group.base -= table.join_ctx[rid] - table.join_counter[rid]
         self.num_stepping -= 1
         table.epoch[rid] += 1
-        return table.join_ctx[rid] + steps_here
+        ctx = table.join_ctx[rid] + steps_here
+        if ctx < self.window:
+            group.growing -= 1
+        return int(min(ctx, self.window))
 
     def _preempt_for_growth(self, group: Group) -> None:
         table = self.table
-        while group.n > 1 and self.used + group.n > self.capacity:
+        while group.n > 1 and self.used + group.growing > self.capacity:
             _, rid, epoch = heapq.heappop(group.members)
             if table.epoch[rid] != epoch:
                 continue
@@ -165,6 +189,11 @@ class DecodeSide:
         The group goes back to the first stage when any member is left."""
         table = self.table
         group.counter += 1
+        capped = group.capped
+        while capped and capped[0][0] <= group.counter:
+            _, rid, epoch = heapq.heappop(capped)
+            if table.epoch[rid] == epoch:
+                group.growing -= 1
         finished = []
         heap = group.finish
         while heap and heap[0][0] <= group.counter:

@@ -66,6 +66,9 @@ class TPProfile:
     # of 3 costs more than one of 4 (19.0 against 15.1 ms here) and a triple fitted at batches
     # 1, 4, 8, 16 runs along the cheap ones; on GPU, CUDA graphs pad a batch to its captured size.
     decode_by_batch: dict[int, float] = field(default_factory=dict)
+    # The most KV tokens one decoding request holds: set when every layer of the model slides,
+    # as the engine then gives back the blocks before the window; None: its whole context.
+    kv_window_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.threshold < 1:
@@ -96,6 +99,8 @@ class TPProfile:
             out["chunked_prefill"] = list(self.chunked_prefill)
         if self.kv_bytes_per_token is not None:
             out["kv_bytes_per_token"] = self.kv_bytes_per_token
+        if self.kv_window_tokens is not None:
+            out["kv_window_tokens"] = self.kv_window_tokens
         if self.max_num_tokens:
             out["max_num_tokens"] = {str(pp): n for pp, n in sorted(self.max_num_tokens.items())}
         if self.overhead_per_seq:
@@ -128,6 +133,9 @@ class TPProfile:
                 else None
             ),
             kv_bytes_per_token=data.get("kv_bytes_per_token"),
+            kv_window_tokens=(
+                int(data["kv_window_tokens"]) if data.get("kv_window_tokens") is not None else None
+            ),
             max_num_tokens={int(k): int(v) for k, v in (data.get("max_num_tokens") or {}).items()},
             overhead=tuple(data.get("overhead", DISTSERVE_OVERHEAD)),  # type: ignore[arg-type]
             transfer_GBps=transfer.get("bandwidth_GBps"),

@@ -116,7 +116,8 @@ class Simulator:
     def _side(self, spec: InstanceSpec) -> DecodeSide | FifoDecodeSide:
         if self.opts.decode_batch_tokens is not None:
             return FifoDecodeSide(self.table, self.opts.decode_batch_tokens)
-        return DecodeSide(self.table, spec.kv_capacity, self.opts.max_num_seqs)
+        window = spec.model.profile.kv_window_tokens
+        return DecodeSide(self.table, spec.kv_capacity, self.opts.max_num_seqs, window)
 
     # ------------------------------------------------------------------ loop
     def _push(self, when: float, action: _Action) -> None:

@@ -254,7 +254,8 @@ def profile_tp(
             f"({time.perf_counter() - started:.0f} s)"
         )
         model = probe.engine.executor.model_config
-        blocks = probe.engine.executor.num_kv_blocks * probe.engine.executor.block_size
+        block_size = probe.engine.executor.block_size
+        blocks = probe.engine.executor.num_kv_blocks * block_size
     finally:
         probe.shutdown()
     small, large = fit_decode(decode)
@@ -267,6 +268,12 @@ def profile_tp(
         decode_small=small,
         decode_large=large,
         kv_bytes_per_token=float(kv_bytes),
+        # every layer slides: a decoding request keeps (W - 1) // block_size + 2 blocks at most
+        kv_window_tokens=(
+            None
+            if model.release_window is None
+            else ((model.release_window - 1) // block_size + 2) * block_size
+        ),
         max_num_tokens={1: blocks},
         overhead=(0.0, 0.0),
         chunked_prefill=chunked,
