@@ -99,6 +99,7 @@ def test_count_steps_groups_one_step_tokens() -> None:
     assert count_steps([one, two]) == 4  # 1.0, 1.02, 1.04, 1.1
 
 
+@pytest.mark.slow  # a worker process behind a real router
 def test_profile_path_measures_the_serving_path_behind_a_real_router(
     tiny_model: str, tmp_path
 ) -> None:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.load_cancel import main
 from tests.deploy.ray_support import tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.slow  # a Ray cluster under load
 
 # Small limits: the 45-stream phase must overflow 8 running + 8 queued.
 LIMITS = "router: {max_running_requests: 8, max_queued_requests: 8}\nkv_cache: {num_blocks: 256}\n"

@@ -45,7 +45,8 @@ class NumLocalKVHeads(RankCommand[RankProbe, int]):
         return extension.num_local_kv_heads()
 
 
-@pytest.mark.parametrize("tp_size", [1, 2])
+# tp_size 2 starts a rank process: the slow tier's
+@pytest.mark.parametrize("tp_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_run_on_ranks_runs_on_every_rank(tiny_model, tp_size: int) -> None:
     config = EngineConfig(
         model_dir=tiny_model("llama"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.net import create_store
@@ -19,6 +21,7 @@ def test_store_server_listens_on_loopback_only() -> None:
     assert all(is_loopback(a) for a in addresses), addresses
 
 
+@pytest.mark.slow  # starts a TP rank process
 def test_tp_executor_and_channel_host_listen_on_loopback_only(tiny_model) -> None:
     config = EngineConfig(
         model_dir=tiny_model("llama"),
