@@ -114,7 +114,6 @@ class SpeculativeSection:
     num_tokens: int = knob(4, checks.integer(1))
     prompt_lookup_min: int = knob(1, checks.integer(1))
     prompt_lookup_max: int = knob(4, checks.integer(1))
-    draft_model: str | None = knob(None, checks.optional_text)
 
     def __post_init__(self) -> None:
         for knob_field in dataclasses.fields(self):  # each value's type before it is compared
@@ -128,8 +127,6 @@ class SpeculativeSection:
                 f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                 f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
             )
-        if self.draft_model is not None and self.method != "draft":
-            raise ConfigError("speculative.draft_model is only for method 'draft'")
 
 
 @dataclass(frozen=True)

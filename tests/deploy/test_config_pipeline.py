@@ -26,6 +26,7 @@ from deploy.runtime.ray import cluster as ray_cluster
 from deploy.runtime.ray.cluster import RayCluster
 from deploy.runtime.ray.placement import PlacementPlan
 from engine.config import EngineConfig
+from engine.speculative.config import SpeculativeConfig
 from router.config import RouterConfig
 from worker.config import WorkerConfig
 
@@ -189,6 +190,25 @@ def table(tmp: Path) -> dict[str, Row]:
         "kv_transfer.transfer_timeout_s": Row(5.0, kv("transfer_timeout_s")),
         "kv_transfer.start_timeout_s": Row(7.0, kv("start_timeout_s")),
         "kv_transfer.transport": Row("network", kv("transport")),
+        "speculative.method": Row("ngram", engine("speculative"), SpeculativeConfig()),
+        "speculative.num_tokens": Row(
+            6,
+            engine("speculative"),
+            SpeculativeConfig(num_tokens=6),
+            {"speculative.method": "ngram"},
+        ),
+        "speculative.prompt_lookup_min": Row(
+            2,
+            engine("speculative"),
+            SpeculativeConfig(prompt_lookup_min=2),
+            {"speculative.method": "ngram"},
+        ),
+        "speculative.prompt_lookup_max": Row(
+            3,
+            engine("speculative"),
+            SpeculativeConfig(prompt_lookup_max=3),
+            {"speculative.method": "ngram"},
+        ),
         "scheduler.chunk_size": Row(64, engine("chunk_size")),
         "scheduler.max_num_seqs": Row(7, engine("max_num_seqs")),
         "scheduler.max_num_batched_tokens": Row(4096, engine("max_num_batched_tokens")),
