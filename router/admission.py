@@ -43,6 +43,7 @@ class AdmissionController:
         self.num_running = 0
         self._waiting: deque[AdmissionTicket] = deque()
         self._num_parked = 0
+        self.num_parks_total = 0  # times a running request gave up its slot for KV space
         self._start_interval_s: float | None = None  # smoothed time between waiters' starts
         self._last_start: float | None = None
 
@@ -89,6 +90,7 @@ class AdmissionController:
             raise AdmissionFull(self._full_message())
         ticket.running, ticket.parked = False, True
         self._num_parked += 1
+        self.num_parks_total += 1
         self.num_running -= 1
         self._start_waiters()
 

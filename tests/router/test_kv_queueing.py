@@ -54,13 +54,15 @@ def _http_completion(port: int, model: str, body: dict[str, Any]) -> tuple[int, 
 
 
 def _concurrently(call: Any, num: int, router: Router) -> tuple[list[Any], int]:
-    """The calls' results, and the most requests the router had queued meanwhile (sampled)."""
-    most_queued = 0
+    """The calls' results, and how many requests waited in the router's queue meanwhile: the
+    parks for KV space counted by admission, or the most queued at once (sampled)."""
+    most_queued, parks_before = 0, router.admission.num_parks_total
     with ThreadPoolExecutor(num) as pool:
         futures = [pool.submit(call) for _ in range(num)]
         while not all(future.done() for future in futures):
             most_queued = max(most_queued, router.admission.num_waiting)
             time.sleep(0.005)
+    most_queued = max(most_queued, router.admission.num_parks_total - parks_before)
     return [future.result() for future in futures], most_queued
 
 
