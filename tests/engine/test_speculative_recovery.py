@@ -56,9 +56,16 @@ def test_speculating_streams_migrate_and_equal_transformers(
     expected = hf_greedy(model_dir, PROMPTS, LONG_TOKENS)
     results, started, threads = _start_all(cluster, PROMPTS, LONG_TOKENS)
     _wait_until(lambda: len(started) == len(PROMPTS), 60, "every stream started")
-    loads = {load.instance_id: load for load in cluster.status()}
-    victim = max(("decode-0", "decode-1"), key=lambda i: loads[i].num_running)
-    assert loads[victim].num_running > 0, loads
+    # a stream's first token comes from the prefill; its decode runs once the KV has landed
+    running: dict[str, int] = {}
+
+    def some_decode_runs() -> bool:
+        running.clear()
+        running.update({load.instance_id: load.num_running for load in cluster.status()})
+        return running.get("decode-0", 0) + running.get("decode-1", 0) > 0
+
+    _wait_until(some_decode_runs, 60, "a decode instance runs streams")
+    victim = max(("decode-0", "decode-1"), key=lambda i: running.get(i, 0))
     os.kill(cluster.workers[victim].pid, signal.SIGKILL)
     for thread in threads:
         thread.join(120)
