@@ -318,6 +318,9 @@ class KVRankSender:
         self._export: bytes | None = None
         self._export_failed = False
         self._export_lock = threading.Lock()
+        # Export now, before the rank serves: on CPU the export moves the cache into shared memory
+        # by copying it, so an export while the model writes the cache would lose those writes.
+        self._exported()
 
     def _exported(self) -> bytes | None:
         """This rank's cache, exported once for same-node peers (same_node.export_cache); None
