@@ -308,7 +308,12 @@ class KVRankSender:
     """The sending half of one prefill rank. `num_kv_heads` is the model's total KV heads."""
 
     def __init__(
-        self, cache: KVCache, dialer: ChannelDialer, prefill_rank: int, num_kv_heads: int
+        self,
+        cache: KVCache,
+        dialer: ChannelDialer,
+        prefill_rank: int,
+        num_kv_heads: int,
+        export_now: bool = False,
     ) -> None:
         self.cache = cache
         self.dialer = dialer
@@ -318,9 +323,11 @@ class KVRankSender:
         self._export: bytes | None = None
         self._export_failed = False
         self._export_lock = threading.Lock()
-        # Export now, before the rank serves: on CPU the export moves the cache into shared memory
-        # by copying it, so an export while the model writes the cache would lose those writes.
-        self._exported()
+        # A serving rank that may pair on one node exports before it serves: on CPU the export
+        # moves the cache into shared memory by copying it, so an export while the model writes
+        # the cache would lose those writes.
+        if export_now:
+            self._exported()
 
     def _exported(self) -> bytes | None:
         """This rank's cache, exported once for same-node peers (same_node.export_cache); None

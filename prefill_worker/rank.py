@@ -48,11 +48,15 @@ class SendReport:
 class PrefillRank:
     """A rank's KVRankSender over its runner's KV cache, and the sends in flight on it."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, transport: str = "auto") -> None:
         self.rank = parallel.tp_rank()
         self.dialer = ChannelDialer(runner.device)
         self.sender = KVRankSender(
-            runner.kv_cache, self.dialer, self.rank, runner.model_config.num_kv_heads
+            runner.kv_cache,
+            self.dialer,
+            self.rank,
+            runner.model_config.num_kv_heads,
+            export_now=transport != "network",  # before serving: see KVRankSender
         )
         self._lock = threading.Lock()
         self._ended: list[SendReport] = []

@@ -66,10 +66,12 @@ class KVRankSides:
     sending: PrefillRank
     receiving: DecodeRank
 
-    def __init__(self, runner: ModelRunner, sends: bool, receives: bool, host: str) -> None:
+    def __init__(
+        self, runner: ModelRunner, sends: bool, receives: bool, host: str, transport: str = "auto"
+    ) -> None:
         self._sides: list[PrefillRank | DecodeRank] = []
         if sends:
-            self.sending = PrefillRank(runner)
+            self.sending = PrefillRank(runner, transport)
             self._sides.append(self.sending)
         if receives:
             self.receiving = DecodeRank(runner, host)
@@ -95,7 +97,11 @@ class Worker(WorkerLoop):
         self.role = config.role
         sends, receives = bool(config.sends_kv), bool(config.receives_kv)
         extension = functools.partial(
-            KVRankSides, sends=sends, receives=receives, host=config.kv_transfer.host
+            KVRankSides,
+            sends=sends,
+            receives=receives,
+            host=config.kv_transfer.host,
+            transport=config.kv_transfer.transport,
         )
         executor = Executor(config.engine, rank_extension=extension, launcher=launcher)
         self._send_control = send_control

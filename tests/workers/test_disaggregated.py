@@ -61,7 +61,8 @@ def cluster(tiny_model, request):
     prefill = WorkerConfig.prefill(
         engine_config(
             model_dir, tensor_parallel_size=PREFILL_TP, chunk_size=16, max_num_batched_tokens=16
-        )
+        ),
+        KVTransferConfig(transport=transport),  # "network": the prefill never shares its cache
     )
     decode_kv = KVTransferConfig(transfer_timeout_s=10.0, transport=transport)
     specs = [
