@@ -399,15 +399,12 @@ class KVRankSender:
             # Its place in the channel's stream is taken now, in dial order (streams.py).
             lane.outgoing = lane.channel.sends.open(handle._what(lane))
             lane.same_node = lane.channel.same_node
-            # Inline, never via the poster: the decode side posts the payload receives only once
-            # the header is in. 48 bytes, into a header receive that is always posted.
-            last = status == STATUS_CANCELLED
             if lane.same_node:  # the header now, as in layerwise mode; the rest at finish
                 header = lane.view.header(ticket.transfer_id, status).cpu()
-                handle._post_now(lane, header, 0, "header", False, last)
+                handle._post(lane, header, 0, "header", last=status == STATUS_CANCELLED)
             elif lane.view.layerwise:
                 header = lane.view.header(ticket.transfer_id, status)
-                handle._post_now(lane, header, 0, "header", False, last)
+                handle._post(lane, header, 0, "header", last=status == STATUS_CANCELLED)
             elif status == STATUS_CANCELLED:  # whole mode: the header alone, without KV
                 handle._post_packed(lane, status, None)
         return handle
