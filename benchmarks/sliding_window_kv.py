@@ -18,7 +18,6 @@ could give back is printed as `resident_bytes_outside_windows` (not implemented)
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
+from benchmarks.window_bench import default_model_dir, long_prompt, open_llm, parse_window_args
 from engine import LLM, SamplingParams
 from engine.attention import torch_backend
 
@@ -116,31 +116,12 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--model-dir", type=Path, default=None)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    max_positions = args.context + args.decode_tokens + 16
-    model_dir = ensure_model(
-        args.model_dir or Path.home() / ".cache" / "pdserve" / f"bench-gemma3-w{args.window}",
-        args.window,
-        max_positions,
-    )
-    prompt = torch.randint(3, 4096, (args.context,), generator=torch.Generator().manual_seed(0))
-    with LLM(
-        str(model_dir),
-        block_size=args.block_size,
-        enable_prefix_caching=False,
-        max_model_len=max_positions,
-        num_threads=1,
-    ) as llm:
-        skipping = measure(llm, prompt.tolist(), args.decode_tokens, False, "skipping")
-        reading_all = measure(llm, prompt.tolist(), args.decode_tokens, True, "reading-all")
+    args = parse_window_args(argv, __doc__.split("\n")[0], decode_tokens=32)
+    model_dir = ensure_model(default_model_dir(args, "gemma3"), args.window, args.max_positions)
+    prompt = long_prompt(args)
+    with open_llm(args, model_dir) as llm:
+        skipping = measure(llm, prompt, args.decode_tokens, False, "skipping")
+        reading_all = measure(llm, prompt, args.decode_tokens, True, "reading-all")
         spec = llm.engine.executor.kv_cache.spec
     assert skipping.pop("token_ids") == reading_all.pop("token_ids"), "outputs differ"
     per_token_layer = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize

@@ -18,7 +18,6 @@ the bytes of a block (K and V, every layer).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
+from benchmarks.window_bench import default_model_dir, long_prompt, open_llm, parse_window_args
 from engine import LLM, SamplingParams
 
 NUM_LAYERS = 4
@@ -80,32 +80,13 @@ def peak_blocks(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--model-dir", type=Path, default=None)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    max_positions = args.context + args.decode_tokens + 16
-    model_dir = ensure_model(
-        args.model_dir or Path.home() / ".cache" / "pdserve" / f"bench-mistral-w{args.window}",
-        args.window,
-        max_positions,
-    )
-    prompt = torch.randint(3, 4096, (args.context,), generator=torch.Generator().manual_seed(0))
-    with LLM(
-        str(model_dir),
-        block_size=args.block_size,
-        enable_prefix_caching=False,
-        max_model_len=max_positions,
-        num_threads=1,
-    ) as llm:
+    args = parse_window_args(argv, __doc__.split("\n")[0], decode_tokens=64)
+    model_dir = ensure_model(default_model_dir(args, "mistral"), args.window, args.max_positions)
+    prompt = long_prompt(args)
+    with open_llm(args, model_dir) as llm:
         assert llm.engine.scheduler.release_window == args.window
-        released, tokens = peak_blocks(llm, prompt.tolist(), args.decode_tokens, True, "release")
-        kept, baseline = peak_blocks(llm, prompt.tolist(), args.decode_tokens, False, "keep")
+        released, tokens = peak_blocks(llm, prompt, args.decode_tokens, True, "release")
+        kept, baseline = peak_blocks(llm, prompt, args.decode_tokens, False, "keep")
         spec = llm.engine.executor.kv_cache.spec
         chunk_size = llm.engine.config.chunk_size
     assert tokens == baseline, "outputs differ"
