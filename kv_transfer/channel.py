@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
+from kv_transfer.same_node import map_cache
 from kv_transfer.streams import RecvStream, SendStream
 
 STORE_OP_TIMEOUT_S = 30.0
@@ -113,6 +114,7 @@ class Channel:
         # the prefill rank's exported cache (same_node.py). Set before connecting.
         self.same_node = False
         self.source: bytes | None = None
+        self._mapped: torch.Tensor | None = None  # `source` mapped here, for the channel's life
         self._broken_callbacks: list[Callable[[KVTransferError], None]] = []
         self.sends = SendStream(self)  # the prefill side's stream (a dialed channel)
         self.receives = RecvStream(self)  # the decode side's stream (a hosted channel)
@@ -175,6 +177,16 @@ class Channel:
         self.same_node, self.source = True, source
         self.device = torch.device("cpu")
         self.ordered = ordered_matching()
+
+    def mapped_source(self) -> torch.Tensor:
+        """The prefill rank's cache, mapped on first use (only the channel's reader calls this).
+        The mapping lives as long as the channel: a rebuilt channel maps the handle it is given,
+        so a restarted exporter is never read through an old mapping."""
+        if self._mapped is None:
+            if self.source is None:
+                raise KVTransferError(f"{self} carries no same-node source")
+            self._mapped = map_cache(self.source)
+        return self._mapped
 
     @property
     def ready(self) -> bool:
@@ -267,6 +279,7 @@ class Channel:
         with self._group_lock:
             self._closed.set()
             group, self._group = self._group, None
+        self._mapped = None  # unmapped once a copy still reading it is done
         if not self._connected.is_set():
             self._connect_error = self._connect_error or RuntimeError("the channel was closed")
             self.broken = True

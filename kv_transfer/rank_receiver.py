@@ -24,7 +24,7 @@ from kv_transfer.errors import KVTransferCancelled, KVTransferError, KVTransferT
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
 from kv_transfer.rendezvous import ChannelHost
-from kv_transfer.same_node import copy_blocks, map_cache
+from kv_transfer.same_node import copy_blocks
 from kv_transfer.staging import StagingPool
 from kv_transfer.streams import Incoming, call_at
 from kv_transfer.wire import MAGIC, STATUS_CANCELLED, Trailer, WireView, empty_control
@@ -233,6 +233,5 @@ class _Lane(Incoming):
             raise KVTransferError(f"{what}: bad trailer {closing.tolist()}")
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
-        assert channel.source is not None  # a same-node channel has it from the rendezvous
-        copy_blocks(map_cache(channel.source), self.src_heads, ids.tolist(), view)
+        copy_blocks(channel.mapped_source(), self.src_heads, ids.tolist(), view)
         return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))

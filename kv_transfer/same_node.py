@@ -2,7 +2,7 @@
 cache, through memory both processes map, instead of receiving it through a socket.
 
     prefill rank                                decode rank
-    first same-node dial: export the cache      the channel's first transfer: map it (once)
+    before serving: export the cache           the channel's first transfer: map it
       CPU: move it to shared memory (in place,    CPU: the same pages, through
            once); hand out its descriptor              /proc/<pid>/fd/<fd>
       GPU: a CUDA IPC handle                      GPU: a CUDA IPC mapping of the same memory
@@ -20,15 +20,16 @@ this one when the decode rank's endpoint names this node.
 
 from __future__ import annotations
 
-import functools
 import os
 import pickle
 import socket
+import uuid
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from engine.kv_cache import KVCache
+from kv_transfer.errors import KVTransferError
 from kv_transfer.wire import WireView
 
 
@@ -54,29 +55,55 @@ def uses_same_node(transport: str, decode_node_id: str) -> bool:
 
 
 def export_cache(cache: KVCache) -> bytes:
-    """A handle another process on this node maps the cache's memory with (see `map_cache`)."""
+    """A handle another process on this node maps the cache's memory with (see `map_cache`).
+
+    Each export carries a token of its own: the descriptor's (pid, fd) pair is reused once an
+    exporter in the same process is gone, and a handle must never name an earlier cache."""
     data = cache.data
+    token = uuid.uuid4().hex
     if data.is_cuda:
         rebuild, args = reduce_tensor(data)
-        return pickle.dumps(("cuda", rebuild, args))
+        gpu = str(torch.cuda.get_device_properties(data.device).uuid)
+        return pickle.dumps(("cuda", token, gpu, rebuild, args))
     # In place: the model's views of the cache keep working. By file descriptor, which the
     # peer opens through /proc: torch's file-name sharing would start torch_shm_manager, a
     # process that inherits this one's sockets and so hides its death from every peer.
     data.share_memory_()
     fd, size = data.untyped_storage()._share_fd_cpu_()
     layout = (data.dtype, tuple(data.shape), data.stride(), data.storage_offset())
-    return pickle.dumps(("cpu", (os.getpid(), fd, size), layout))
+    return pickle.dumps(("cpu", token, (os.getpid(), fd, size), layout))
 
 
-@functools.lru_cache(maxsize=64)
+# Where torch's CUDA IPC rebuild arguments name the exporter's device index (reduce_tensor).
+_CUDA_DEVICE_ARG = 6
+
+
+def _local_device_index(gpu_uuid: str) -> int:
+    """This process's index for the GPU the exporter named by UUID: CUDA_VISIBLE_DEVICES may
+    number the same GPU differently in the two processes."""
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == gpu_uuid:
+            return index
+    raise KVTransferError(
+        f"the prefill rank's cache is on GPU {gpu_uuid}, which this process cannot see; "
+        "set kv_transfer.transport: network for this pair"
+    )
+
+
 def map_cache(handle: bytes) -> torch.Tensor:
-    """The exporting rank's cache data, mapped into this process (once per handle)."""
-    kind, *rest = pickle.loads(handle)  # noqa: S301 - from our own peer's rendezvous store
+    """The exporting rank's cache data, mapped into this process. The caller keeps the mapping
+    (a channel holds it for its life: Channel.mapped_source) and drops it to unmap."""
+    kind, _token, *rest = pickle.loads(handle)  # noqa: S301 - from our own peer's rendezvous store
     if kind == "cuda":
-        rebuild, args = rest
+        gpu, rebuild, args = rest
+        args = list(args)
+        args[_CUDA_DEVICE_ARG] = _local_device_index(gpu)
         return rebuild(*args)
     (pid, fd, size), (dtype, shape, stride, offset) = rest
-    opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    try:
+        opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    except OSError as exc:
+        raise KVTransferError(f"the prefill rank's cache cannot be mapped: {exc}") from exc
     try:
         storage = torch.UntypedStorage._new_shared_fd_cpu(opened, size)  # type: ignore[attr-defined]
     finally:
