@@ -12,6 +12,7 @@ broken epoch in the store so that the host rebuilds even if its side never saw t
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ from kv_transfer.errors import KVTransferError, KVTransferTimeout
 from kv_transfer.same_node import map_cache
 from kv_transfer.streams import RecvStream, SendStream
 
+logger = logging.getLogger(__name__)
 STORE_OP_TIMEOUT_S = 30.0
 _DIAL_POLL_S = 0.002
 # Tests set it to match like NCCL on gloo: every message carries one tag, so the two sides' posts
@@ -50,8 +52,18 @@ _LATE_SLACK_S = 0.05  # a wait that ended this close to its deadline timed out
 def _nccl_raises_instead_of_killing() -> None:
     """A failed NCCL operation must abort its communicator and raise, not end the process: the
     default async error handling tears the process down. Read by each NCCL group when built."""
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # CleanUpOnly
-    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "0")
+    for name, value in (
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
+        ("TORCH_NCCL_BLOCKING_WAIT", "0"),
+    ):
+        if os.environ.get(name, value) != value:  # 1 and 3 tear the process down on an error
+            logger.warning(
+                "%s=%s would end this process on a KV channel error; using %s",
+                name,
+                os.environ[name],
+                value,
+            )
+        os.environ[name] = value  # 2: CleanUpOnly
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from kv_transfer.channel import Channel, ChannelEndpoint
 from kv_transfer.errors import KVTransferCancelled, KVTransferError, KVTransferTimeout
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
+from kv_transfer.receiver import RANK_REPORT_GRACE_S
 from kv_transfer.rendezvous import ChannelHost
 from kv_transfer.same_node import copy_blocks
 from kv_transfer.staging import StagingPool
@@ -222,7 +223,7 @@ class _Lane(Incoming):
         """Source block ids, then the trailer; on OK copy the blocks out of the prefill rank's
         cache (mapped once per source) into this transfer's blocks."""
         view, what, tid = self.view, self.what, self.transfer_id
-        ids = torch.empty(len(view.block_ids), dtype=torch.int64)
+        ids = torch.empty(len(view.block_ids) + 1, dtype=torch.int64)  # the ids, then copy-by
         closing = empty_control(torch.device("cpu"))
         ids_work = channel.irecv(ids, view.tag(tid, 1))
         trailer_work = channel.irecv(closing, view.tag(tid, 2))
@@ -233,5 +234,12 @@ class _Lane(Incoming):
             raise KVTransferError(f"{what}: bad trailer {closing.tolist()}")
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
-        copy_blocks(channel.mapped_source(), self.src_heads, ids.tolist(), view)
+        *src_ids, copy_by_ns = ids.tolist()
+        # The prefill instance frees the source blocks RANK_REPORT_GRACE_S after the sender's
+        # deadline, acked or not: past it they may hold another request's KV.
+        if time.monotonic_ns() > copy_by_ns:
+            raise KVTransferCancelled(f"{what}: the source blocks' hold ended before the copy")
+        copy_blocks(channel.mapped_source(), self.src_heads, src_ids, view)
+        if time.monotonic_ns() > copy_by_ns + RANK_REPORT_GRACE_S * 1e9 / 2:
+            raise KVTransferCancelled(f"{what}: the copy outlasted the source blocks' hold")
         return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))

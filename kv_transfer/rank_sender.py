@@ -255,8 +255,11 @@ class SendHandle:
     def _post_same_node_end(
         self, lane: _Lane, status: int, first_token_id: int | None, sent_at_us: int
     ) -> None:
-        """The same-node transport's end of a transfer: where to copy from, then the trailer."""
-        ids = torch.tensor(lane.view.block_ids, dtype=torch.int64)
+        """The same-node transport's end of a transfer: where to copy from and until when (this
+        handle's deadline; the instance frees the source blocks a grace period after it), then
+        the trailer."""
+        copy_by_ns = int(self.deadline * 1e9)  # CLOCK_MONOTONIC: one clock on one node
+        ids = torch.tensor([*lane.view.block_ids, copy_by_ns], dtype=torch.int64)
         self._post(lane, ids, 1, "source block ids")
         first = -1 if first_token_id is None else first_token_id
         values = (self.ticket.transfer_id, status, first, self.ticket.num_tokens, sent_at_us)
