@@ -16,6 +16,10 @@ torch.set_num_threads(1)
 # KV channels match strictly in posting order, as NCCL does, on gloo too: a hand-off that relied
 # on tags would pass here and fail on GPUs. Spawned workers inherit it. "0" turns it off.
 os.environ.setdefault("PDSERVE_KV_ORDERED_MATCHING", "1")
+# Without CUDA the Triton kernels (engine/kernels/) run in Triton's interpreter; it is chosen when
+# a kernel is defined, so before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
