@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_quant import check_kv_cache_dtype
 from engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {
@@ -42,6 +43,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    # How the KV cache stores keys and values: "auto" (the model's dtype), "fp8_e4m3" or "int8"
+    # (8 bits with a float32 scale per block and KV head: engine/kv_quant.py).
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     chunk_size: int = 512
@@ -57,9 +61,20 @@ class EngineConfig:
     slo_scheduling: bool = False
     # Speculative decoding of running decodes (engine/speculative/); None: one token per step.
     speculative: SpeculativeConfig | None = None
+    # GPU engine (docs/guides/gpu.md). Pure-decode steps on CUDA replay a CUDA graph per batch
+    # bucket (engine/graphs.py, TP size 1, a back end that skips padding rows); False: eager.
+    cuda_graphs: bool = True
+    # Run pure-decode steps through the fixed-shape buffers: None = wherever CUDA graphs run;
+    # True on CPU runs the same path eagerly (the parity tests cover its padding that way).
+    fixed_shape_decode: bool | None = None
+    # "auto", "torch", "triton" or "flash" (engine.attention.select_backend).
+    attention_backend: str = "auto"
+    # On CUDA with triton: fused RMSNorm with its residual add, SiLU x mul and rotary (Triton).
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         checks = {
@@ -76,6 +91,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not (isinstance(self.tp_timeout_s, (int, float)) and 0 < self.tp_timeout_s < 1e6):
             raise ValueError(f"tp_timeout_s must be seconds in (0, 1e6), got {self.tp_timeout_s!r}")
+        if self.attention_backend not in ("auto", "torch", "triton", "flash"):
+            raise ValueError(
+                "attention_backend must be 'auto', 'torch', 'triton' or 'flash', "
+                f"got {self.attention_backend!r}"
+            )
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.chunk_size > self.max_num_batched_tokens:

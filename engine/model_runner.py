@@ -13,10 +13,17 @@ from dataclasses import dataclass
 import torch
 
 from engine import parallel
-from engine.attention import AttentionMetadata, build_attention_metadata, select_backend
+from engine.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    build_attention_metadata,
+    select_backend,
+)
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.config import EngineConfig
+from engine.graphs import DecodeGraphs
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_quant import quant_format
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.rank_device import rank_device
@@ -64,7 +71,12 @@ class ModelRunner:
         self.model_config = ModelConfig.from_model_dir(config.model_dir)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
-        self.backend = select_backend(self.device, self.block_size)
+        self.backend = select_backend(self.device, self.block_size, config.attention_backend)
+        kv_quant = quant_format(config.kv_cache_dtype, self.block_size, self.model_config.head_dim)
+        if kv_quant is not None:  # an 8-bit cache: a back end that dequantizes it reads it
+            if not self.backend.reads_quantized_kv:
+                self.backend = TorchAttentionBackend(cuda=self.device.type == "cuda")
+            self.backend.kv_quant = kv_quant
         self.model = load_model(
             self.model_config,
             config.model_dir,
@@ -77,6 +89,7 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_cache)
         # float64 models return float64 logits (parity tests); everything else float32
         self.logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.decode_graphs = decode_graphs(config, self)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -92,6 +105,7 @@ class ModelRunner:
             num_kv_heads,
             cfg.head_dim,
             self.dtype,
+            self.config.kv_cache_dtype,
         )
         if num_blocks < 1:
             raise ValueError(
@@ -105,6 +119,7 @@ class ModelRunner:
             num_kv_heads=num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.dtype,
+            kv_dtype=self.config.kv_cache_dtype,
         )
 
     @torch.no_grad()
@@ -112,6 +127,11 @@ class ModelRunner:
         """Run one step; logits [num_logits, vocab_size] of the sampled chunks, in batch order."""
         if not batch.chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=self.logits_dtype)
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch.chunks):
+            for chunk in batch.chunks:
+                self._check_chunk(chunk)
+            hidden = self.decode_graphs.run(batch.chunks)  # [num_chunks, hidden], batch order
+            return self.model.compute_logits(hidden).to(self.logits_dtype)
         inputs = self.prepare_inputs(batch)
         with self.backend.step_context():
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
@@ -168,3 +188,28 @@ class ModelRunner:
                 f"request {chunk.request_id}: block table of {len(chunk.block_table)} blocks cannot "
                 f"hold {chunk.context_len} tokens (block_size {self.block_size})"
             )
+
+
+def decode_graphs(config: EngineConfig, runner: ModelRunner) -> DecodeGraphs | None:
+    """The fixed-shape decode path where it runs (see engine/graphs.py), captured on CUDA."""
+    on_cuda = runner.device.type == "cuda"
+    capture = (
+        on_cuda
+        and config.cuda_graphs
+        and runner.tp_size == 1  # TP collectives inside a graph need a graph-safe all-reduce
+        and runner.backend.handles_padding
+    )
+    fixed_shape = capture if config.fixed_shape_decode is None else config.fixed_shape_decode
+    if not fixed_shape:
+        return None
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.backend,
+        runner.block_size,
+        config.max_num_seqs,
+        runner.max_model_len,
+        runner.device,
+    )
+    if capture:
+        graphs.capture()
+    return graphs

@@ -14,21 +14,45 @@ from engine.attention.torch_backend import TorchAttentionBackend
 FLASH_BLOCK_SIZE_MULTIPLE = 256
 
 
-def select_backend(device: torch.device | str, block_size: int) -> AttentionBackend:
-    """flash-attn on CUDA where it is installed and the block size suits it; torch otherwise."""
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+
+
+def select_backend(
+    device: torch.device | str, block_size: int, name: str = "auto"
+) -> AttentionBackend:
+    """The back end called `name`; "auto" picks flash-attn on CUDA where it is installed and the
+    block size suits it, else the Triton kernels on CUDA where triton is installed, else torch."""
     on_cuda = torch.device(device).type == "cuda"
-    if (
-        on_cuda
-        and importlib.util.find_spec("flash_attn") is not None
-        and block_size % FLASH_BLOCK_SIZE_MULTIPLE == 0
-    ):
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention back end {name!r} is not one of {ATTENTION_BACKENDS}")
+    if name == "auto":
+        flash_fits = block_size % FLASH_BLOCK_SIZE_MULTIPLE == 0 and _installed("flash_attn")
+        if on_cuda and flash_fits:
+            name = "flash"
+        else:
+            name = "triton" if on_cuda and _installed("triton") else "torch"
+    if name == "flash":
+        if not on_cuda or block_size % FLASH_BLOCK_SIZE_MULTIPLE:
+            raise ValueError(
+                f"the flash back end needs CUDA and a block size that is a multiple of "
+                f"{FLASH_BLOCK_SIZE_MULTIPLE}"
+            )
         from engine.attention.flash_backend import FlashAttentionBackend
 
         return FlashAttentionBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(cuda=on_cuda)
     return TorchAttentionBackend(cuda=on_cuda)
 
 
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
 __all__ = [
+    "ATTENTION_BACKENDS",
     "AttentionBackend",
     "AttentionMetadata",
     "TorchAttentionBackend",

@@ -11,6 +11,7 @@ token; it may start after already-cached positions (chunked prefill, prefix cach
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] cumulative query lengths
     prefill_context_start_loc: torch.Tensor  # [num_prefills + 1] cumulative context lengths
     prefill_block_tables: torch.Tensor  # [num_prefills, max_prefill_blocks] padded with 0
+    # A fixed-shape step (engine/graphs.py) pads its decode rows to a batch-size bucket: the last
+    # num_padding rows are padding, with slot -1 and context length 0 (no KV write, zero output).
+    num_padding: int = 0
     # Masks (and the torch backend's decode groups) cached per sliding window (None = full
     # attention), filled by the backend on first use so every layer of the step shares them.
     mask_cache: dict[object, Any] = field(default_factory=dict)
@@ -49,6 +53,19 @@ class AttentionMetadata:
     @property
     def max_decode_context_len(self) -> int:
         return self.decode_block_tables.shape[1] * self.block_size
+
+    def without_padding(self) -> AttentionMetadata:
+        """The metadata of the real rows alone (padding is only ever in a pure-decode step)."""
+        real = self.num_decode_tokens - self.num_padding
+        return dataclasses.replace(
+            self,
+            slot_mapping=self.slot_mapping[:real],
+            num_decode_tokens=real,
+            decode_block_tables=self.decode_block_tables[:real],
+            decode_context_lens=self.decode_context_lens[:real],
+            num_padding=0,
+            mask_cache={},
+        )
 
     @property
     def max_prefill_query_len(self) -> int:

@@ -23,8 +23,11 @@ SHARED = make_prompts((35,), seed=2)[0]
 PROMPTS = [SHARED + tail for tail in make_prompts((5, 11, 17, 1), seed=3)]
 
 
+@pytest.mark.parametrize("fixed_shape", [False, True], ids=["eager", "fixed-shape"])
 @pytest.mark.parametrize("family", NEW_FAMILIES)
-def test_chunked_prefix_hits_and_preemption_equal_transformers(tiny_model, family: str) -> None:
+def test_chunked_prefix_hits_and_preemption_equal_transformers(
+    tiny_model, family: str, fixed_shape: bool
+) -> None:
     model_dir = tiny_model(family)
     expected = hf_greedy(model_dir, PROMPTS, MAX_NEW_TOKENS)
     assert len({t for e in expected for t in e}) > 20, "degenerate reference output"
@@ -33,6 +36,7 @@ def test_chunked_prefix_hits_and_preemption_equal_transformers(tiny_model, famil
     # of 24 would hold every window at once; 14 still fits the longest request whole
     num_blocks = 14 if family == "mixtral" else 24
     kwargs = {"dtype": "float64", "block_size": 8, "num_kv_blocks": num_blocks}
+    kwargs["fixed_shape_decode"] = fixed_shape  # engine/graphs.py's padded decode buffers
     with LLM(model_dir, chunk_size=16, max_num_batched_tokens=32, **kwargs) as llm:
         first = llm.generate(PROMPTS, params)
         second = llm.generate(PROMPTS, params)

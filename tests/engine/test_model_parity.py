@@ -50,10 +50,19 @@ def hf_logits(model_dir: str, sequences: list[list[int]]) -> list[torch.Tensor]:
         return [hf(torch.tensor([seq])).logits[0] for seq in sequences]
 
 
+@pytest.mark.parametrize("fixed_shape", [False, True], ids=["eager", "fixed-shape"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_transformers(tiny_model, family: str) -> None:
+def test_greedy_matches_transformers(tiny_model, family: str, fixed_shape: bool) -> None:
+    """`fixed_shape`: pure-decode steps through engine/graphs.py's padded buffers, run eagerly
+    (the path CUDA graphs replay on a GPU), with 6 sequences in a bucket of 8."""
     model_dir = tiny_model(family)
-    config = EngineConfig(model_dir=model_dir, dtype="float64", block_size=8, num_kv_blocks=128)
+    config = EngineConfig(
+        model_dir=model_dir,
+        dtype="float64",
+        block_size=8,
+        num_kv_blocks=128,
+        fixed_shape_decode=fixed_shape,
+    )
     with Executor(config) as executor:
         prompts = make_prompts(executor.model_config.vocab_size)
         whole = greedy_generate(executor, prompts, MAX_NEW_TOKENS)
