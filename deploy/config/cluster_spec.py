@@ -46,6 +46,15 @@ class InstanceSpec:
 
 
 @dataclass(frozen=True)
+class KVPeers:
+    """The instances one instance hands KV with, each with its TP size: `sources` prefill what
+    it decodes, `targets` decode what it prefills (adaptive: both are every other instance)."""
+
+    sources: dict[str, int] = field(default_factory=dict)
+    targets: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """The instances to start and the router in front of them.
 
@@ -143,6 +152,32 @@ class ClusterSpec:
         """The names the router and logs use, of every instance or those of `role`."""
         return [i.instance_id for i in self.instances() if role is None or i.role == role]
 
+    def kv_peers(self, instance_id: str) -> KVPeers:
+        """The instances `instance_id` hands KV with (none for a colocated one)."""
+        this = self.instance(instance_id)
+        others = [i for i in self.instances() if i.instance_id != instance_id]
+        tp = {i.instance_id: i.config.engine.tensor_parallel_size for i in others}
+        return KVPeers(
+            sources={
+                i.instance_id: tp[i.instance_id]
+                for i in others
+                if this.decodes_remote and i.prefills
+            },
+            targets={
+                i.instance_id: tp[i.instance_id]
+                for i in others
+                if this.prefills and i.decodes_remote
+            },
+        )
+
+    def kv_pairs(self) -> list[tuple[str, str]]:
+        """Every (prefilling instance, instance decoding its KV) pair: the KV channels."""
+        return [
+            (source, target)
+            for source in self.instance_ids()
+            for target in self.kv_peers(source).targets
+        ]
+
 
 def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int) -> EngineConfig:
     kv_cache = config.kv_cache
@@ -154,6 +189,7 @@ def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int
         block_size=kv_cache.block_size,
         num_kv_blocks=kv_cache.num_blocks,
         kv_cache_memory_bytes=kv_cache.memory_mb * 1024 * 1024,
+        kv_cache_dtype=kv_cache.dtype,
         enable_prefix_caching=kv_cache.prefix_caching,
         max_model_len=config.router.max_model_len,
         speculative=speculative_config(config),

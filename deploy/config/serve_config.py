@@ -24,6 +24,7 @@ import yaml
 from deploy.config import checks
 from deploy.config.checks import Check, ConfigError, knob
 from deploy.config.models import MODEL_NAMES, check_tensor_parallel
+from engine.kv_quant import KV_CACHE_DTYPES
 from router.config import DECODE_POLICIES, PREFILL_POLICIES
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -66,6 +67,10 @@ class KVCacheConfig:
     memory_mb: int = knob(256, checks.integer(1))
     num_blocks: int | None = knob(None, checks.integer(1, optional=True))
     prefix_caching: bool = knob(True, checks.boolean)
+    # how the pool stores KV: auto (the model's dtype), fp8_e4m3 or int8 (8 bits and a scale
+    # per block and KV head: about 1/4 of float32's bytes, 1/2 of bfloat16's); prefill and
+    # decode instances must agree
+    dtype: str = knob("auto", checks.choice(KV_CACHE_DTYPES))
 
 
 @dataclass(frozen=True)
@@ -193,9 +198,9 @@ class RaySection:
 
     `address: null` starts a local Ray cluster on 127.0.0.1 with `num_cpus` (null: this
     machine's); "auto" or "HOST:PORT" joins a running one. `num_cpus_per_worker: null` shares the
-    cluster's CPUs among the workers (at most 1 each). `prefill_resources` / `decode_resources`
-    are custom Ray resources added to each worker's bundle (e.g. {node_a: 0.01}) to pin a role
-    to a node group. `max_restarts`: how often Ray restarts a worker actor that died; -1: always,
+    cluster's CPUs among the workers (at most 1 each). `prefill_resources`, `decode_resources`,
+    `colocated_resources` and `adaptive_resources` are custom Ray resources added to the bundles
+    of that role's workers (e.g. {node_a: 0.01}) to pin the role to a node group. `max_restarts`: how often Ray restarts a worker actor that died; -1: always,
     as plain processes are (a limit would leave the instance down for good).
     """
 
@@ -205,6 +210,8 @@ class RaySection:
     num_cpus_per_worker: float | None = knob(None, checks.amount)
     prefill_resources: dict[str, float] = knob({}, checks.resources)
     decode_resources: dict[str, float] = knob({}, checks.resources)
+    colocated_resources: dict[str, float] = knob({}, checks.resources)
+    adaptive_resources: dict[str, float] = knob({}, checks.resources)
     max_restarts: int = knob(-1, checks.integer(-1))
 
 

@@ -1,7 +1,7 @@
 """Forming KV pair channels before workers take requests: at start, and after a restart.
 
 At start the Ray cluster sends one two-token request through every (prefill, decode) pair
-(`form_all_channels`).
+(`form_all_channels`); an adaptive instance is both sides of its pairs.
 
 A worker that was restarted has fresh channel state, while its peers still hold channels to the
 process that died; the first transfer over each such pair fails and makes the peers rebuild. So
@@ -14,6 +14,7 @@ the restarted worker sends two-token requests through its pairs before the route
                           acks arrive as calls to P), reported unhealthy until done: two rounds of
                           D.reserve -> submit here, each until no hand-off is in flight; the first
                           round makes the peers drop their stale channels, the second builds new ones
+    restarted adaptive A: both, the decode side first
 
 Peers are reached through a `PeerCall`: an actor call under Ray (deploy/runtime/ray/handles.py),
 a pipe call in plain processes (deploy/runtime/local/local_cluster.py). The other side's events
@@ -80,28 +81,27 @@ def _failed(worker: Worker, waiting: set[str], timeout_s: float) -> set[str]:
 
 
 def form_all_channels(
-    prefill_ids: list[str],
-    decode_ids: list[str],
-    prefill_tp_size: int,
+    pairs: list[tuple[str, str]],
+    prefill_tp_sizes: dict[str, int],
     call: PeerCall,
     timeout_s: float,
 ) -> None:
     """At cluster start (before the router polls anyone): a two-token request through every
-    (prefill, decode) pair builds each pair's channels (one per prefill rank x decode rank)
-    now, not in the first user request. One request per pair, so no channel is dialed twice
-    at once."""
+    (prefill, decode) pair (ClusterSpec.kv_pairs: adaptive instances pair with every other one)
+    builds each pair's channels (one per prefill rank x decode rank) now, not in the first user
+    request. One request per pair, so no channel is dialed twice at once."""
     pending: set[str] = set()
-    for prefill_id in prefill_ids:
-        for decode_id in decode_ids:
-            request = warmup_request(prefill_id, decode_id)
-            ticket = call(decode_id, Reserve(request, prefill_id, prefill_tp_size))
-            call(prefill_id, Submit(request, ticket))
-            pending.add(request.request_id)
+    for prefill_id, decode_id in pairs:
+        request = warmup_request(prefill_id, decode_id)
+        ticket = call(decode_id, Reserve(request, prefill_id, prefill_tp_sizes[prefill_id]))
+        call(prefill_id, Submit(request, ticket))
+        pending.add(request.request_id)
+    instance_ids = sorted({instance_id for pair in pairs for instance_id in pair})
     deadline = time.monotonic() + timeout_s
     while pending:
         if time.monotonic() > deadline:
             raise RuntimeError(f"KV channels did not form within {timeout_s:.0f}s: {pending}")
-        for instance_id in [*prefill_ids, *decode_ids]:
+        for instance_id in instance_ids:
             for event in call(instance_id, PollEvents(0.02)):
                 if event.finish_reason == "error":
                     raise RuntimeError(f"forming KV channels failed: {event.error}")

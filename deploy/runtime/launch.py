@@ -7,8 +7,8 @@
 Both runtimes take the same ClusterSpec (deploy/config/cluster_spec.py) and have the same surface,
 deploy/runtime/router_host.ServingCluster: `start(progress) -> address`, `address`,
 `metrics_port`, `http_port`, `serving()`, `shutdown()`, and use as a context manager.
-`--no-ray` (or `ray.enabled: false`) asks for plain processes; the colocated layout (a baseline
-for benchmarks) runs only as plain processes.
+`--no-ray` (or `ray.enabled: false`) asks for plain processes. Every mode (disaggregated,
+colocated, adaptive) runs on both.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deploy.config.cluster_spec import build_cluster_spec
-from deploy.config.serve_config import ConfigError, ServeConfig
+from deploy.config.serve_config import ServeConfig
 from deploy.runtime.local.local_cluster import LocalCluster
 from deploy.runtime.router_host import ServingCluster
 
@@ -27,11 +27,6 @@ def open_cluster(
     """A cluster for `config` (not started yet), on Ray unless `config.ray.enabled` is off."""
     if not config.ray.enabled:
         return LocalCluster(build_cluster_spec(config, model_dir))
-    if config.mode != "disaggregated":
-        raise ConfigError(
-            f"mode {config.mode!r} runs as plain processes only: set ray.enabled: false "
-            "(or pass --no-ray)"
-        )
     from deploy.runtime.ray.cluster import RayCluster  # imports ray: only when asked for
 
     return RayCluster(build_cluster_spec(config, model_dir))

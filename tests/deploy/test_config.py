@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from deploy.cli.main import build_parser, serve_config
-from deploy.config.cluster_spec import build_cluster_spec
+from deploy.config.cluster_spec import KVPeers, build_cluster_spec
 from deploy.config.serve_config import (
     ConfigError,
     ServeConfig,
@@ -282,7 +282,7 @@ def test_router_limits_are_checked(key: str, value: object) -> None:
         parse_config({"router": {key: value}})
 
 
-def test_colocated_layout_has_replicas_and_no_ray(model_dir: str) -> None:
+def test_colocated_layout_has_replicas_and_no_kv_peers(model_dir: str) -> None:
     config = parse_config(
         {
             "model": model_dir,
@@ -297,13 +297,11 @@ def test_colocated_layout_has_replicas_and_no_ray(model_dir: str) -> None:
         "colocated-2",
     ]
     assert spec.router.prefill_policy == "round_robin"
-    with pytest.raises(ConfigError, match="runs as plain processes only"):
-        open_cluster(config, model_dir)
-    with pytest.raises(ValueError, match="Ray runs the disaggregated layout only"):
-        RayCluster(spec)
+    assert spec.kv_pairs() == [] and spec.kv_peers("colocated-1") == KVPeers()
+    assert isinstance(open_cluster(config, model_dir), RayCluster)
 
 
-def test_adaptive_layout_needs_a_latency_profile_and_runs_without_ray(model_dir: str) -> None:
+def test_adaptive_layout_needs_a_latency_profile_and_pairs_every_instance(model_dir: str) -> None:
     with pytest.raises(ConfigError, match="mode adaptive needs router.latency_profile"):
         parse_config({"model": model_dir, "mode": "adaptive"})
     with pytest.raises(ConfigError, match="adaptive.instances must be"):
@@ -322,8 +320,12 @@ def test_adaptive_layout_needs_a_latency_profile_and_runs_without_ray(model_dir:
     worker = spec.worker_config("adaptive-2")
     assert worker.role.value == "adaptive" and worker.sends_kv and worker.receives_kv
     assert spec.router.latency_profile == profile and spec.router.default_tpot_slo_s == 0.05
-    with pytest.raises(ConfigError, match="runs as plain processes only"):
-        open_cluster(config, model_dir)
+    peers = spec.kv_peers("adaptive-1")
+    assert peers.sources == peers.targets == {"adaptive-0": 1, "adaptive-2": 1}
+    assert spec.kv_pairs() == [
+        (a, b) for a in spec.instance_ids() for b in spec.instance_ids() if a != b
+    ]
+    assert isinstance(open_cluster(config, model_dir), RayCluster)
 
 
 def _example_configs() -> dict[str, dict]:

@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.speculative.config import SpeculativeConfig
 from router.config import RouterConfig
 from worker.config import WorkerConfig
+from worker.protocol import Role
 
 
 def serve_keys() -> list[str]:
@@ -81,14 +82,11 @@ def ray_view(cluster: RayCluster, monkeypatch: pytest.MonkeyPatch) -> View:
     )
     cluster._start_ray()  # what `start` does first, with Ray itself left out
     workers, plan = cluster.worker_configs(), cluster.placement_plan(cluster_cpus=2.0)
-    # the placement groups hold exactly the workers that get a config
-    roles = [cluster.spec.instance(instance_id).role for instance_id in workers]
-    assert (plan.num_prefill_instances, plan.num_decode_instances) == (
-        roles.count("prefill"),
-        roles.count("decode"),
-    )
-    assert plan.prefill_tp_size == workers["prefill-0"].engine.tensor_parallel_size
-    assert plan.decode_tp_size == workers["decode-0"].engine.tensor_parallel_size
+    # the placement groups hold exactly the workers that get a config, at their TP sizes
+    assert [(i.instance_id, i.role, i.tp_size) for i in plan.instances] == [
+        (instance_id, config.role, config.engine.tensor_parallel_size)
+        for instance_id, config in workers.items()
+    ]
     assert plan.device == one(config.engine.device for config in workers.values())
     return View(
         "ray",
@@ -115,6 +113,10 @@ def kv(name: str) -> Callable[[View], Any]:
 
 def ids(view: View) -> list[str]:
     return sorted(view.workers)
+
+
+def resources(role: Role) -> Callable[[View], Any]:
+    return lambda view: view.placement.resources(role) if view.placement else None
 
 
 PROFILE = str(Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json")
@@ -253,22 +255,22 @@ def table(tmp: Path) -> dict[str, Row]:
         "ray.address": Row("auto", lambda v: v.ray_start, ("join", "auto")),
         "ray.num_cpus": Row(3, lambda v: v.ray_start, ("local", 3)),
         "ray.num_cpus_per_worker": Row(0.25, lambda v: v.placement.num_cpus_per_worker),
-        "ray.prefill_resources": Row({"node_a": 0.01}, lambda v: v.placement.prefill_resources),
-        "ray.decode_resources": Row({"node_b": 0.01}, lambda v: v.placement.decode_resources),
+        "ray.prefill_resources": Row({"node_a": 0.01}, resources(Role.PREFILL)),
+        "ray.decode_resources": Row({"node_b": 0.01}, resources(Role.DECODE)),
+        "ray.colocated_resources": Row(
+            {"node_a": 0.01}, resources(Role.COLOCATED), also={"mode": "colocated"}
+        ),
+        "ray.adaptive_resources": Row(
+            {"node_b": 0.01},
+            resources(Role.ADAPTIVE),
+            also={"mode": "adaptive", "router.latency_profile": PROFILE},
+        ),
         "ray.max_restarts": Row(5, lambda v: v.actor_options["max_restarts"]),
     }
 
 
 # Keys with no meaning in one runtime, and why. Their row is checked in the other one only.
-PLAIN_ONLY = {
-    "mode": "colocated runs as plain processes only; Ray refuses it",
-    "colocated.instances": "colocated mode only (plain processes)",
-    "colocated.tensor_parallel_size": "colocated mode only (plain processes)",
-    "colocated.policy": "colocated mode only (plain processes)",
-    "adaptive.instances": "adaptive mode only (plain processes)",
-    "adaptive.tensor_parallel_size": "adaptive mode only (plain processes)",
-    "adaptive.policy": "adaptive mode only (plain processes)",
-}
+# Every mode runs on both runtimes, so no key is for plain processes only.
 RAY_ONLY = {
     "ray.enabled": "picks the runtime: false is what --no-ray sets",
     "ray.address": "which Ray cluster to start or join",
@@ -276,6 +278,8 @@ RAY_ONLY = {
     "ray.num_cpus_per_worker": "a Ray resource claim",
     "ray.prefill_resources": "Ray custom resources (node groups)",
     "ray.decode_resources": "Ray custom resources (node groups)",
+    "ray.colocated_resources": "Ray custom resources (node groups)",
+    "ray.adaptive_resources": "Ray custom resources (node groups)",
     "ray.max_restarts": "Ray's actor restarts (plain processes always restart)",
 }
 ONE_CHOICE = {"decode.policy": "the only decode policy: no other value to set"}
@@ -289,14 +293,11 @@ def settings_config(model_dir: str, settings: dict[str, Any]) -> ServeConfig:
     return parse_config(data)
 
 
-def views(config: ServeConfig, monkeypatch: pytest.MonkeyPatch) -> tuple[View | None, View]:
-    """(the runtime `open_cluster` picks for `config`, None where it refuses; the --no-ray one)."""
+def views(config: ServeConfig, monkeypatch: pytest.MonkeyPatch) -> tuple[View, View]:
+    """(the runtime `open_cluster` picks for `config`; the --no-ray one)."""
     plain = open_cluster(apply_overrides(config, {"ray.enabled": False}), config.model)
     assert isinstance(plain, LocalCluster)
-    try:
-        chosen = open_cluster(config, config.model)
-    except ConfigError:
-        return None, plain_view(plain)
+    chosen = open_cluster(config, config.model)
     if isinstance(chosen, RayCluster):
         return ray_view(chosen, monkeypatch), plain_view(plain)
     assert isinstance(chosen, LocalCluster)
@@ -312,7 +313,7 @@ def model_dir(tmp_path: Path) -> str:
 
 def test_every_key_has_a_row_and_every_row_a_key(tmp_path: Path) -> None:
     assert sorted(table(tmp_path)) == sorted(serve_keys())
-    assert set(PLAIN_ONLY) | set(RAY_ONLY) | set(ONE_CHOICE) <= set(serve_keys())
+    assert set(RAY_ONLY) | set(ONE_CHOICE) <= set(serve_keys())
 
 
 @pytest.mark.parametrize("key", serve_keys())
@@ -330,17 +331,13 @@ def test_key_reaches_the_same_place_under_ray_and_without(
         default = settings_config(model_dir, {})
     default_chosen, default_plain = views(default, monkeypatch)
     if key in RAY_ONLY:
-        assert chosen is not None and default_chosen is not None
         assert row.where(chosen) == expected != row.where(default_chosen)
         assert plain == default_plain  # plain processes ignore it
         return
     assert row.where(plain) == expected
     if key not in ONE_CHOICE:
         assert row.where(default_plain) != expected, "the row's value is the default"
-    if key in PLAIN_ONLY:
-        assert chosen is None  # Ray refuses the config, saying to run without it
-        return
-    assert chosen is not None and chosen.runtime == "ray", f"Ray refused {key}={row.value!r}"
+    assert chosen.runtime == "ray", f"Ray refused {key}={row.value!r}"
     assert row.where(chosen) == expected
     assert (chosen.workers, chosen.router, chosen.pin_cpus) == (
         plain.workers,
@@ -349,8 +346,12 @@ def test_key_reaches_the_same_place_under_ray_and_without(
     )
 
 
-def test_ray_refuses_what_it_cannot_run(model_dir: str) -> None:
-    colocated = settings_config(model_dir, {"mode": "colocated"})
-    with pytest.raises(ConfigError, match="runs as plain processes only"):
-        open_cluster(colocated, model_dir)
-    assert isinstance(open_cluster(settings_config(model_dir, {}), model_dir), RayCluster)
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "adaptive"])
+def test_every_mode_runs_on_ray_and_without(mode: str, model_dir: str) -> None:
+    settings: dict[str, Any] = {"mode": mode}
+    if mode == "adaptive":
+        settings["router.latency_profile"] = PROFILE
+    config = settings_config(model_dir, settings)
+    assert isinstance(open_cluster(config, model_dir), RayCluster)
+    plain = apply_overrides(config, {"ray.enabled": False})
+    assert isinstance(open_cluster(plain, model_dir), LocalCluster)

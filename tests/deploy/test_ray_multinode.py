@@ -1,7 +1,9 @@
 """Two Ray nodes on this machine (ray.cluster_utils.Cluster), labelled with custom resources the
-way a real cluster labels its node groups: the placement logic puts the prefill instance (TP=2,
-STRICT_PACK) on node_a and both decode instances on node_b; KV crosses between the nodes'
-processes, and greedy outputs equal transformers'."""
+way a real cluster labels its node groups, one cluster for the module and each layout on it in
+turn. Disaggregated: the placement logic puts the prefill instance (TP=2, STRICT_PACK) on node_a
+and both decode instances on node_b. Colocated and adaptive: one replica per node (each node
+has room for one worker). KV crosses between the nodes' processes over the network transport,
+as between real nodes; greedy outputs equal transformers' and every KV pool returns to its size."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -29,19 +34,31 @@ pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
 
 PROMPTS = make_prompts((4, 9, 17, 26, 31, 12, 40, 6), seed=5)
 MAX_TOKENS = 10
+NUM_BLOCKS = 128
+PROFILE = str(Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json")
 
 
 def _node_with(resource: str) -> str:
     return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
 
 
-def test_prefill_on_one_node_decode_on_the_other(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("multinode"))
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: str) -> list[list[int]]:
+    return hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[str]:
+    """The address of a two-node Ray cluster (node_a, node_b: one CPU each) on 127.0.0.1; every
+    process it started is gone afterwards."""
     other_pids = set(descendant_pids(os.getpid()))
-    model_dir = tiny_model_with_tokenizer(tmp_path)
-    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
     use_loopback_node_address()
     ray_temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")  # short socket paths
-    pids: list[int] = []
     os.makedirs("/tmp/ray", exist_ok=True)  # cluster_utils writes its address there
     nodes = Cluster(initialize_head=False)
     try:
@@ -54,32 +71,8 @@ def test_prefill_on_one_node_decode_on_the_other(tmp_path) -> None:
         )
         nodes.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
         nodes.wait_for_nodes()
-        spec = serve_spec(
-            model_dir,
-            dtype="float64",
-            prefill={"tensor_parallel_size": 2},
-            decode={"instances": 2},
-            kv_cache={"block_size": 8, "num_blocks": 128},
-            router={"shutdown_grace_s": 5.0},
-            ray={
-                "address": nodes.address,
-                "prefill_resources": {"node_a": 0.01},
-                "decode_resources": {"node_b": 0.01},
-            },
-        )
-        with RayCluster(spec) as cluster:
-            cluster.start()
-            results = stream_all(cluster.address, PROMPTS, MAX_TOKENS)
-            assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(
-                PROMPTS
-            )
-            assert [r.token_ids for r in results] == expected
-            node_a, node_b = _node_with("node_a"), _node_with("node_b")
-            assert node_a != node_b
-            placed = {w.instance_id: w.node_id for w in cluster.status().workers}
-            assert placed == {"prefill-0": node_a, "decode-0": node_b, "decode-1": node_b}
-            pids = sorted(set(descendant_pids(os.getpid())) - other_pids)
-        assert not ray.is_initialized()  # joined, not owned: disconnected, the nodes stay up
+        yield nodes.address
+        pids = sorted(set(descendant_pids(os.getpid())) - other_pids)
     finally:
         nodes.shutdown()
         shutil.rmtree(ray_temp_dir, ignore_errors=True)
@@ -87,3 +80,61 @@ def test_prefill_on_one_node_decode_on_the_other(tmp_path) -> None:
     while any(process_is_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [pid for pid in pids if process_is_running(pid)] == []
+
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "disaggregated": {
+        "prefill": {"tensor_parallel_size": 2},
+        "decode": {"instances": 2},
+        "ray": {"prefill_resources": {"node_a": 0.01}, "decode_resources": {"node_b": 0.01}},
+    },
+    "colocated": {"mode": "colocated", "colocated": {"instances": 2}},
+    "adaptive": {
+        "mode": "adaptive",
+        "adaptive": {"instances": 2},
+        "router": {"latency_profile": PROFILE},
+    },
+}
+
+
+@pytest.mark.parametrize("mode", list(LAYOUTS))
+def test_each_layout_across_two_nodes_equals_transformers(
+    mode: str, two_nodes: str, model_dir: str, expected: list[list[int]]
+) -> None:
+    layout = LAYOUTS[mode]
+    spec = serve_spec(
+        model_dir,
+        **{k: v for k, v in layout.items() if k not in ("router", "ray")},
+        dtype="float64",
+        kv_cache={"block_size": 8, "num_blocks": NUM_BLOCKS},
+        kv_transfer={"transport": "network"},
+        router={"shutdown_grace_s": 5.0, **layout.get("router", {})},
+        ray={"address": two_nodes, **layout.get("ray", {})},
+    )
+    with RayCluster(spec) as cluster:
+        cluster.start()  # for disaggregated and adaptive: a hand-off through every pair first
+        results = stream_all(cluster.address, PROMPTS, MAX_TOKENS)
+        assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(PROMPTS)
+        assert [r.token_ids for r in results] == expected
+        node_a, node_b = _node_with("node_a"), _node_with("node_b")
+        assert node_a != node_b
+        placed = {w.instance_id: w.node_id for w in cluster.status().workers}
+        if mode == "disaggregated":
+            assert placed == {"prefill-0": node_a, "decode-0": node_b, "decode-1": node_b}
+        else:
+            assert sorted(placed) == [f"{mode}-0", f"{mode}-1"]
+        assert set(placed.values()) == {node_a, node_b}  # replicas spread over both nodes
+        _wait_for_pools(cluster)
+    assert not ray.is_initialized()  # joined, not owned: disconnected, the nodes stay up
+
+
+def _wait_for_pools(cluster: RayCluster) -> None:
+    deadline = time.monotonic() + 15.0
+    while time.monotonic() < deadline:
+        loads = [w.load for w in cluster.status().workers]
+        if all(load is not None and load.num_free_blocks == NUM_BLOCKS for load in loads):
+            return
+        time.sleep(0.2)
+    assert [w.load and w.load.num_free_blocks for w in cluster.status().workers] == [
+        NUM_BLOCKS
+    ] * len(loads)

@@ -339,11 +339,7 @@ class LocalCluster(ServingCluster):
             lambda command: worker.call(command, timeout_s),
             instance_id,
             self.spec.worker_config(instance_id).engine.tensor_parallel_size,
-            [
-                i.instance_id
-                for i in self.spec.instances()
-                if i.decodes_remote and i.instance_id != instance_id
-            ],
+            list(self.spec.kv_peers(instance_id).targets),
             lambda peer_id, command: self.workers[peer_id].call(command, timeout_s),
             timeout_s,
         )

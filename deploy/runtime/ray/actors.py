@@ -1,7 +1,8 @@
 """The Ray actors of a pdserve cluster: one per worker instance (its TP rank 0).
 
     WorkerActor  "pdserve-prefill-0"  Worker (role PREFILL), rank 0 in bundle 0 (RankActors in 1..k-1)
-    WorkerActor  "pdserve-decode-j"   Worker (role DECODE)
+    WorkerActor  "pdserve-decode-j"   Worker (role DECODE); likewise "pdserve-colocated-j",
+                                      "pdserve-adaptive-j" for the other layouts
 
 A WorkerActor is threaded (many concurrent calls: a long `poll_events` never blocks `submit` or
 `abort`; the worker object serialises them on its own loop thread). Its constructor builds the
@@ -22,16 +23,17 @@ from deploy.runtime.local.process_host import exit_when_failed
 from deploy.runtime.ray.handles import ActorControl, actor_call
 from deploy.runtime.ray.placement import InstancePlacement, core_set, pin_to_core_set
 from engine.gc_tuning import freeze_startup_heap
-from worker.protocol import Role, WorkerCall
+from worker.protocol import WorkerCall
 
 if TYPE_CHECKING:  # imported in the actor only: the driver needs neither torch nor the model code
+    from deploy.config.cluster_spec import KVPeers
     from worker.config import WorkerConfig
 
 R = TypeVar("R")
 
 
 class WorkerActor:
-    """A prefill or decode instance's driver process (TP rank 0)."""
+    """An instance's driver process (TP rank 0), whatever its role."""
 
     def __init__(
         self,
@@ -41,7 +43,7 @@ class WorkerActor:
         pin_cores: bool,
         namespace: str,
         rank_actor_names: list[str] | None = None,
-        peers: dict[str, int] | None = None,
+        peers: KVPeers | None = None,
     ) -> None:
         import ray
         import torch
@@ -69,7 +71,7 @@ class WorkerActor:
             launcher = RayRankLauncher(placement, num_workers, pin_cores, rank_actors)
         self.instance_id = placement.instance_id
         self.worker = Worker(config, self.instance_id, ActorControl(namespace), launcher=launcher)
-        if restarted and peers:
+        if restarted and peers is not None:
             self._rejoin(placement, peers, namespace, config.kv_transfer.transfer_timeout_s + 5)
         # A worker whose loop died (say, a TP rank was killed) exits, so Ray restarts the actor;
         # alive but broken, it would report unhealthy for good.
@@ -81,17 +83,18 @@ class WorkerActor:
         return command.run(self.worker)
 
     def _rejoin(
-        self, placement: InstancePlacement, peers: dict[str, int], namespace: str, timeout_s: float
+        self, placement: InstancePlacement, peers: KVPeers, namespace: str, timeout_s: float
     ) -> None:
         """A restarted actor forms its KV channels (deploy/runtime/channels.py) before the
-        router uses it."""
+        router uses it: those it receives on first, then those it sends on."""
         peer_call = actor_call(namespace, timeout_s)
-        if placement.role == Role.DECODE:
+        if peers.sources:
             failing = form_decode_channels(
-                self.worker, self.instance_id, peers, peer_call, timeout_s
+                self.worker, self.instance_id, peers.sources, peer_call, timeout_s
             )
             if failing:
                 print(f"{self.instance_id}: KV channels to {failing} did not form", flush=True)
+        if not peers.targets:
             return
         # Acks (KVTransferDone) reach this actor only once its constructor returned: settle
         # the channels on a thread, reporting unhealthy (so the router avoids it) until then.
@@ -103,7 +106,7 @@ class WorkerActor:
                     self.call,
                     self.instance_id,
                     placement.tp_size,
-                    list(peers),
+                    list(peers.targets),
                     peer_call,
                     timeout_s,
                 )

@@ -7,13 +7,15 @@
 
 Start-up, in order (each step reported through `progress`):
 1. Ray: a local cluster on 127.0.0.1 (deploy/runtime/ray/node.py), or join `spec.ray.address`.
-2. Placement groups (deploy/runtime/ray/placement.py): each prefill instance STRICT_PACK, one bundle
-   per TP rank; decode replicas spread; GPUs or CPU shares claimed as Ray resources.
+2. Placement groups (deploy/runtime/ray/placement.py), for every layout (disaggregated, colocated,
+   adaptive): an instance at TP>1 STRICT_PACK, one bundle per TP rank; the TP=1 replicas of a
+   role spread; GPUs or CPU shares claimed as Ray resources.
 3. Worker actors (deploy/runtime/ray/actors.py), all at once: each loads the model, forms its TP group
    (rank actors via deploy/runtime/ray/launcher.py) and opens its KV channel endpoints. Ports travel as
    actor-call arguments and results (RankSpec, KVTicket); KV itself never enters Ray.
-4. KV channels: one two-token request through every (prefill, decode) pair builds every pair
-   channel before the first user request (and checks the hand-off end to end).
+4. KV channels: one two-token request through every (prefill, decode) pair (ClusterSpec.kv_pairs;
+   none when colocated) builds every pair channel before the first user request (and checks the
+   hand-off end to end).
 5. The router, in this process (deploy/runtime/router_host.py) with a RayHandle per worker actor; then
    wait until its health is SERVING.
 
@@ -51,13 +53,13 @@ from deploy.runtime.ray.node import LocalRay, connect_ray, start_local_ray
 from deploy.runtime.ray.placement import (
     InstancePlacement,
     PlacementPlan,
+    PlannedInstance,
     gpus_per_rank,
     place_instances,
     remove_placements,
     wait_until_placed,
 )
 from deploy.runtime.router_host import Progress, ServingCluster
-from worker.config import WorkerConfig
 from worker.protocol import InstanceLoad, Load, Role
 
 logger = logging.getLogger(__name__)
@@ -90,13 +92,7 @@ class RayCluster(ServingCluster):
     """The ClusterSpec on Ray: `spec.ray` holds what only this runtime reads."""
 
     def __init__(self, spec: ClusterSpec, start_timeout_s: float = 180.0) -> None:
-        if spec.prefill is None or spec.decode is None:
-            raise ValueError(
-                "Ray runs the disaggregated layout only; run colocated or adaptive without Ray"
-            )
         super().__init__(spec, start_timeout_s)
-        self.prefill: WorkerConfig = spec.prefill
-        self.decode: WorkerConfig = spec.decode
         self.namespace = f"pdserve-{uuid.uuid4().hex[:8]}"
         self.placements: list[InstancePlacement] = []
         self.worker_actors: dict[str, Any] = {}
@@ -140,21 +136,23 @@ class RayCluster(ServingCluster):
         cpus = options.num_cpus_per_worker
         if cpus is None:
             cpus = max(0.01, min(1.0, math.floor(100 * cluster_cpus / spec.num_workers) / 100))
+        resources = {
+            Role.PREFILL: options.prefill_resources,
+            Role.DECODE: options.decode_resources,
+            Role.COLOCATED: options.colocated_resources,
+            Role.ADAPTIVE: options.adaptive_resources,
+        }
+        instances = spec.instances()
+        tp_sizes = [i.config.engine.tensor_parallel_size for i in instances]
         return PlacementPlan(
-            spec.num_prefill_instances,
-            self.prefill.engine.tensor_parallel_size,
-            spec.num_decode_instances,
-            self.decode.engine.tensor_parallel_size,
-            self.prefill.engine.device,
-            cpus,
-            dict(options.prefill_resources),
-            dict(options.decode_resources),
-            gpus_per_rank(
-                self.decode.kv_transfer.transport,
-                [self.prefill.engine.tensor_parallel_size] * spec.num_prefill_instances
-                + [self.decode.engine.tensor_parallel_size] * spec.num_decode_instances,
-                cluster_gpus,
+            tuple(
+                PlannedInstance(i.instance_id, i.role, tp, dict(resources[i.role]))
+                for i, tp in zip(instances, tp_sizes, strict=True)
             ),
+            instances[0].config.engine.device,
+            cpus,
+            # one kv_transfer section for every instance (colocated ones move no KV)
+            gpus_per_rank(instances[0].config.kv_transfer.transport, tp_sizes, cluster_gpus),
         )
 
     def _place(self) -> None:
@@ -193,29 +191,18 @@ class RayCluster(ServingCluster):
                 pin,
                 self.namespace,
                 ranks,
-                self._peers_of(placement.role),
+                self.spec.kv_peers(placement.instance_id),
             )
         infos = [actor.info.remote() for actor in self.worker_actors.values()]
         ray.get(infos, timeout=self.start_timeout_s)  # built: ready
 
     def _form_kv_channels(self) -> None:
-        timeout_s = self.prefill.kv_transfer.transfer_timeout_s + 10
-        form_all_channels(
-            self._ids_of(Role.PREFILL),
-            self._ids_of(Role.DECODE),
-            self.prefill.engine.tensor_parallel_size,
-            actor_call(self.namespace, timeout_s),
-            timeout_s,
-        )
-
-    def _peers_of(self, role: Role) -> dict[str, int]:
-        """The instances a worker of `role` hands KV to or from, with their TP sizes."""
-        peers = self.prefill if role == Role.DECODE else self.decode
-        other = Role.PREFILL if role == Role.DECODE else Role.DECODE
-        return dict.fromkeys(self._ids_of(other), peers.engine.tensor_parallel_size)
-
-    def _ids_of(self, role: Role) -> list[str]:
-        return self.spec.instance_ids(role)
+        pairs = self.spec.kv_pairs()
+        if not pairs:
+            return  # colocated: no KV moves
+        prefill_tp = {p: self.spec.worker_config(p).engine.tensor_parallel_size for p, _ in pairs}
+        timeout_s = self.spec.worker_config(pairs[0][0]).kv_transfer.transfer_timeout_s + 10
+        form_all_channels(pairs, prefill_tp, actor_call(self.namespace, timeout_s), timeout_s)
 
     def _handle(self, instance_id: str, role: Role, prefill_tp: dict[str, int]) -> RayHandle:
         actor, timeout_s = self.worker_actors[instance_id], self.spec.router.worker_timeout_s

@@ -1,14 +1,15 @@
 """Where every worker process goes: placement groups, claimed resources, CPU core sets.
 
-    prefill instance i (TP=k) -> its own STRICT_PACK group, bundles [rank 0, ..., rank k-1]:
-                                 every rank on one node (the TP collectives stay local)
-    decode instances (TP=1)   -> one SPREAD group, one bundle per instance: replicas land on
-                                 different nodes where there are several
-    decode instance j (TP>1)  -> its own STRICT_PACK group, like a prefill instance
+    an instance at TP=k>1 (any role) -> its own STRICT_PACK group, bundles [rank 0, ..., rank k-1]:
+                                        every rank on one node (the TP collectives stay local)
+    the TP=1 instances of one role   -> one SPREAD group, one bundle per instance: prefill,
+                                        decode, colocated or adaptive replicas land on different
+                                        nodes where there are several
 
-Each bundle is {"CPU": num_cpus_per_worker} plus {"GPU": 1} on CUDA (Ray then sets
-CUDA_VISIBLE_DEVICES for the actor) plus the role's custom resources (e.g. {"node_a": 0.01}: a
-real cluster labels its prefill and decode nodes this way, and the multi-node test does too).
+Every layout (ClusterSpec.instances(): disaggregated, colocated, adaptive) is placed by these
+two rules. Each bundle is {"CPU": num_cpus_per_worker} plus {"GPU": share} on CUDA (Ray then
+sets CUDA_VISIBLE_DEVICES for the actor) plus the role's custom resources (e.g. {"node_a":
+0.01}: a real cluster labels its node groups this way, and the multi-node tests do too).
 On CPU, each worker pins itself to its own core set (`pin_to_core_set`), so the ranks of a TP
 group do not fight over one core while another core idles.
 """
@@ -46,18 +47,30 @@ class InstancePlacement:
 
 
 @dataclass(frozen=True)
+class PlannedInstance:
+    """One instance to place: its name, role, TP size and the custom resources of its role."""
+
+    instance_id: str
+    role: Role
+    tp_size: int
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class PlacementPlan:
     """What the placement logic needs from the cluster config."""
 
-    num_prefill_instances: int
-    prefill_tp_size: int
-    num_decode_instances: int
-    decode_tp_size: int
+    instances: tuple[PlannedInstance, ...]
     device: str = "cpu"
     num_cpus_per_worker: float = 1.0
-    prefill_resources: dict[str, float] = field(default_factory=dict)
-    decode_resources: dict[str, float] = field(default_factory=dict)
     gpus_per_rank: float = 1.0  # below 1: ranks share GPUs (see gpus_per_rank)
+
+    def count(self, role: Role) -> int:
+        return sum(1 for i in self.instances if i.role == role)
+
+    def resources(self, role: Role) -> dict[str, float]:
+        """The custom resources of `role`'s bundles ({} when it has no instance)."""
+        return next((dict(i.resources) for i in self.instances if i.role == role), {})
 
 
 def _bundle(plan: PlacementPlan, extra: dict[str, float]) -> dict[str, float]:
@@ -79,33 +92,33 @@ def gpus_per_rank(transport: str, tp_sizes: list[int], cluster_gpus: float) -> f
 
 
 def place_instances(plan: PlacementPlan, name_prefix: str) -> list[InstancePlacement]:
-    """Create the placement groups (not yet ready: see `wait_until_placed`)."""
-    groups: list[tuple[str, Role, int, PlacementGroup, tuple[int, ...]]] = []
-
-    def packed(instance_id: str, role: Role, tp: int, resources: dict[str, float]) -> None:
-        bundles = [_bundle(plan, resources)] * tp
-        group = placement_group(bundles, strategy="STRICT_PACK", name=name_prefix + instance_id)
-        groups.append((instance_id, role, tp, group, tuple(range(tp))))
-
-    for i in range(plan.num_prefill_instances):
-        packed(f"prefill-{i}", Role.PREFILL, plan.prefill_tp_size, plan.prefill_resources)
-    if plan.decode_tp_size == 1:
-        bundles = [_bundle(plan, plan.decode_resources)] * plan.num_decode_instances
-        group = placement_group(bundles, strategy="SPREAD", name=f"{name_prefix}decode")
-        groups += [(f"decode-{j}", Role.DECODE, 1, group, (j,)) for j in range(len(bundles))]
-    else:
-        for j in range(plan.num_decode_instances):
-            packed(f"decode-{j}", Role.DECODE, plan.decode_tp_size, plan.decode_resources)
+    """Create the placement groups (not yet ready: see `wait_until_placed`), in the plan's
+    instance order."""
+    groups: dict[str, tuple[PlacementGroup, tuple[int, ...]]] = {}
+    spread: dict[Role, list[PlannedInstance]] = {}
+    for instance in plan.instances:
+        if instance.tp_size > 1:
+            bundles = [_bundle(plan, instance.resources)] * instance.tp_size
+            name = name_prefix + instance.instance_id
+            group = placement_group(bundles, strategy="STRICT_PACK", name=name)
+            groups[instance.instance_id] = (group, tuple(range(instance.tp_size)))
+        else:
+            spread.setdefault(instance.role, []).append(instance)
+    for role, replicas in spread.items():
+        bundles = [_bundle(plan, i.resources) for i in replicas]
+        group = placement_group(bundles, strategy="SPREAD", name=f"{name_prefix}{role.value}")
+        groups.update({i.instance_id: (group, (j,)) for j, i in enumerate(replicas)})
     num_gpus = plan.gpus_per_rank if plan.device.startswith("cuda") else 0.0
     placements, next_worker = [], 0
-    for instance_id, role, tp, group, bundle_indices in groups:
-        workers = tuple(range(next_worker, next_worker + tp))  # each rank's core set
-        next_worker += tp
+    for instance in plan.instances:
+        group, bundle_indices = groups[instance.instance_id]
+        workers = tuple(range(next_worker, next_worker + instance.tp_size))  # each rank's cores
+        next_worker += instance.tp_size
         placements.append(
             InstancePlacement(
-                instance_id,
-                role,
-                tp,
+                instance.instance_id,
+                instance.role,
+                instance.tp_size,
                 group,
                 bundle_indices,
                 workers,
