@@ -25,10 +25,17 @@ from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
 from kv_transfer.receiver import RANK_REPORT_GRACE_S
 from kv_transfer.rendezvous import ChannelHost
-from kv_transfer.same_node import copy_blocks
+from kv_transfer.same_node import copy_blocks, end_message_len, parse_end_message
 from kv_transfer.staging import StagingPool
 from kv_transfer.streams import Incoming, call_at
-from kv_transfer.wire import MAGIC, STATUS_CANCELLED, Trailer, WireView, empty_control
+from kv_transfer.wire import (
+    CONTROL_LEN,
+    MAGIC,
+    STATUS_CANCELLED,
+    Trailer,
+    WireView,
+    empty_control,
+)
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,8 @@ class KVRankReceiver:
             view = WireView.for_ticket(self.cache, ticket.block_ids, segment.dst_heads, ticket)
             lane = _Lane(ticket, channel, view, deadline, self.staging, handle, self._forget)
             lane.src_heads = segment.src_heads
+            # Any transfer on this channel fits: none reserves more blocks than the cache has.
+            lane.same_node_message_len = end_message_len(self.cache.spec.num_blocks)
             # The channel's reader receives it once its header arrives (streams.py); until
             # then it can be withdrawn at its deadline without touching the channel.
             channel.receives.expect(lane)
@@ -182,13 +191,14 @@ class _Lane(Incoming):
     def receive(self, channel: Channel, header: torch.Tensor) -> Trailer:
         """The header arrived: check it, post this transfer's receives and wait for them."""
         view, what, tid = self.view, self.what, self.transfer_id
-        status = view.check_header(header, tid, what)  # raises: the stream is out of step
+        # Raises when the stream is out of step. A same-node message holds more after it.
+        status = view.check_header(header[:CONTROL_LEN], tid, what)
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled before sending")
+        if channel.same_node:
+            return self._receive_same_node(channel, header)
         # The send has started: the rest must follow within the transfer timeout.
         deadline = time.monotonic() + self.ticket.timeout_s
-        if channel.same_node:
-            return self._receive_same_node(channel, deadline)
         if not view.layerwise:
             message = view.packed_buffer(self.staging)
             work = channel.irecv(message, view.tag(tid, 1))
@@ -219,22 +229,16 @@ class _Lane(Incoming):
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
         return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))
 
-    def _receive_same_node(self, channel: Channel, deadline: float) -> Trailer:
-        """Source block ids, then the trailer; on OK copy the blocks out of the prefill rank's
-        cache (mapped once per source) into this transfer's blocks."""
+    def _receive_same_node(self, channel: Channel, message: torch.Tensor) -> Trailer:
+        """The transfer's one message came whole (same_node.end_message): on OK copy the source
+        blocks out of the prefill rank's cache (mapped once per channel) into this transfer's."""
         view, what, tid = self.view, self.what, self.transfer_id
-        ids = torch.empty(len(view.block_ids) + 1, dtype=torch.int64)  # the ids, then copy-by
-        closing = empty_control(torch.device("cpu"))
-        ids_work = channel.irecv(ids, view.tag(tid, 1))
-        trailer_work = channel.irecv(closing, view.tag(tid, 2))
-        channel.wait(ids_work, deadline, f"{what} source block ids")
-        channel.wait(trailer_work, deadline, f"{what} trailer")
-        magic, trailer_tid, status, first_token_id, num_tokens, sent_at_us = closing.tolist()
+        trailer, copy_by_ns, src_ids = parse_end_message(message, len(view.block_ids))
+        magic, trailer_tid, status, first_token_id, num_tokens, sent_at_us = trailer
         if magic != MAGIC or trailer_tid != tid:
-            raise KVTransferError(f"{what}: bad trailer {closing.tolist()}")
+            raise KVTransferError(f"{what}: bad trailer {trailer}")
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
-        *src_ids, copy_by_ns = ids.tolist()
         # The prefill instance frees the source blocks RANK_REPORT_GRACE_S after the sender's
         # deadline, acked or not: past it they may hold another request's KV.
         if time.monotonic_ns() > copy_by_ns:

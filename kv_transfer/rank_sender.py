@@ -39,7 +39,7 @@ from kv_transfer.errors import KVTransferCancelled, KVTransferError, KVTransferT
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
 from kv_transfer.rendezvous import ChannelDialer
-from kv_transfer.same_node import export_cache, uses_same_node
+from kv_transfer.same_node import end_message, export_cache, uses_same_node
 from kv_transfer.staging import StagingPool
 from kv_transfer.streams import Outgoing
 from kv_transfer.wire import STATUS_CANCELLED, STATUS_OK, WireView, control_message
@@ -255,16 +255,19 @@ class SendHandle:
     def _post_same_node_end(
         self, lane: _Lane, status: int, first_token_id: int | None, sent_at_us: int
     ) -> None:
-        """The same-node transport's end of a transfer: where to copy from and until when (this
-        handle's deadline; the instance frees the source blocks a grace period after it), then
-        the trailer."""
-        copy_by_ns = int(self.deadline * 1e9)  # CLOCK_MONOTONIC: one clock on one node
-        ids = torch.tensor([*lane.view.block_ids, copy_by_ns], dtype=torch.int64)
-        self._post(lane, ids, 1, "source block ids")
+        """The same-node transport's one message (same_node.end_message): header, trailer, until
+        when the source blocks are held (this handle's deadline; the instance frees them a grace
+        period after it) and the source block ids."""
+        tid = self.ticket.transfer_id
         first = -1 if first_token_id is None else first_token_id
-        values = (self.ticket.transfer_id, status, first, self.ticket.num_tokens, sent_at_us)
-        trailer = control_message(values, torch.device("cpu"))
-        self._post(lane, trailer, 2, "trailer", last=True)
+        trailer = control_message(
+            (tid, status, first, self.ticket.num_tokens, sent_at_us), torch.device("cpu")
+        )
+        copy_by_ns = int(self.deadline * 1e9)  # CLOCK_MONOTONIC: one clock on one node
+        message = end_message(
+            lane.view.header(tid, status), trailer, copy_by_ns, lane.view.block_ids
+        )
+        self._post(lane, message, 0, "same-node message", last=True)
 
     def _wait_all(self) -> None:
         try:
@@ -402,9 +405,10 @@ class KVRankSender:
             # Its place in the channel's stream is taken now, in dial order (streams.py).
             lane.outgoing = lane.channel.sends.open(handle._what(lane))
             lane.same_node = lane.channel.same_node
-            if lane.same_node:  # the header now, as in layerwise mode; the rest at finish
-                header = lane.view.header(ticket.transfer_id, status).cpu()
-                handle._post(lane, header, 0, "header", last=status == STATUS_CANCELLED)
+            if lane.same_node:  # one message at finish; a cancel: the header alone
+                if status == STATUS_CANCELLED:
+                    header = lane.view.header(ticket.transfer_id, status).cpu()
+                    handle._post(lane, header, 0, "header", last=True)
             elif lane.view.layerwise:
                 header = lane.view.header(ticket.transfer_id, status)
                 handle._post(lane, header, 0, "header", last=status == STATUS_CANCELLED)

@@ -5,6 +5,7 @@ never carry two transfers' messages interleaved, and the receiving side must nev
 transfer's payload receives before it knows which transfer comes next. Each channel carries:
 
     header (int64[6], names the transfer) [payload ... trailer]   header [payload ...] ...
+    (same-node channels: one message per transfer, header first; see same_node.py)
 
     prefill (SendStream)                          decode (RecvStream, one reader thread)
     open(transfer) in dial order                  expect(transfer) when the ticket is made
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.errors import KVTransferCancelled, KVTransferError
-from kv_transfer.wire import HEADER_TAG, MAGIC, empty_control
+from kv_transfer.wire import CONTROL_LEN, HEADER_TAG, MAGIC, empty_control
 
 if TYPE_CHECKING:
     from kv_transfer.channel import Channel
@@ -148,6 +149,11 @@ class Incoming:
 
     transfer_id: int
     deadline: float  # by when its header must arrive
+    # How long the first receive must be on a same-node channel, where one message carries the
+    # whole transfer (same_node.end_message): long enough for ANY transfer the channel may carry
+    # (a longer message than the posted receive breaks gloo). A network channel's header is
+    # CONTROL_LEN exactly.
+    same_node_message_len: int = CONTROL_LEN
 
     def receive(self, channel: Channel, header: torch.Tensor) -> object:
         raise NotImplementedError
@@ -165,6 +171,7 @@ class RecvStream:
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._ended: KVTransferError | None = None
+        self._same_node_len = CONTROL_LEN  # the longest any expected transfer needs
         channel.on_broken(self._fail_expected)
 
     def expect(self, incoming: Incoming) -> None:
@@ -172,6 +179,7 @@ class RecvStream:
             ended = self._ended
             if ended is None:
                 self._expected[incoming.transfer_id] = incoming
+                self._same_node_len = max(self._same_node_len, incoming.same_node_message_len)
                 if self._reader is None:
                     self._reader = threading.Thread(
                         target=self._read, name=f"kv-read-{self.channel.pair_key}", daemon=True
@@ -189,11 +197,18 @@ class RecvStream:
         channel = self.channel
         try:
             channel.wait_connected(time.monotonic() + _IDLE_WAIT_S)
+            header = empty_control(channel.device)
             while True:
-                header = empty_control(channel.device)
+                if channel.same_node:  # gloo takes a shorter message into a longer receive
+                    with self._lock:
+                        length = self._same_node_len
+                    if header.numel() != length:  # else reused: each is read before the next
+                        header = torch.zeros(length, dtype=torch.int64)
+                else:  # NCCL needs the sizes to match: the header alone
+                    header = empty_control(channel.device)
                 work = channel.irecv(header, HEADER_TAG)
                 channel.wait(work, time.monotonic() + _IDLE_WAIT_S, "the next header")
-                magic, transfer_id = header.tolist()[:2]
+                magic, transfer_id = header[:2].tolist()
                 with self._lock:
                     incoming = self._expected.pop(transfer_id, None)
                 if magic != MAGIC or incoming is None:
