@@ -6,7 +6,9 @@ positions [start_pos, start_pos + len(token_ids)); the KV of positions [0, start
 the blocks of `block_table`, and the new tokens' KV is written into the same table (which already
 holds enough blocks for start_pos + len(token_ids) tokens). A decode step is a chunk of length 1;
 a speculative decode ends with `num_draft` proposed tokens and wants the logits of its last
-num_draft + 1 tokens (engine/speculative/).
+num_draft + 1 tokens (engine/speculative/). A prompt chunk of a request that wants prompt
+log-probabilities (`all_logits`) gets one logits row per token; its last is the sampled one's when
+the chunk samples.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ class SequenceChunk:
     # Whether the logits of the chunk's last token are wanted (False for a non-final prefill chunk).
     sample: bool = True
     num_draft: int = 0  # proposed tokens at the end of token_ids, verified this step
+    all_logits: bool = False  # a logits row for every token (prompt log-probabilities)
 
     @property
     def num_logits(self) -> int:
-        """Logits rows this chunk gets: 0, 1, or one per proposed token plus one."""
+        """Logits rows this chunk gets: 0, 1, one per proposed token plus one, or one per token."""
+        if self.all_logits:
+            return len(self.token_ids)
         return self.num_draft + 1 if self.sample else 0
 
     @property
@@ -53,8 +58,12 @@ class ScheduledBatch:
 
     @property
     def num_logits(self) -> int:
-        """Rows of the step's logits: num_sampled plus every proposed token."""
+        """Rows of the step's logits: num_sampled plus every proposed token and prompt row."""
         return sum(c.num_logits for c in self.chunks)
+
+    @property
+    def num_draft(self) -> int:
+        return sum(c.num_draft for c in self.chunks)
 
     def __bool__(self) -> bool:
         return bool(self.chunks)

@@ -65,8 +65,9 @@ class EngineConfig:
     fixed_shape_decode: bool | None = None
     # "auto", "torch", "triton" or "flash" (engine.attention.select_backend).
     attention_backend: str = "auto"
-    # On CUDA with triton: fused RMSNorm with its residual add, SiLU x mul and rotary (Triton).
-    fused_ops: bool = True
+    # Fused RMSNorm with its residual add, SiLU x mul and rotary (engine/models/fused_llama.py):
+    # None = on CUDA where triton is installed; True on CPU runs them in Triton's interpreter.
+    fused_ops: bool | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -19,7 +19,8 @@ from engine.block_pool import BlockPool, PrefixCacheChanges
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.kv_connector import KVConnector
-from engine.outputs import RequestOutput, SchedulerStats, StepOutput
+from engine.logprobs import attach_logprobs, sampled_logprobs, split_logits
+from engine.outputs import RequestOutput, SchedulerStats, StepOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -130,16 +131,24 @@ class LLMEngine:
             self.scheduler.add_prefilled(request)
         batch = self.scheduler.schedule()
         sampled: list[int] | list[list[int]] = []
+        token_logprobs: dict[str, TokenLogprob] = {}
+        requests = self.scheduler.requests
+        first_tokens = {c.request_id: requests[c.request_id] for c in batch.chunks if c.all_logits}
         if batch:
             logits = self.executor.execute(batch)  # [batch.num_logits, vocab_size]
-            if batch.num_logits > batch.num_sampled:  # proposed tokens to verify
+            logits = split_logits(batch, logits, requests)  # [batch.num_sampled + drafts, vocab]
+            if batch.num_draft:  # proposed tokens to verify
                 drafts = [
                     c.token_ids[len(c.token_ids) - c.num_draft :] for c in batch.chunks if c.sample
                 ]
                 sampled = verify(logits, self.scheduler.sampling_rows(batch), drafts)
             elif batch.num_sampled:
-                sampled = self.sampler(logits, self.scheduler.sampling_rows(batch))
+                rows = self.scheduler.sampling_rows(batch)
+                sampled = self.sampler(logits, rows)
+                token_logprobs = sampled_logprobs(batch, logits, rows, sampled)
         outputs = self.scheduler.update(batch, sampled)
+        if token_logprobs or first_tokens:
+            attach_logprobs(outputs, token_logprobs, first_tokens)
         if batch:  # the whole step, as a decode's next token waits for it
             self.step_costs.observe(batch, time.perf_counter() - started)
         return outputs
@@ -203,9 +212,12 @@ class LLM:
             self.engine.step()  # drain the abort outputs
             raise
         errors: dict[str, str] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
         pending = {request.request_id for request in requests}
         while pending:
             for out in self.engine.step():
+                if out.logprobs is not None:
+                    logprobs.setdefault(out.request_id, []).extend(out.logprobs)
                 if out.finished:
                     pending.discard(out.request_id)
                     if out.error is not None:
@@ -221,6 +233,8 @@ class LLM:
                 error=errors.get(r.request_id),
                 num_spec_proposed=r.spec.num_proposed if r.spec else 0,
                 num_spec_accepted=r.spec.num_accepted if r.spec else 0,
+                logprobs=logprobs.get(r.request_id),
+                prompt_logprobs=r.prompt_logprobs,
             )
             for r in requests
         ]

@@ -17,6 +17,7 @@ from engine.attention import AttentionMetadata, build_attention_metadata, select
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.config import EngineConfig
 from engine.graphs import DecodeGraphs
+from engine.kernels import triton_available
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -78,6 +79,7 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_cache)
         # float64 models return float64 logits (parity tests); everything else float32
         self.logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.model.fused_ops = fused_ops(config, self)  # before the graphs capture the forward
         self.decode_graphs = decode_graphs(config, self)
 
     @property
@@ -175,6 +177,18 @@ class ModelRunner:
                 f"request {chunk.request_id}: block table of {len(chunk.block_table)} blocks cannot "
                 f"hold {chunk.context_len} tokens (block_size {self.block_size})"
             )
+
+
+def fused_ops(config: EngineConfig, runner: ModelRunner) -> bool:
+    """Whether the model runs engine/models/fused_llama.py (where the family supports it)."""
+    wanted = config.fused_ops
+    if wanted is None:
+        wanted = runner.device.type == "cuda" and triton_available()
+    if not wanted:
+        return False
+    from engine.models import fused_llama
+
+    return fused_llama.supports(runner.model)
 
 
 def decode_graphs(config: EngineConfig, runner: ModelRunner) -> DecodeGraphs | None:

@@ -7,6 +7,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (log-softmax of the raw logits), its rank in
+    the vocabulary (1 is the most likely), and the `top` most likely (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class StepOutput:
     """One request's progress in one engine step: the tokens it gained, and whether it ended.
 
@@ -23,6 +34,10 @@ class StepOutput:
     # On the last output: its speculative tokens proposed and accepted here (engine/speculative/)
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    # With SamplingParams.logprobs: one per new token. With prompt_logprobs, on the output of the
+    # first token: one per prompt token (None for the first, which has no context).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -39,6 +54,8 @@ class RequestOutput:
     # speculative decoding: tokens proposed for it and accepted by the model (0 without)
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    logprobs: list[TokenLogprob] | None = None  # as StepOutput's, over the whole output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

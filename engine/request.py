@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.outputs import TokenLogprob
     from engine.slo import RequestSLO
     from engine.speculative.state import SpecState
 
@@ -66,6 +67,8 @@ class Request:
     slo: RequestSLO | None = None  # its latency objectives, when the router sent them
     first_token_at: float | None = None  # time.time() of its first token, wherever it came from
     spec: SpecState | None = None  # its speculation, on an engine that speculates
+    # With params.prompt_logprobs: one per prompt token computed so far (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,6 +89,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prompt's log-probabilities are still to compute (none of its output exists)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def finish_reason(self) -> str | None:

@@ -1,5 +1,8 @@
 """Turns one step's logits into token ids: greedy, temperature, top-k, top-p, per-request seeds.
 
+Before picking, a request's processors (SamplingParams: logit_bias, min_tokens, then the
+repetition, frequency and presence penalties, vLLM's order) change a copy of its logits row.
+
 Reproducibility: the random draw for a request's n-th output token comes from a generator seeded
 with mix(seed, n), never from a generator that carries state across steps. So the same seed gives
 the same tokens whatever else shares the batch, and a preempted request that is recomputed draws
@@ -8,8 +11,8 @@ the same numbers again for the positions it still has to generate.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +40,11 @@ class SamplingRow:
     params: SamplingParams
     seed: int  # the request's seed (drawn at admission when the user gave none)
     output_pos: int  # index of the token being sampled among the request's output tokens
+    # For the processors only (left empty when the params have none): the request's tokens,
+    # and the ids that min_tokens masks (EOS unless ignored, and the stop tokens).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    stop_ids: Collection[int] = field(default_factory=tuple)
 
 
 class Sampler:
@@ -46,6 +54,8 @@ class Sampler:
         """`logits`: [num_rows, vocab_size], one row per entry of `rows`; returns one id per row."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        if any(row.params.processes_logits for row in rows):
+            logits = process_logits(logits, rows)
         # Greedy rows (the common case) take one batched argmax and never touch a generator.
         token_ids: list[int] = logits.argmax(dim=-1).tolist()
         random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -57,6 +67,37 @@ class Sampler:
             generator.manual_seed(mix_seed(rows[i].seed, rows[i].output_pos))
             token_ids[i] = draw(probs[j], generator)
         return token_ids
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """A copy of `logits` [rows, vocab] with each row's processors applied."""
+    logits = logits.clone()
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        params = row.params
+        if not params.processes_logits:
+            continue
+        out = logits[i]  # a view: edited in place
+        if params.logit_bias:
+            ids = [t for t, _ in params.logit_bias if t < vocab_size]
+            bias = [b for t, b in params.logit_bias if t < vocab_size]
+            out[ids] += torch.tensor(bias, dtype=out.dtype, device=out.device)
+        if row.output_pos < params.min_tokens and row.stop_ids:
+            out[[t for t in row.stop_ids if t < vocab_size]] = float("-inf")
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), device=out.device
+            )
+            scores = out[seen]
+            penalty = params.repetition_penalty
+            out[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+        if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
+            output_ids = torch.tensor(list(row.output_token_ids), device=out.device)
+            counts = torch.bincount(output_ids, minlength=vocab_size)[:vocab_size].to(out.dtype)
+            out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+                out.dtype
+            )
+    return logits
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

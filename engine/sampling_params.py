@@ -17,6 +17,17 @@ class SamplingParams:
     `seed` makes sampling reproducible per request (same seed, same prompt: same output).
     `stop_token_ids` end a sequence in addition to the model's EOS ids (unless `ignore_eos`).
     `speculative=False` decodes this request one token per step even where the engine speculates.
+
+    Outputs: `logprobs=k` returns each sampled token's log-probability and the k most likely
+    tokens' (0: only the sampled one's); `prompt_logprobs=k` the same for every prompt token but
+    the first (computed at prefill, so such a request never takes its prompt from the prefix
+    cache). Log-probabilities are the model's: log-softmax of the raw logits, before the
+    processors below and before temperature.
+    Processors, in vLLM's order and OpenAI's meaning: `logit_bias` adds to a token's logit;
+    `min_tokens` masks EOS and the stop tokens until that many tokens came out;
+    `repetition_penalty` (transformers' and vLLM's: a logit of any token in the prompt or the
+    output is divided by it when positive, multiplied when negative); `frequency_penalty` and
+    `presence_penalty` subtract count * f + (count > 0) * p, counting the output tokens only.
     """
 
     max_tokens: int = 16
@@ -27,6 +38,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     speculative: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -43,7 +61,42 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
         object.__setattr__(self, "stop_token_ids", stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # also false for NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}"
+            )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        bias = dict(self.logit_bias)  # a dict or pairs; one entry per token
+        if any(
+            not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0 for t, b in bias.items()
+        ):
+            raise ValueError(
+                f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {bias!r}"
+            )
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a processor (bias, min_tokens, a penalty) changes this request's logits."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )

@@ -265,7 +265,9 @@ class Scheduler:
             request = self.waiting[0]
             if self._can_never_fit(request):
                 continue
-            cached_block_ids = self.prefix_cache.match(request)
+            # Prompt log-probabilities need every prompt token's logits: no cached prefix.
+            want_all = request.wants_prompt_logits
+            cached_block_ids = [] if want_all else self.prefix_cache.match(request)
             num_cached = len(cached_block_ids) * block_size
             num_new = min(request.num_tokens - num_cached, self.chunk_size, plan.token_budget)
             num_needed = -(-(num_cached + num_new) // block_size) - len(cached_block_ids)
@@ -289,6 +291,8 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             self.prefix_cache.record_admission(request, num_cached)
             request.status = RequestStatus.RUNNING
+            if want_all:
+                request.prompt_logprobs = [None]  # the first token has no context
             self.running.append(request)
             plan.num_new_tokens[request.request_id] = num_new
             plan.token_budget -= num_new
@@ -297,6 +301,9 @@ class Scheduler:
     def _propose(self, request: Request, room: int, decodes: bool) -> list[int]:
         if not decodes or self.speculator is None:
             return []
+        params = request.params
+        if params.processes_logits or params.logprobs is not None:
+            return []  # verification samples without processors and reports no log-probabilities
         return self.speculator.propose(request, room)
 
     def _can_never_fit(self, request: Request) -> bool:
@@ -333,6 +340,7 @@ class Scheduler:
                     list(request.block_table),
                     end == request.num_tokens,
                     len(draft),
+                    request.wants_prompt_logits,
                 )
             )
         return ScheduledBatch(chunks)
@@ -346,7 +354,18 @@ class Scheduler:
             if chunk.sample:
                 request = requests[chunk.request_id]
                 params = request.params
-                rows.append(SamplingRow(params, params.seed or 0, request.num_output_tokens))
+                row = SamplingRow(params, params.seed or 0, request.num_output_tokens)
+                if params.processes_logits:
+                    stop_ids = set(params.stop_token_ids)
+                    if not params.ignore_eos:
+                        stop_ids |= self.eos_token_ids
+                    row = replace(
+                        row,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=request.output_token_ids,
+                        stop_ids=stop_ids,
+                    )
+                rows.append(row)
         return rows
 
     def update(

@@ -158,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
     """Built in the dtype/device of the caller's defaults (see engine.loader.build_model)."""
 
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # Set by the model runner on CUDA where engine/models/fused_llama.py supports the model.
+    fused_ops: bool = False
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -196,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden_size] (after the last norm)."""
+        if self.fused_ops:  # engine/models/fused_llama.py: the same math in fewer launches
+            from engine.models import fused_llama
+
+            return fused_llama.forward(self, input_ids, positions, metadata)
         cos, sin = self.rotary.cos_sin(positions)  # once per step, shared by all layers
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
