@@ -24,7 +24,8 @@ benchmarks/block_runs.py measures how often each arises under load with BlockPoo
 
 First the transports: same_node_over_network = network path time / same-node transport time
 (shared memory, see kv_transfer/same_node.py), worst over p,d in {(1,1),(2,2)} and two layouts,
-with the raw send interleaved (network_over_raw_same_run). Prefill ranks are pinned to one half
+with the raw send interleaved (network_over_raw_same_run; network_over_raw_topology_same_run
+against one raw send per rank pair of the plan, all at once). Prefill ranks are pinned to one half
 of the cores, decode ranks to the other, where there are two or more.
 
 Run: python -m benchmarks.kv_transfer_speed [--quick] [--out kv.json] (last line: one JSON object)
@@ -210,14 +211,16 @@ class Bench:
         layerwise = KVTransferConfig().use_layerwise(num_tokens)
         self.one_transfer(p, d, num_tokens, layerwise, layout, "same_node")  # warm-up, export
         self.one_transfer(p, d, num_tokens, layerwise, layout)
-        raw_times, network_times, same_node_times = [], [], []
+        raw_times, topology_times, network_times, same_node_times = [], [], [], []
         for _ in range(iters):
             raw_times.append(self.one_raw(num_bytes))
+            topology_times.append(self.one_raw_topology(p, d, num_bytes))
             network_times.append(self.one_transfer(p, d, num_tokens, layerwise, layout))
             same_node_times.append(
                 self.one_transfer(p, d, num_tokens, layerwise, layout, "same_node")
             )
         raw = statistics.median(raw_times)
+        topology = statistics.median(topology_times)
         network = statistics.median(network_times)
         same_node = statistics.median(same_node_times)
         return {
@@ -233,6 +236,10 @@ class Bench:
             "same_node_gbps": round(num_bytes / same_node / 1e9, 3),
             "same_node_over_network": round(network / same_node, 3),
             "network_over_raw": round(raw / network, 3),
+            # the same bytes as one raw send per rank pair of the plan, all at once: at p=d=2
+            # two pairs share the two cores, which one raw send between two processes never pays
+            "raw_topology_ms": round(topology * 1e3, 3),
+            "network_over_raw_topology": round(topology / network, 3),
         }
 
 
@@ -331,6 +338,10 @@ def main() -> None:
         },
         "network_over_raw_same_run": {
             str(t): min(c["network_over_raw"] for c in same_node_cases if c["tokens"] == t)
+            for t in args.tokens
+        },
+        "network_over_raw_topology_same_run": {
+            str(t): min(c["network_over_raw_topology"] for c in same_node_cases if c["tokens"] == t)
             for t in args.tokens
         },
         "pinned_cpus": pinned,
