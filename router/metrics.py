@@ -148,6 +148,13 @@ class RouterMetrics:
         self.worker_blocks_used = gauge("pdserve:kv_blocks_used", "KV blocks in use per worker.")
         self.worker_blocks_total = gauge("pdserve:kv_blocks_total", "KV blocks per worker.")
         self.worker_healthy = gauge("pdserve:worker_healthy", "1 when the worker is healthy.")
+        self.worker_node = Gauge(
+            "pdserve:worker_node",
+            "1 for the node each worker runs on (its host; under Ray: IP and node id).",
+            ["instance", "role", "node"],
+            registry=self.registry,
+        )
+        self._nodes: dict[str, str] = {}  # instance id -> the node label set
         # Prefix-cache tokens, as vLLM's prefix_cache_queries / prefix_cache_hits (their ratio
         # is the hit rate KV-aware routing raises).
         self.prefix_cache_queries = gauge(
@@ -184,6 +191,7 @@ class RouterMetrics:
         self.worker_blocks_total.labels(*labels).set(load.num_total_blocks)
         self.worker_healthy.labels(*labels).set(1.0 if load.healthy else 0.0)
         details = load.details
+        self._observe_node(load.instance_id, load.role, details.node)
         self.prefix_cache_queries.labels(*labels).set(details.num_prefix_queried_tokens)
         self.prefix_cache_hits.labels(*labels).set(details.num_prefix_hit_tokens)
         if details.num_held_chunks is not None:
@@ -195,6 +203,16 @@ class RouterMetrics:
             self.spec_proposed.labels(*labels).set(proposed)
             self.spec_accepted.labels(*labels).set(accepted)
             self.spec_acceptance.labels(*labels).set(accepted / proposed if proposed else 0.0)
+
+    def _observe_node(self, instance_id: str, role: Role, node: str) -> None:
+        """One series per worker: a worker restarted on another node moves its series there."""
+        previous = self._nodes.get(instance_id)
+        if previous == node:
+            return
+        if previous is not None:
+            self.worker_node.remove(instance_id, role.value, previous)
+        self._nodes[instance_id] = node
+        self.worker_node.labels(instance_id, role.value, node).set(1.0)
 
     def observe_down(self, instance_id: str, role: Role) -> None:
         """A worker that does not answer: down, and holding nothing (a dead process holds no

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ class Worker(WorkerLoop):
     ) -> None:
         super().__init__(instance_id)
         self.config = config
+        self.node = socket.gethostname()  # the runtime may name it better (Ray: IP and node id)
         self.role = config.role
         sends, receives = bool(config.sends_kv), bool(config.receives_kv)
         extension = functools.partial(
@@ -222,6 +224,7 @@ class Worker(WorkerLoop):
             if self.sending is not None
             else None,
             num_receiving=num_receiving if self.receiving is not None else None,
+            node=self.node,
         )
         return InstanceLoad(
             self.instance_id,
@@ -348,6 +351,8 @@ class Worker(WorkerLoop):
             output.error,
             self.instance_id,
             timings,
+            logprobs=output.logprobs,
+            prompt_logprobs=output.prompt_logprobs,
         )
 
     def _tell(self, peer_id: str, message: ControlMessage) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from engine.block_pool import PrefixCacheChanges
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.slo import RequestSLO
 from kv_transfer.messages import KVAbort, KVTicket, KVTransferDone
@@ -115,6 +116,10 @@ class TokenEvent:
     # that broke, or this one when it lost a TP rank), so the router places the request again
     # (router/recovery.py) or answers UNAVAILABLE, retryable, instead of INTERNAL.
     failed_peer: str = ""
+    # With the request's logprobs: one per token_ids entry. With prompt_logprobs: on the first
+    # token's event (from the prefill instance), one per prompt token, None for the first.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ class LoadDetails:
     num_held_chunks: int | None = None  # prompt chunks the SLO gate held back, cumulative
     num_transfers_in_flight: int | None = None  # KV sends not yet acknowledged
     num_receiving: int | None = None  # KV receives under way
+    node: str = ""  # where the instance runs: its host, or under Ray "IP/node-id" (pdserve status)
 
 
 @dataclass

@@ -128,6 +128,7 @@ class WorkerStatus:
     num_blocks_used: int = 0
     num_blocks_total: int = 0
     healthy: float = 0.0
+    node: str = ""  # where it runs (pdserve:worker_node)
 
     @property
     def kv_usage(self) -> float:
@@ -156,6 +157,10 @@ def parse_metrics(text: str) -> RouterStatus:
                 )
                 attribute = _WORKER_GAUGES[name]
                 setattr(worker, attribute, value if attribute == "healthy" else int(value))
+            elif name == "pdserve:worker_node" and value >= 1.0:
+                workers.setdefault(
+                    labels["instance"], WorkerStatus(labels["instance"], labels["role"])
+                ).node = labels["node"]
             elif name == "pdserve:num_requests_running":
                 status.num_requests_running = int(value)
             elif name == "pdserve:num_requests_waiting":
@@ -179,11 +184,12 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_status(address: str, health: str, status: RouterStatus) -> str:
-    header = ["instance", "role", "health", "waiting", "running", "KV blocks", "KV used"]
+    header = ["instance", "role", "node", "health", "waiting", "running", "KV blocks", "KV used"]
     rows = [
         [
             worker.instance_id,
             worker.role,
+            worker.node or "-",
             "healthy" if worker.healthy >= 1.0 else "UNHEALTHY",
             str(worker.num_waiting),
             str(worker.num_running),

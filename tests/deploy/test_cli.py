@@ -8,6 +8,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -266,7 +267,7 @@ def test_status_shows_every_worker_its_load_kv_usage_and_health(
     # The last request's aborts and the router's next load refresh land within a moment.
     deadline = time.monotonic() + 10
     while " 0 running" not in (lines := _status_lines(served, capsys))[-1] or any(
-        line.split()[3:5] != ["0", "0"] for line in lines[2:5]
+        line.split()[4:6] != ["0", "0"] for line in lines[2:5]
     ):
         assert time.monotonic() < deadline, "\n".join(lines)
         time.sleep(0.2)
@@ -274,6 +275,7 @@ def test_status_shows_every_worker_its_load_kv_usage_and_health(
     assert lines[1].split() == [
         "instance",
         "role",
+        "node",
         "health",
         "waiting",
         "running",
@@ -286,9 +288,9 @@ def test_status_shows_every_worker_its_load_kv_usage_and_health(
     assert sorted(rows) == ["decode-0", "decode-1", "prefill-0"]
     for instance_id, row in rows.items():
         role = instance_id.split("-")[0]
-        assert row[1:5] == [role, "healthy", "0", "0"], row
-        used, total = map(int, row[5].split("/"))
-        assert total == NUM_KV_BLOCKS and row[6] == f"{100 * used / total:.0f}%"
+        assert row[1:6] == [role, socket.gethostname(), "healthy", "0", "0"], row
+        used, total = map(int, row[6].split("/"))
+        assert total == NUM_KV_BLOCKS and row[7] == f"{100 * used / total:.0f}%"
         assert used == 0 or role == "prefill"  # prefill keeps prompts in its prefix cache
     assert re.fullmatch(r"requests: 0 running, 0 queued, \d+ finished \(.*\), 1 failed", lines[5])
 

@@ -20,6 +20,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from deploy.cli.main import main
 from deploy.runtime.ray.cluster import RayCluster
 from deploy.runtime.ray.node import descendant_pids, process_is_running, use_loopback_node_address
 from tests.deploy.ray_support import (
@@ -99,7 +100,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("mode", list(LAYOUTS))
 def test_each_layout_across_two_nodes_equals_transformers(
-    mode: str, two_nodes: str, model_dir: str, expected: list[list[int]]
+    mode: str,
+    two_nodes: str,
+    model_dir: str,
+    expected: list[list[int]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     layout = LAYOUTS[mode]
     spec = serve_spec(
@@ -108,7 +113,7 @@ def test_each_layout_across_two_nodes_equals_transformers(
         dtype="float64",
         kv_cache={"block_size": 8, "num_blocks": NUM_BLOCKS},
         kv_transfer={"transport": "network"},
-        router={"shutdown_grace_s": 5.0, **layout.get("router", {})},
+        router={"shutdown_grace_s": 5.0, "metrics_port": 0, **layout.get("router", {})},
         ray={"address": two_nodes, **layout.get("ray", {})},
     )
     with RayCluster(spec) as cluster:
@@ -125,6 +130,10 @@ def test_each_layout_across_two_nodes_equals_transformers(
             assert sorted(placed) == [f"{mode}-0", f"{mode}-1"]
         assert set(placed.values()) == {node_a, node_b}  # replicas spread over both nodes
         _wait_for_pools(cluster)
+        assert _status_rows(cluster, capsys) == {
+            instance_id: [f"127.0.0.1/{node_id[:8]}", "healthy", "0", "0", f"0/{NUM_BLOCKS}"]
+            for instance_id, node_id in placed.items()
+        }
     assert not ray.is_initialized()  # joined, not owned: disconnected, the nodes stay up
 
 
@@ -138,3 +147,26 @@ def _wait_for_pools(cluster: RayCluster) -> None:
     assert [w.load and w.load.num_free_blocks for w in cluster.status().workers] == [
         NUM_BLOCKS
     ] * len(loads)
+
+
+def _status_rows(cluster: RayCluster, capsys: pytest.CaptureFixture[str]) -> dict[str, list[str]]:
+    """What `pdserve status` prints for each instance: node, health, waiting, running, KV."""
+    capsys.readouterr()
+    metrics = f"127.0.0.1:{cluster.metrics_port}"
+    assert main(["status", "--address", cluster.address, "--metrics", metrics]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"router {cluster.address}: SERVING"
+    assert lines[1].split() == [
+        "instance",
+        "role",
+        "node",
+        "health",
+        "waiting",
+        "running",
+        "KV",
+        "blocks",
+        "KV",
+        "used",
+    ]
+    rows = [line.split() for line in lines[2:-1]]
+    return {row[0]: row[2:7] for row in rows}

@@ -71,6 +71,7 @@ class WorkerActor:
             launcher = RayRankLauncher(placement, num_workers, pin_cores, rank_actors)
         self.instance_id = placement.instance_id
         self.worker = Worker(config, self.instance_id, ActorControl(namespace), launcher=launcher)
+        self.worker.node = f"{self.node_ip}/{self.node_id[:8]}"  # one IP for simulated nodes
         if restarted and peers is not None:
             self._rejoin(placement, peers, namespace, config.kv_transfer.transfer_timeout_s + 5)
         # A worker whose loop died (say, a TP rank was killed) exits, so Ray restarts the actor;
