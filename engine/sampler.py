@@ -3,10 +3,11 @@
 Before picking, a request's processors (SamplingParams: logit_bias, min_tokens, then the
 repetition, frequency and presence penalties, vLLM's order) change a copy of its logits row.
 
-Reproducibility: the random draw for a request's n-th output token comes from a generator seeded
-with mix(seed, n), never from a generator that carries state across steps. So the same seed gives
-the same tokens whatever else shares the batch, and a preempted request that is recomputed draws
-the same numbers again for the positions it still has to generate.
+Reproducibility: the random draw for a request's n-th output token uses noise that is a function
+of mix(seed, n) alone (engine/sampling_noise.py), never of a generator that carries state across
+steps. So the same seed gives the same tokens whatever else shares the batch, and a preempted
+request that is recomputed draws the same numbers again for the positions it still has to
+generate. All rows draw in one batch, and a step reads its tokens back once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sampling_noise import exponentials, to_device
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -56,17 +58,20 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         if any(row.params.processes_logits for row in rows):
             logits = process_logits(logits, rows)
-        # Greedy rows (the common case) take one batched argmax and never touch a generator.
-        token_ids: list[int] = logits.argmax(dim=-1).tolist()
+        # Greedy rows take one batched argmax; the random rows one batched draw with noise
+        # from their own seeds (engine/sampling_noise.py); then one host sync for the step.
+        token_ids = logits.argmax(dim=-1)
         random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if not random_idx:
-            return token_ids
-        probs = filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
-        for j, i in enumerate(random_idx):
-            generator = torch.Generator(device=probs.device)
-            generator.manual_seed(mix_seed(rows[i].seed, rows[i].output_pos))
-            token_ids[i] = draw(probs[j], generator)
-        return token_ids
+        if random_idx:
+            index = to_device(random_idx, torch.long, logits.device)
+            probs = filtered_probs(
+                logits.index_select(0, index), [rows[i].params for i in random_idx]
+            )
+            seeds = [mix_seed(rows[i].seed, rows[i].output_pos) for i in random_idx]
+            noise = exponentials(seeds, probs.shape[1], probs.dtype, probs.device)
+            token_ids.index_copy_(0, index, (probs / noise).argmax(dim=-1))
+        result: list[int] = token_ids.tolist()
+        return result
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -106,9 +111,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     Every row must have temperature > 0. top-k keeps the k largest logits; top-p then keeps the
     smallest set of the most likely tokens whose mass reaches p (the token that crosses p is in).
     """
-    temperatures = torch.tensor(
-        [p.temperature for p in params], dtype=logits.dtype, device=logits.device
-    )
+    temperatures = to_device([p.temperature for p in params], logits.dtype, logits.device)
     scaled = logits / temperatures.unsqueeze(1)
     vocab_size = logits.shape[1]
     if all((p.top_k <= 0 or p.top_k >= vocab_size) and p.top_p >= 1.0 for p in params):
@@ -116,13 +119,14 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
 
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, vocab]
-    top_k = torch.tensor(
+    top_k = to_device(
         [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-        device=logits.device,
+        torch.long,
+        logits.device,
     )
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype, device=logits.device)
+    top_p = to_device([p.top_p for p in params], sorted_probs.dtype, logits.device)
     # Mass strictly before each token: the token is kept while that mass is still below p,
     # which keeps the smallest prefix of the sorted tokens whose mass is >= p (never empty).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -132,9 +136,8 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.zeros_like(sorted_probs).scatter_(1, sorted_ids, sorted_probs)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One sample from `probs` [vocab] (the exponential race: argmax p_i / E_i, E_i ~ Exp(1))."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    # exponential_ may return an exact 0; 0/0 would be NaN and could pick a filtered-out token.
-    noise.clamp_min_(torch.finfo(probs.dtype).tiny)
+def draw(probs: torch.Tensor, seed: int) -> int:
+    """One sample from `probs` [vocab] with the noise of `seed` (a mix_seed value): the
+    exponential race argmax p_i / E_i, E_i ~ Exp(1), exactly as Sampler draws a row."""
+    noise = exponentials([seed], probs.shape[-1], probs.dtype, probs.device)[0]
     return int((probs / noise).argmax())

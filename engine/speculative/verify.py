@@ -12,8 +12,8 @@ Sampling (Leviathan et al. 2023, Chen et al. 2023) with a point-mass proposal q 
 d_j with probability p_j(d_j); on rejection draw from the residual max(0, p_j - q), which is p_j
 with d_j removed, renormalized. Each emitted token is then distributed as p exactly. The
 probabilities are the ones the sampler uses (temperature, top-k, top-p), and every random number
-for output position i comes from a generator seeded with mix_seed(seed, i), so a seeded request
-is reproducible and a chunk with no proposals draws exactly as the plain sampler does.
+for output position i is a function of mix_seed(seed, i) (engine/sampling_noise.py), so a seeded
+request is reproducible and a chunk with no proposals draws exactly as the plain sampler does.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.sampler import SamplingRow, draw, filtered_probs, mix_seed
+from engine.sampling_noise import uniforms
 
 
 def verify(
@@ -60,18 +61,16 @@ def _rejection_sample(logits: torch.Tensor, row: SamplingRow, draft: Sequence[in
     probs = filtered_probs(logits, [row.params] * logits.shape[0])
     out: list[int] = []
     for j, token in enumerate(draft):
-        generator = torch.Generator(device=probs.device)
-        generator.manual_seed(mix_seed(row.seed, row.output_pos + j))
+        seed = mix_seed(row.seed, row.output_pos + j)
         p_token = float(probs[j, token])
-        uniform = float(torch.rand((), generator=generator, dtype=torch.float64))
+        # the acceptance test's uniform: its own stream (salt 1) of the position's seed
+        uniform = float(uniforms([seed], 1, torch.float64, probs.device, salt=1)[0, 0])
         if uniform < p_token:
             out.append(token)
             continue
         residual = probs[j].clone()
         residual[token] = 0.0  # max(0, p - q) for q the point mass on the proposed token
-        out.append(draw(residual / residual.sum(), generator))
+        out.append(draw(residual / residual.sum(), seed))
         return out
-    generator = torch.Generator(device=probs.device)
-    generator.manual_seed(mix_seed(row.seed, row.output_pos + len(draft)))
-    out.append(draw(probs[-1], generator))
+    out.append(draw(probs[-1], mix_seed(row.seed, row.output_pos + len(draft))))
     return out

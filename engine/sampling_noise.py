@@ -1,0 +1,88 @@
+"""Counter-based random numbers for sampling: one batched computation for every seeded row.
+
+The number for (row seed s, column j) is a hash of both, so a whole step's noise is a few
+elementwise ops over [rows, vocab] with no generator objects and no host sync, and it depends
+only on (s, j): the same seed draws the same token whatever else shares the batch, on any
+device (the integer hash is exact, so CPU and GPU agree bit for bit on the uniforms).
+
+    key[s]     = fmix32(lo32(s) ^ fmix32(hi32(s) ^ salt))          per row, on the host
+    bits[s, j] = fmix32(fmix32(key[s] ^ column[j]) + key[s])      column[j] = fmix32(j * golden)
+    u          = (bits >> 8 + 0.5) / 2**24                         in (0, 1), never 0 or 1
+
+fmix32 is MurmurHash3's finaliser. The products are taken modulo 2**32 on int64 tensors with the
+constant split in 16-bit halves, so no intermediate overflows int64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B1
+_columns: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """h * c mod 2**32 for h in [0, 2**32): every partial product stays below 2**48."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _fmix32_int(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def row_key(seed: int, salt: int = 0) -> int:
+    """The 32-bit key of a 63-bit seed (engine.sampler.mix_seed's output) and a stream salt."""
+    return _fmix32_int((seed & _M32) ^ _fmix32_int(((seed >> 32) ^ salt) & _M32))
+
+
+def _column_hashes(width: int, device: torch.device) -> torch.Tensor:
+    cached = _columns.get((width, device))
+    if cached is None:
+        cached = _fmix32(_mul32(torch.arange(width, dtype=torch.long, device=device), _GOLDEN))
+        _columns[(width, device)] = cached
+    return cached
+
+
+def uniforms(
+    seeds: Sequence[int],
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    salt: int = 0,
+) -> torch.Tensor:
+    """[len(seeds), width] uniforms in (0, 1), row i a function of (seeds[i], salt) alone."""
+    device = torch.device(device)
+    keys = to_device([row_key(s, salt) for s in seeds], torch.long, device).unsqueeze(1)
+    bits = _fmix32(_fmix32(keys ^ _column_hashes(width, device)) + keys & _M32)
+    return ((bits >> 8).to(dtype) + 0.5) * 2.0**-24
+
+
+def exponentials(
+    seeds: Sequence[int], width: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """[len(seeds), width] Exp(1) noise (-log of the uniforms: never 0, never infinite)."""
+    return uniforms(seeds, width, dtype, device).log_().neg_()
+
+
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device`: through pinned memory and a non-blocking copy on CUDA (a
+    pageable copy would wait for the GPU to finish the step)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
