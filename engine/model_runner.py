@@ -14,6 +14,7 @@ import torch
 
 from engine import parallel
 from engine.attention import AttentionMetadata, build_attention_metadata, select_backend
+from engine.attention.metadata import to_device
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.config import EngineConfig
 from engine.graphs import DecodeGraphs
@@ -158,10 +159,10 @@ class ModelRunner:
         ]
         input_ids = list(itertools.chain.from_iterable(c.token_ids for c in ordered))
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            input_ids=to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
             positions=positions,
             metadata=metadata,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=self.device),
+            sample_indices=to_device(torch.tensor(sample_indices, dtype=torch.long), self.device),
         )
 
     def _check_chunk(self, chunk: SequenceChunk) -> None:

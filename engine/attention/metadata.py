@@ -114,7 +114,7 @@ def build_attention_metadata(
             num_tokens=num_new_tokens[i],
             start_pos=start_positions[i],
             context_len=start_positions[i] + num_new_tokens[i],
-            block_table=torch.tensor(block_tables[i], dtype=torch.long, device=device),
+            block_table=to_device(torch.tensor(block_tables[i], dtype=torch.long), device),
         )
         for i in range(num_decodes, num_chunks)
     ]
@@ -125,14 +125,22 @@ def build_attention_metadata(
     prefill_k = torch.zeros_like(prefill_q)
     prefill_k[1:] = torch.cumsum(context_lens[num_decodes:], 0)
     metadata = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
+        slot_mapping=to_device(slot_mapping, device),
         num_decode_tokens=num_decodes,
-        decode_block_tables=tables[:num_decodes, :decode_blocks].to(device),
-        decode_context_lens=context_lens[:num_decodes].to(device),
+        decode_block_tables=to_device(tables[:num_decodes, :decode_blocks], device),
+        decode_context_lens=to_device(context_lens[:num_decodes], device),
         prefills=prefills,
         block_size=block_size,
-        prefill_query_start_loc=prefill_q.to(device),
-        prefill_context_start_loc=prefill_k.to(device),
-        prefill_block_tables=tables[num_decodes:].to(device=device, dtype=torch.int32),
+        prefill_query_start_loc=to_device(prefill_q, device),
+        prefill_context_start_loc=to_device(prefill_k, device),
+        prefill_block_tables=to_device(tables[num_decodes:].to(torch.int32), device),
     )
-    return metadata, positions.to(device)
+    return metadata, to_device(positions, device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on CUDA through pinned memory and a non-blocking copy, which
+    does not wait for the GPU to finish its queued work as a pageable copy does."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
