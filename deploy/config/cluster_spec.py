@@ -193,6 +193,9 @@ def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int
         enable_prefix_caching=kv_cache.prefix_caching,
         max_model_len=config.router.max_model_len,
         speculative=speculative_config(config),
+        cuda_graphs=config.gpu.cuda_graphs,
+        attention_backend=config.gpu.attention_backend,
+        fused_ops=None if config.gpu.fused_ops else False,  # None: where CUDA and triton are
         **dataclasses.asdict(config.scheduler),  # chunk_size, max_num_seqs, ...: the same names
     )
 

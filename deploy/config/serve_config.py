@@ -98,6 +98,17 @@ class SchedulerConfig:
     slo_scheduling: bool = knob(False, checks.boolean)
 
 
+@dataclass(frozen=True)
+class GPUSection:
+    """The GPU engine's switches (docs/guides/gpu.md); no effect on CPU. `cuda_graphs`: replay
+    pure-decode steps from CUDA graphs; `attention_backend`: auto, torch, triton or flash;
+    `fused_ops`: the fused Triton norm, SiLU x mul and rotary where the model family has them."""
+
+    cuda_graphs: bool = knob(True, checks.boolean)
+    attention_backend: str = knob("auto", checks.choice(("auto", "torch", "triton", "flash")))
+    fused_ops: bool = knob(True, checks.boolean)
+
+
 def _check_speculative_method(key: str, value: Any) -> None:
     if value is None or value == "ngram":
         return
@@ -248,6 +259,7 @@ class ServeConfig:
     kv_transfer: KVTransferSection = section(KVTransferSection)
     scheduler: SchedulerConfig = section(SchedulerConfig)
     speculative: SpeculativeSection = section(SpeculativeSection)
+    gpu: GPUSection = section(GPUSection)
     router: RouterSection = section(RouterSection)
     ray: RaySection = section(RaySection)
 
