@@ -2,8 +2,8 @@
 systemd and a terminal's Ctrl-C do), on a local Ray cluster and as plain processes: the stream in
 flight finishes within the drain, the process exits 0, and every process it started (Ray: GCS,
 raylet, agents, every actor, the TP rank actor, and Ray's temp dir; plain: every worker process
-and TP rank, which ignore the group's signal and obey their parent) is gone; the same for mode
-adaptive, which runs as plain processes. A second signal ends the drain at once."""
+and TP rank, which ignore the group's signal and obey their parent) is gone; the same for the
+colocated and adaptive modes under both runtimes. A second signal ends the drain at once."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ decode:
 """
     + _COMMON
 )
-# Mode adaptive (plain processes only): two instances that each prefill and decode.
+# Mode adaptive: two instances that each prefill and decode.
 ADAPTIVE_CONFIG = (
     """\
 model: {model_dir}
@@ -58,6 +58,18 @@ adaptive:
     + _COMMON
     + "  latency_profile: {profile}\n"
 )
+# Mode colocated: two replicas, each running requests start to end.
+COLOCATED_CONFIG = (
+    """\
+model: {model_dir}
+dtype: float64
+mode: colocated
+colocated:
+  instances: 2
+"""
+    + _COMMON
+)
+LAYOUTS = {"colocated": COLOCATED_CONFIG, "adaptive": ADAPTIVE_CONFIG}
 PROFILE = REPO_ROOT / "tests/data/profile-2core.json"
 _PROMPT = [1, 7, 9, 30, 41]
 _MAX_TOKENS = 480
@@ -177,16 +189,23 @@ def test_signal_to_group_drains_and_leaves_no_process(
     _assert_nothing_left(pids, temp_dir)
 
 
+@pytest.mark.parametrize("ray", [True, False], ids=["ray", "plain"])
+@pytest.mark.parametrize("mode", list(LAYOUTS))
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_adaptive_mode_drains_on_a_signal_to_the_group(tmp_path: Path, signum: int) -> None:
-    """Mode adaptive runs as plain processes: the same drain, exit 0, and both instances gone."""
-    serve = Serve(tmp_path, ray=False, template=ADAPTIVE_CONFIG)
+def test_colocated_and_adaptive_drain_on_a_signal_to_the_group(
+    tmp_path: Path, signum: int, mode: str, ray: bool
+) -> None:
+    """The same drain, exit 0, and both instances (Ray: and all of Ray) gone."""
+    serve = Serve(tmp_path, ray=ray, template=LAYOUTS[mode])
     pids: list[int] = []
+    temp_dir: str | None = None
     try:
+        if ray:
+            temp_dir = serve.wait_for("Ray temp dir ", 150)
         address = serve.wait_for("serving on ", 150).split()[0].rstrip(";,")
         streamer, results = _start_stream(address)
         pids = descendant_pids(serve.process.pid)
-        assert len(pids) >= 2, pids  # the two adaptive instances
+        assert len(pids) >= (8 if ray else 2), pids  # at least the two instances
         serve.signal_group(signum)
         assert serve.process.wait(60) == 0, serve.output()
         streamer.join(30)
@@ -196,7 +215,7 @@ def test_adaptive_mode_drains_on_a_signal_to_the_group(tmp_path: Path, signum: i
         assert "Task was destroyed" not in serve.output()  # the router loop closed under a task
     finally:
         serve.kill()
-    _assert_nothing_left(pids, None)
+    _assert_nothing_left(pids, temp_dir)
 
 
 def test_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
