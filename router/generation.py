@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.outputs import TokenLogprob
 from router.adaptive import Placement
 from router.admission import AdmissionController, AdmissionFull, AdmissionTicket
 from router.detokenizer import IncrementalDetokenizer
@@ -61,6 +62,9 @@ class GenerationChunk:
     prefill_instance: str = ""  # on the last chunk: where the request ran
     decode_instance: str = ""
     placement: Placement | None = None  # on the last chunk, from an adaptive cluster
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked for
+    index: int = 0  # which of the request's n completions (router/fanout.py)
 
 
 class GenerationRunner:
@@ -276,6 +280,8 @@ class GenerationRunner:
                 FailureKind.WORKER_ERROR,
                 f"worker {event.source or '?'} failed the request: {event.error or 'no detail'}",
             )
+        # a placement after a migration scores a longer prompt: the client has the prompt's
+        prompt_logprobs = event.prompt_logprobs if progress.first_token_at is None else None
         self._note_token_times(progress, event)
         text = progress.detokenizer.add(event.token_ids)
         if event.finish_reason is not None:
@@ -288,8 +294,12 @@ class GenerationRunner:
             text += progress.stop_matcher.flush()
             progress.finished_by = event.source or None
         if finish_reason is None:
-            return GenerationChunk(request.request_id, list(event.token_ids), text)
-        return self._last_chunk(request, progress, event, text, finish_reason, stop_reason)
+            chunk = GenerationChunk(request.request_id, list(event.token_ids), text)
+        else:
+            chunk = self._last_chunk(request, progress, event, text, finish_reason, stop_reason)
+        if event.logprobs is None and prompt_logprobs is None:
+            return chunk
+        return dataclasses.replace(chunk, logprobs=event.logprobs, prompt_logprobs=prompt_logprobs)
 
     def _note_token_times(self, progress: Progress, event: TokenEvent) -> None:
         now = time.perf_counter()
@@ -371,6 +381,13 @@ def _after(lost: GenerationFailed | None, failure: GenerationFailed) -> Generati
 
 def _concat(earlier: GenerationChunk, later: GenerationChunk) -> GenerationChunk:
     """One chunk for two consecutive ones (`earlier` is not the last)."""
+    logprobs = later.logprobs
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
     return dataclasses.replace(
-        later, token_ids=earlier.token_ids + later.token_ids, text=earlier.text + later.text
+        later,
+        token_ids=earlier.token_ids + later.token_ids,
+        text=earlier.text + later.text,
+        logprobs=logprobs,
+        prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
     )

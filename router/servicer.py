@@ -13,6 +13,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 from pdserve_proto.v1 import generation_pb2 as pb
 
+from engine.outputs import TokenLogprob
+from router.fanout import generate_n
 from router.generation import GenerationChunk, GenerationRunner
 from router.generation_errors import FailureKind, GenerationFailed
 from router.metrics import RouterMetrics
@@ -69,14 +71,19 @@ class GenerationServicer:
             chunks = self._generate(validated, context)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    yield chunk_to_response(chunk)
+                    yield chunk_to_response(chunk, validated.prompt_token_ids)
 
     async def generate_unary(
         self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
         validated = await self._validate(request, context)
+        if validated.n > 1:
+            message = "n > 1 streams its completions apart: call Generate, not GenerateUnary"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         token_ids: list[int] = []
         texts: list[str] = []
+        logprobs: list[pb.TokenLogprob] = []
+        first: pb.GenerateResponse | None = None
         last: GenerationChunk | None = None
         async with self._failures_as_status(context):
             chunks = self._generate(validated, context)
@@ -84,18 +91,25 @@ class GenerationServicer:
                 async for chunk in chunks:
                     token_ids += chunk.token_ids
                     texts.append(chunk.text)
+                    message = chunk_to_response(chunk, validated.prompt_token_ids)
+                    logprobs += message.logprobs
+                    first = first or message
                     last = chunk
-        assert last is not None and last.finish_reason is not None
+        assert last is not None and last.finish_reason is not None and first is not None
         response = chunk_to_response(last)
         del response.token_ids[:]
         response.token_ids.extend(token_ids)
         response.text = "".join(texts)
+        del response.logprobs[:]
+        response.logprobs.extend(logprobs)
+        response.prompt_logprobs.extend(first.prompt_logprobs)
+        response.prompt_token_ids.extend(first.prompt_token_ids)
         return response
 
     def _generate(
         self, request: ValidatedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[GenerationChunk, None]:
-        chunks = self._runner.generate(request, context.time_remaining())
+        chunks = generate_n(self._runner, request, context.time_remaining())
         # Closed at once (aclosing) when the client goes, which aborts the request on its
         # workers, instead of whenever the garbage collector finalizes the generator.
         assert isinstance(chunks, AsyncGenerator), "GenerationRunner.generate is an async generator"
@@ -123,10 +137,17 @@ class GenerationServicer:
             await context.abort(code, str(exc))
 
 
-def chunk_to_response(chunk: GenerationChunk) -> pb.GenerateResponse:
+def chunk_to_response(
+    chunk: GenerationChunk, prompt_token_ids: list[int] | None = None
+) -> pb.GenerateResponse:
     response = pb.GenerateResponse(
-        request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text
+        request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text, index=chunk.index
     )
+    if chunk.logprobs is not None:
+        response.logprobs.extend(_logprob_message(entry) for entry in chunk.logprobs)
+    if chunk.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(_logprob_message(entry) for entry in chunk.prompt_logprobs)
+        response.prompt_token_ids.extend(prompt_token_ids or ())
     if chunk.finish_reason is None:
         return response
     response.finish_reason = _FINISH_REASONS[chunk.finish_reason]
@@ -147,6 +168,15 @@ def chunk_to_response(chunk: GenerationChunk) -> pb.GenerateResponse:
         response.placement.predicted_tpot_s = placement.predicted_tpot_s
         response.placement.prefill_role_instances = placement.prefill_role_instances
     return response
+
+
+def _logprob_message(entry: TokenLogprob | None) -> pb.TokenLogprob:
+    """The first prompt token's entry (None: it has no context) is an empty message."""
+    if entry is None:
+        return pb.TokenLogprob()
+    message = pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank)
+    message.top.extend(pb.TopLogprob(token_id=t, logprob=v) for t, v in entry.top)
+    return message
 
 
 def _copy_timings(timings: RouterTimings, out: pb.Timings) -> None:

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pdserve_proto.v1 import generation_pb2 as pb
 
@@ -35,6 +35,8 @@ MIN_TOP_P = 1e-6
 MAX_INLINE_TOKENIZE_CHARS = 8192
 _TEMPLATE_CHARS_PER_MESSAGE = 32  # about what a chat template adds around each message
 _TOKENIZER_THREADS = 2
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
+MAX_N = 16  # completions per request
 
 
 _T = TypeVar("_T")
@@ -51,6 +53,7 @@ class ValidatedRequest:
     params: SamplingParams
     stop_strings: tuple[str, ...]
     slo: RequestSLO | None = None  # the request's own latency objectives, when it set them
+    n: int = 1  # completions to generate for the prompt (router/fanout.py)
 
 
 class RequestValidator:
@@ -62,6 +65,10 @@ class RequestValidator:
         self._limits = limits
         self._max_prompt_chars = limits.max_model_len * config.max_prompt_chars_per_token
         self._executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    @property
+    def tokenizer(self) -> RouterTokenizer:
+        return self._tokenizer
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -79,7 +86,10 @@ class RequestValidator:
                 f"{self._limits.max_model_len}; shorten the prompt or lower max_tokens"
             )
         slo = self._slo(request)
-        return ValidatedRequest(request_id, prompt_token_ids, params, stop_strings, slo)
+        n = request.n if request.HasField("n") else 1
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}], got {n}")
+        return ValidatedRequest(request_id, prompt_token_ids, params, stop_strings, slo, n)
 
     def _slo(self, request: pb.GenerateRequest) -> RequestSLO | None:
         """The request's TTFT and TPOT objectives (an unset one takes the router's default)."""
@@ -221,7 +231,45 @@ class RequestValidator:
             seed=seed,
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=request.ignore_eos,
+            **self._output_fields(request, max_tokens),
         )
+
+    def _output_fields(self, request: pb.GenerateRequest, max_tokens: int) -> dict[str, Any]:
+        """Log-probabilities and logits processors, checked with messages naming the field."""
+        fields: dict[str, Any] = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            if request.HasField(name):
+                value = getattr(request, name)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                fields[name] = value
+        for name, low, high in (
+            ("presence_penalty", -2.0, 2.0),
+            ("frequency_penalty", -2.0, 2.0),
+            ("repetition_penalty", 0.0, 100.0),
+        ):
+            if request.HasField(name):
+                value = getattr(request, name)
+                inside = low < value <= high if low == 0.0 else low <= value <= high
+                if not inside:  # also false for NaN
+                    raise InvalidRequest(f"{name} must be in [{low:g}, {high:g}], got {value}")
+                fields[name] = value
+        if request.HasField("min_tokens"):
+            if not 0 <= request.min_tokens <= max_tokens:
+                raise InvalidRequest(
+                    f"min_tokens must be in [0, max_tokens={max_tokens}], got {request.min_tokens}"
+                )
+            fields["min_tokens"] = request.min_tokens
+        if request.logit_bias:
+            bias = dict(request.logit_bias)
+            self._check_token_ids("logit_bias", sorted(bias))
+            for token_id, value in bias.items():
+                if not -100.0 <= value <= 100.0:
+                    raise InvalidRequest(
+                        f"logit_bias[{token_id}] must be in [-100, 100], got {value}"
+                    )
+            fields["logit_bias"] = bias
+        return fields
 
     def _stop_strings(self, stop: list[str]) -> tuple[str, ...]:
         if len(stop) > self._config.max_stop_strings:

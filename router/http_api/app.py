@@ -32,10 +32,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from router.config import RouterConfig
+from router.fanout import generate_n
 from router.generation import GenerationRunner
 from router.http_api import errors
 from router.http_api.errors import ApiError
 from router.http_api.guard import FrontGuard
+from router.http_api.logprobs import LogprobsWriter
 from router.http_api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,6 +67,14 @@ _VALIDATED_FIELDS = frozenset(
         "prompt",
         "ttft_slo_s",
         "tpot_slo_s",
+        "n",
+        "logprobs",
+        "prompt_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "logit_bias",
     }
 )
 _FIELD_NAME = re.compile(r"^[a-z_]{1,64}$")
@@ -111,8 +121,21 @@ class OpenAIFrontDoor:
             num_prompt_tokens=len(validated.prompt_token_ids),
             include_usage=bool(body.stream and options and options.include_usage),
             continuous_usage=bool(body.stream and options and options.continuous_usage_stats),
+            n=validated.n,
+            prompt_token_ids=validated.prompt_token_ids,
+            wants_prompt_logprobs=body.prompt_logprobs is not None,
         )
-        chunks = self.runner.generate(validated)
+        params = validated.params
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            shape.writer = LogprobsWriter(self.validator.tokenizer)
+            shape.wants_logprobs = params.logprobs is not None
+        if isinstance(body, CompletionRequest) and body.echo:
+            shape.echo = True
+            prompt = grpc_request.prompt
+            shape.prompt_text = prompt or self.validator.tokenizer.decode(
+                validated.prompt_token_ids
+            )
+        chunks = generate_n(self.runner, validated)
         if body.stream:
             return await stream_response(http_request, chunks, shape, self.metrics)
         return await whole_response(http_request, chunks, shape)

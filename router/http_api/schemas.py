@@ -1,11 +1,12 @@
 """The OpenAI API's request and response bodies, as pydantic models.
 
-Requests take the fields OpenAI's SDK sends; a field pdserve cannot honour (logprobs, n > 1,
-tools, penalties, ...) is refused with a 400 naming it (see `unsupported_field`), never silently
-ignored. Fields the SDK does not know are ignored, as OpenAI does. A few vLLM extensions that
-benchmark tools send are accepted: `top_k`, `ignore_eos`, `stop_token_ids`, `request_id` and
-`stream_options.continuous_usage_stats` (usage on every chunk); and pdserve's own `ttft_slo_s`
-and `tpot_slo_s`, the latency objectives an adaptive cluster places the request by.
+Requests take the fields OpenAI's SDK sends; a field pdserve cannot honour (tools, a
+response_format other than text, best_of, suffix) is refused with a 400 naming it (see
+`unsupported_field`), never silently ignored. Fields the SDK does not know are ignored, as OpenAI
+does. A few vLLM extensions are accepted: `top_k`, `ignore_eos`, `stop_token_ids`, `request_id`,
+`repetition_penalty`, `min_tokens`, `prompt_logprobs` and `stream_options.continuous_usage_stats`
+(usage on every chunk); and pdserve's own `ttft_slo_s` and `tpot_slo_s`, the latency objectives
+an adaptive cluster places the request by.
 
 Types are strict, as JSON's are: `"stream": "yes"` or `"max_tokens": true` is a 400 naming the
 field, not a guess. Every string is checked for lone surrogates (`"\\ud800"` is valid JSON but no
@@ -111,7 +112,7 @@ class SamplingFields(_Request):
     top_p: Number | None = None
     seed: Seed | None = None
     stop: Text | list[Text] | None = None
-    n: StrictInt | None = None
+    n: Count | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     frequency_penalty: Number | None = None
@@ -123,6 +124,9 @@ class SamplingFields(_Request):
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
     request_id: Text | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: Count | None = None
+    prompt_logprobs: Count | None = None
     # pdserve extensions: the request's latency objectives, for an adaptive cluster's placement
     ttft_slo_s: Number | None = None
     tpot_slo_s: Number | None = None
@@ -135,20 +139,13 @@ class SamplingFields(_Request):
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to something pdserve does not do."""
-        if self.n not in (None, 1):
-            return "n", f"n={self.n}: only one choice per request is supported (n=1)"
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                return name, f"{name} is not supported; leave it unset or 0"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         return None
 
 
 class CompletionRequest(SamplingFields):
     # A string, token ids, or a batch of one of either (a batch of more is refused).
     prompt: Prompt
-    logprobs: StrictInt | None = None
+    logprobs: Count | None = None
     echo: StrictBool | None = False
     best_of: StrictInt | None = None
     suffix: Text | None = None
@@ -162,10 +159,6 @@ class CompletionRequest(SamplingFields):
         return value
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported; leave logprobs unset"
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.best_of not in (None, 1):
             return "best_of", "best_of is not supported (only best_of=1)"
         if self.suffix:
@@ -187,7 +180,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Count | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -208,10 +201,8 @@ class ChatCompletionRequest(SamplingFields):
         return value
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported; leave logprobs unset or false"
-        if self.top_logprobs:
-            return "top_logprobs", "top_logprobs is not supported (no logprobs); leave it unset"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.tools:
             return "tools", "tools (function calling) are not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -233,10 +224,46 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: per token (prompt first, with echo) its text, logprob, the
+    most likely tokens by text, and where its text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry, one per token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM
     finish_reason: str | None = None
     stop_reason: str | None = None  # vLLM: the stop string that ended the text
 
@@ -258,7 +285,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
     stop_reason: str | None = None
 
@@ -270,6 +297,7 @@ class ChatCompletion(BaseModel):
     model: Text
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM
 
 
 class Delta(BaseModel):
@@ -280,7 +308,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | None = None
 

@@ -112,11 +112,11 @@ async def _events(
             event = shape.event(chunk)
             if event is not None:
                 yield event
-            if chunk.finish_reason is not None:
+            if shape.num_finished == shape.n:
                 break
             chunk = await chunks.__anext__()
         if shape.include_usage:
-            yield shape.usage_event(chunk)
+            yield shape.usage_event()
     except GenerationFailed as exc:
         # Headers are out: the failure travels as an event, as OpenAI-compatible servers do.
         error = generation_failed(exc)
@@ -131,19 +131,18 @@ async def _events(
 async def whole_response(
     request: Request, chunks: AsyncIterator[GenerationChunk], shape: ResponseShape
 ) -> Response:
-    async def collect() -> tuple[str, GenerationChunk]:
-        texts: list[str] = []
+    async def collect() -> None:
         try:
             async for chunk in chunks:
-                texts.append(chunk.text)
-                if chunk.finish_reason is not None:
-                    return "".join(texts), chunk
+                shape.add(chunk)
+                if shape.num_finished == shape.n:
+                    return
         except GenerationFailed as exc:
             raise generation_failed(exc) from exc
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
         raise ApiError(500, "the generation ended without a finish reason", type_="server_error")
 
-    text, last = await until_disconnect(request, collect())
-    body = shape.complete(text, last)
+    await until_disconnect(request, collect())
+    body = shape.complete()
     return Response(body.model_dump_json(), media_type="application/json")

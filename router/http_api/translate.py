@@ -8,12 +8,15 @@ both. Sampling defaults are OpenAI's where they differ from pdserve's gRPC ones:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve_proto.v1 import generation_pb2 as pb
 
+from engine.outputs import TokenLogprob
 from router.generation import GenerationChunk
 from router.http_api.errors import bad_request
+from router.http_api.logprobs import LogprobsWriter
 from router.http_api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -23,8 +26,10 @@ from router.http_api.schemas import (
     ChatCompletionRequest,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
+    PromptLogprobs,
     PromptTokensDetails,
     SamplingFields,
     Usage,
@@ -48,11 +53,32 @@ def _sampling(body: SamplingFields, request_id: str, max_tokens: int | None) -> 
         ignore_eos=body.ignore_eos,
         ttft_slo_s=body.ttft_slo_s,
         tpot_slo_s=body.tpot_slo_s,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_tokens=body.min_tokens,
+        prompt_logprobs=body.prompt_logprobs,
+        n=body.n,
+        logit_bias=_logit_bias(body.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    result = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) > 2**31 - 1:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        result[int(key)] = value
+    return result
 
 
 def completion_to_proto(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
     request = _sampling(body, request_id, body.max_tokens)
+    if body.logprobs is not None:
+        request.logprobs = body.logprobs
+        if body.echo and body.prompt_logprobs is None:
+            request.prompt_logprobs = body.logprobs  # the echoed prompt's tokens are scored too
     prompt = body.prompt
     if isinstance(prompt, list):
         if len(prompt) == 0:
@@ -79,6 +105,8 @@ def chat_to_proto(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRe
         raise bad_request("messages is empty; send at least one message", "messages")
     max_tokens = body.max_completion_tokens
     request = _sampling(body, request_id, body.max_tokens if max_tokens is None else max_tokens)
+    if body.logprobs:
+        request.logprobs = body.top_logprobs or 0
     for index, message in enumerate(body.messages):
         content = message.content
         if isinstance(content, list):
@@ -108,8 +136,20 @@ def final_usage(last: GenerationChunk) -> Usage:
 
 
 @dataclass
+class _ChoiceState:
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    last: GenerationChunk | None = None
+    started: bool = False  # its first event went out (the role, the echo)
+
+
+@dataclass
 class ResponseShape:
-    """One request's response bodies: whole (`complete`) or as server-sent events (`event`)."""
+    """One request's response bodies: whole (`add` every chunk, then `complete`) or as
+    server-sent events (`event`). `n` choices, told apart by their chunks' index. `writer` is
+    set when the request asked for log-probabilities; `echo` (completions) puts the prompt's
+    text, and with logprobs its tokens, before each choice's own."""
 
     chat: bool
     response_id: str
@@ -119,42 +159,121 @@ class ResponseShape:
     include_usage: bool = False
     continuous_usage: bool = False
     num_completion_tokens: int = 0
-    role_sent: bool = False
+    n: int = 1
+    writer: LogprobsWriter | None = None
+    echo: bool = False
+    prompt_text: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    wants_logprobs: bool = False  # the choices' logprobs
+    wants_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the answer
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
 
-    def complete(self, text: str, last: GenerationChunk) -> Completion | ChatCompletion:
-        stop_reason = last.stop_reason or None
-        assert last.finish_reason is not None
+    @property
+    def num_finished(self) -> int:
+        return sum(1 for c in self.choices.values() if c.last is not None)
+
+    def add(self, chunk: GenerationChunk) -> _ChoiceState:
+        state = self.choices.setdefault(chunk.index, _ChoiceState())
+        state.texts.append(chunk.text)
+        state.token_ids += chunk.token_ids
+        state.logprobs += chunk.logprobs or []
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.finish_reason is not None:
+            state.last = chunk
+        return state
+
+    def _usage(self) -> Usage:
+        lasts = [c.last for c in self.choices.values() if c.last is not None]
+        num_completion = sum(last.num_completion_tokens for last in lasts)
+        num_cached = max((last.num_cached_tokens for last in lasts), default=0)
+        return usage(self.num_prompt_tokens, num_completion, num_cached)
+
+    def _vllm_prompt_logprobs(self) -> PromptLogprobs | None:
+        if not self.wants_prompt_logprobs or self.writer is None or self.prompt_logprobs is None:
+            return None
+        return self.writer.prompt(self.prompt_logprobs)
+
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprob], echo: bool
+    ) -> CompletionLogprobs | None:
+        if self.writer is None or not self.wants_logprobs:
+            return None
+        entries: list[TokenLogprob | None] = list(logprobs)
+        ids = list(token_ids)
+        offset = 0
+        if echo:
+            prompt = self.prompt_logprobs or [None] * len(self.prompt_token_ids)
+            entries, ids = [*prompt, *entries], [*self.prompt_token_ids, *ids]
+        elif self.echo:
+            offset = len(self.prompt_text)
+        return self.writer.completion(entries, ids, offset)
+
+    def complete(self) -> Completion | ChatCompletion:
+        choices: list[Any] = []
+        for index in sorted(self.choices):
+            state = self.choices[index]
+            last = state.last
+            assert last is not None and last.finish_reason is not None
+            text = "".join(state.texts)
+            stop_reason = last.stop_reason or None
+            if self.chat:
+                chat_logprobs = None
+                if self.writer is not None and self.wants_logprobs:
+                    chat_logprobs = self.writer.chat(state.logprobs)
+                choices.append(
+                    ChatChoice(
+                        index=index,
+                        message=AssistantMessage(content=text),
+                        logprobs=chat_logprobs,
+                        finish_reason=last.finish_reason,
+                        stop_reason=stop_reason,
+                    )
+                )
+            else:
+                choices.append(
+                    CompletionChoice.model_construct(
+                        index=index,
+                        text=self.prompt_text + text if self.echo else text,
+                        logprobs=self._completion_logprobs(
+                            state.token_ids, state.logprobs, self.echo
+                        ),
+                        prompt_logprobs=self._vllm_prompt_logprobs(),
+                        finish_reason=last.finish_reason,
+                        stop_reason=stop_reason,
+                    )
+                )
         if self.chat:
-            choice = ChatChoice(
-                message=AssistantMessage(content=text),
-                finish_reason=last.finish_reason,
-                stop_reason=stop_reason,
-            )
-            return ChatCompletion(
+            return ChatCompletion.model_construct(
                 id=self.response_id,
                 created=self.created,
                 model=self.model,
-                choices=[choice],
-                usage=final_usage(last),
+                choices=choices,
+                usage=self._usage(),
+                prompt_logprobs=self._vllm_prompt_logprobs(),
             )
-        completion_choice = CompletionChoice(
-            text=text, finish_reason=last.finish_reason, stop_reason=stop_reason
-        )
-        return Completion(
+        return Completion.model_construct(
             id=self.response_id,
             created=self.created,
             model=self.model,
-            choices=[completion_choice],
-            usage=final_usage(last),
+            choices=choices,
+            usage=self._usage(),
         )
 
     def event(self, chunk: GenerationChunk) -> bytes | None:
         """The SSE event for a chunk; None for a chunk with nothing to say (text held back by
         the detokenizer), unless the client asked for usage on every chunk."""
         self.num_completion_tokens += len(chunk.token_ids)
+        is_first = chunk.index not in self.choices or not self.choices[chunk.index].started
+        state = self.add(chunk)
         finish_reason = chunk.finish_reason
-        if not chunk.text and finish_reason is None and not self.continuous_usage:
-            return None
+        has_logprobs = self.wants_logprobs and bool(chunk.token_ids)
+        echo_now = self.echo and is_first and not self.chat
+        if not (chunk.text or has_logprobs or echo_now) and finish_reason is None:
+            if not self.continuous_usage:
+                return None
+        state.started = True  # an event goes out: the role, the echo go with it
         chunk_usage = None
         if self.continuous_usage:
             chunk_usage = usage(self.num_prompt_tokens, self.num_completion_tokens)
@@ -162,10 +281,17 @@ class ResponseShape:
         body: Completion | ChatCompletionChunk
         if self.chat:
             delta = Delta.model_construct(content=chunk.text)
-            if not self.role_sent:  # OpenAI names the role in the first delta only
-                delta.role, self.role_sent = "assistant", True
+            if is_first:  # OpenAI names the role in the first delta only
+                delta.role = "assistant"
+            chat_logprobs = None
+            if self.writer is not None and self.wants_logprobs:
+                chat_logprobs = self.writer.chat(chunk.logprobs or [])
             choice = ChatChunkChoice.model_construct(
-                delta=delta, finish_reason=finish_reason, stop_reason=stop_reason
+                index=chunk.index,
+                delta=delta,
+                logprobs=chat_logprobs,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
             )
             body = ChatCompletionChunk.model_construct(
                 id=self.response_id,
@@ -176,7 +302,12 @@ class ResponseShape:
             )
         else:
             text_choice = CompletionChoice.model_construct(
-                text=chunk.text, finish_reason=finish_reason, stop_reason=stop_reason
+                index=chunk.index,
+                text=self.prompt_text + chunk.text if echo_now else chunk.text,
+                logprobs=self._completion_logprobs(chunk.token_ids, chunk.logprobs or [], echo_now),
+                prompt_logprobs=self._vllm_prompt_logprobs() if is_first else None,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
             )
             body = Completion.model_construct(
                 id=self.response_id,
@@ -187,7 +318,7 @@ class ResponseShape:
             )
         return sse(body.model_dump_json())
 
-    def usage_event(self, last: GenerationChunk) -> bytes:
+    def usage_event(self) -> bytes:
         """stream_options.include_usage: a last chunk with no choices and the whole usage."""
         body: Completion | ChatCompletionChunk
         kind = ChatCompletionChunk if self.chat else Completion
@@ -196,7 +327,7 @@ class ResponseShape:
             created=self.created,
             model=self.model,
             choices=[],
-            usage=final_usage(last),
+            usage=self._usage(),
         )
         return sse(body.model_dump_json())
 

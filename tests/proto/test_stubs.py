@@ -80,6 +80,14 @@ def test_request_fields_match_the_documented_api() -> None:
         "request_id",
         "ttft_slo_s",
         "tpot_slo_s",
+        "logprobs",
+        "prompt_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "logit_bias",
+        "n",
     }
     assert set(fields) == expected
     # Optional sampling fields keep presence, so "unset" differs from 0.

@@ -170,8 +170,8 @@ def test_the_event_stream_ends_with_done_and_models_health_metrics_answer(
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 600}, "prompt"),  # prompt + max_tokens over the model's 512
-        ({"n": 2}, "n"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"n": 17}, "n"),
+        ({"logprobs": 21}, "logprobs"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, 9999]}, "prompt[1]"),
         ({"prompt": ""}, "prompt"),
@@ -199,8 +199,10 @@ def test_bad_completion_fields_get_400_naming_the_field(
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"logprobs": True}, "logprobs"),
-        ({"n": 3}, "n"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 0}, "n"),
     ],
 )
 def test_bad_chat_fields_get_400_naming_the_field(
