@@ -1,18 +1,21 @@
 """Chaos: a steady load with cancels and deadlines while faults pile up; does anything get lost?
 
-    python -m benchmarks.chaos [--duration-s 240] [--fault-every-s 20] [--out chaos.json]
+    python -m benchmarks.chaos [--runtime plain|ray] [--mode disaggregated|adaptive|colocated]
+                               [--duration-s 240] [--fault-every-s 20] [--out chaos.json]
 
-This process hosts the cluster (plain processes: one prefill instance at TP=2, two decode
-instances, the demo model in float64, so a migrated greedy stream must match the undisturbed
-one exactly) and its router, as `pdserve serve --no-ray` does; the load runs in a child process
+This process hosts the cluster and its router, as `pdserve serve` does (`--runtime plain`:
+worker processes, as with --no-ray; `ray`: worker actors on a local Ray cluster). The layout
+(`--mode`): disaggregated, one prefill instance at TP=2 and two decode instances; adaptive or
+colocated, two instances at TP=1. The demo model runs in float64, so a migrated greedy stream
+must match the undisturbed one exactly. The load runs in a child process
 (benchmarks/chaos_load.py). First every prompt of the set is generated once, undisturbed: that
 is the reference. Then, while the load runs, a fault every --fault-every-s (drawn between half
-and one and a half times it), in turn from:
+and one and a half times it), in turn from those the layout has (chaos_faults.faults_for):
 
-    kill_decode       SIGKILL a decode worker process
-    kill_prefill_rank SIGKILL one TP rank of the prefill instance (the driver or rank 1)
+    kill_worker       SIGKILL a decode worker (any instance's worker without decode instances)
+    kill_tp_rank      SIGKILL one TP rank of an instance at TP>1 (the driver or another rank)
     stop_worker       SIGSTOP a worker for longer than the KV deadlines, then SIGCONT
-    drop_kv_channel   abort a TCP connection between a prefill rank and a decode worker
+    drop_kv_channel   abort a TCP connection between a KV source's ranks and its target
                       (`ss -K`: the KV channel's sockets; needs the kernel's sock_destroy)
 
 After each fault it waits until every instance is healthy, routable and SERVING (`heal_s`).
@@ -26,7 +29,7 @@ The last line printed is one JSON object (also written to --out):
   migration_completed_pct    of streams a loss hit after a first token, those migrated
   leaked_blocks              KV blocks still in use on every worker once the load has stopped
   hangs                      requests with no status by their deadline (+10 s)
-  rss_growth_pct             per process kind (router, prefill, decode), end over start
+  rss_growth_pct             per process kind (router and each role), end over start
   ok                         every target met
 """
 
@@ -46,13 +49,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from benchmarks.chaos_faults import FAULTS, Faults, rss_by_kind
+from benchmarks.chaos_faults import Faults, faults_for, loads, rss_by_kind
 from benchmarks.chaos_load import classify, run_load
+from benchmarks.goodput.layouts import DEFAULT_LATENCY_PROFILE
 from benchmarks.output import emit
-from deploy.config.cluster_spec import build_cluster_spec
+from deploy.config.cluster_spec import ClusterSpec, build_cluster_spec
 from deploy.config.models import resolve_model
 from deploy.config.serve_config import parse_config
 from deploy.runtime.local.local_cluster import LocalCluster
+from deploy.runtime.router_host import ServingCluster
 
 KV_DEADLINE_S = 3.0  # transfer and start deadlines, the router's worker timeout
 
@@ -66,24 +71,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--model", default="demo", help="model folder (default: the demo)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runtime", choices=("plain", "ray"), default="plain")
+    parser.add_argument(
+        "--mode", choices=("disaggregated", "adaptive", "colocated"), default="disaggregated"
+    )
     parser.add_argument("--out", help="write the JSON result here too")
     return parser.parse_args(argv)
 
 
-def cluster_spec(model_dir: str) -> Any:
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "disaggregated": {
+        "prefill": {"instances": 1, "tensor_parallel_size": 2},
+        "decode": {"instances": 2},
+    },
+    "adaptive": {"mode": "adaptive", "adaptive": {"instances": 2}},
+    "colocated": {"mode": "colocated", "colocated": {"instances": 2}},
+}
+
+
+def cluster_spec(
+    model_dir: str, mode: str = "disaggregated", runtime: str = "plain"
+) -> ClusterSpec:
+    router: dict[str, Any] = {"port": 0, "worker_timeout_s": KV_DEADLINE_S, "shutdown_grace_s": 1.0}
+    if mode == "adaptive":
+        router["latency_profile"] = str(DEFAULT_LATENCY_PROFILE)
     config = parse_config(
         {
             "model": model_dir,
             "dtype": "float64",
-            "prefill": {"instances": 1, "tensor_parallel_size": 2},
-            "decode": {"instances": 2},
+            **LAYOUTS[mode],
             "kv_cache": {"num_blocks": 512, "block_size": 16},
             "kv_transfer": {"transfer_timeout_s": KV_DEADLINE_S, "start_timeout_s": KV_DEADLINE_S},
-            "router": {"port": 0, "worker_timeout_s": KV_DEADLINE_S, "shutdown_grace_s": 1.0},
-            "ray": {"enabled": False},
+            "router": router,
+            "ray": {"enabled": runtime == "ray"},
         }
     )
     return build_cluster_spec(config)
+
+
+def open_runtime(spec: ClusterSpec) -> ServingCluster:
+    if not spec.ray.enabled:
+        return LocalCluster(spec)
+    from deploy.runtime.ray.cluster import RayCluster  # imports ray: only when asked for
+
+    return RayCluster(spec)
 
 
 def prompts(num: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -117,11 +148,11 @@ def serving(address: str) -> bool:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def leaked_blocks(cluster: LocalCluster, settle_s: float = 30.0) -> int:
+def leaked_blocks(cluster: ServingCluster, settle_s: float = 30.0) -> int:
     """KV blocks in use on every worker, once they stop changing (bounded wait)."""
     deadline = time.monotonic() + settle_s
     while True:
-        used = sum(load.num_total_blocks - load.num_free_blocks for load in cluster.status())
+        used = sum(load.num_total_blocks - load.num_free_blocks for load in loads(cluster))
         if used == 0 or time.monotonic() > deadline:
             return used
         time.sleep(0.2)
@@ -131,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model(args.model)
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     rng = random.Random(args.seed)
-    with LocalCluster(cluster_spec(model_dir)) as cluster:
+    with open_runtime(cluster_spec(model_dir, args.mode, args.runtime)) as cluster:
         address = cluster.start()
         prompt_set = prompts(args.num_prompts, vocab_size, args.seed)
         expected = reference(address, prompt_set, args.max_tokens)
@@ -151,13 +182,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         load.start()
         faults = Faults(cluster, lambda: serving(address), rng, KV_DEADLINE_S)
+        kinds = faults_for(cluster)
         began = time.monotonic()
         for index in range(10_000):  # bounded: the load's duration ends it long before
             wait_s = rng.uniform(0.5, 1.5) * args.fault_every_s
             if time.monotonic() - began + wait_s > args.duration_s - 5:
                 break
             time.sleep(wait_s)
-            faults.inject(FAULTS[index % len(FAULTS)])
+            faults.inject(kinds[index % len(kinds)])
         records = parent.recv() if parent.poll(args.duration_s + 400) else []
         load.join(30)
         leaked = leaked_blocks(cluster)
@@ -188,6 +220,8 @@ def report(
         "migration_completed_pct": round(completed, 1),
         "leaked_blocks": leaked,
         "rss_growth_pct": growth,
+        "runtime": args.runtime,
+        "mode": args.mode,
         "duration_s": args.duration_s,
         "concurrency": args.concurrency,
         "faults": faults,

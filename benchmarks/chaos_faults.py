@@ -1,7 +1,11 @@
 """The chaos benchmark's faults, the check that the cluster healed after each, and process RSS.
 
-Targets are found through the cluster's own handles (the worker processes and the TP ranks
-they spawned, `ProcessIds`), never by scanning for process names.
+Targets are found through the cluster's own view of its instances (`instances`: each one's
+process ids, rank 0 first: ProcessIds for plain processes, the actors' `info` under Ray), never
+by scanning for process names. Which faults apply follows from the layout (`faults_for`): a TP
+rank to kill needs an instance at TP>1, a KV channel to drop needs a pair that hands KV off.
+Under Ray, a dropped connection between a KV source's and a KV target's processes may be one of
+Ray's own (actor calls) rather than a KV channel's; both must heal.
 """
 
 from __future__ import annotations
@@ -13,22 +17,71 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
 from deploy.runtime.local.local_cluster import LocalCluster
-from worker.protocol import ProcessIds
+from deploy.runtime.router_host import ServingCluster
+from worker.protocol import InstanceLoad, ProcessIds, Role, WorkerUnavailable
 
-FAULTS = ("kill_decode", "kill_prefill_rank", "stop_worker", "drop_kv_channel")
+FAULTS = ("kill_worker", "kill_tp_rank", "stop_worker", "drop_kv_channel")
 HEAL_TIMEOUT_S = 120.0
-DECODES = ("decode-0", "decode-1")
+
+
+@dataclass(frozen=True)
+class Instance:
+    instance_id: str
+    role: Role
+    pids: list[int]  # rank 0 (the worker process or actor) first
+
+
+def instances(cluster: ServingCluster) -> list[Instance]:
+    """Every instance with its processes, under either runtime."""
+    if isinstance(cluster, LocalCluster):
+        found = []
+        for instance_id, worker in list(cluster.workers.items()):
+            try:
+                pids = worker.call(ProcessIds(), timeout_s=10.0)
+            except WorkerUnavailable:
+                pids = [worker.pid]
+            found.append(Instance(instance_id, cluster.spec.instance(instance_id).role, pids))
+        return found
+    return [Instance(w.instance_id, w.role, w.pids) for w in _ray_workers(cluster)]
+
+
+def loads(cluster: ServingCluster) -> list[InstanceLoad]:
+    """Every instance's load; one that does not answer reports unhealthy."""
+    if isinstance(cluster, LocalCluster):
+        return cluster.status()
+    return [
+        w.load or InstanceLoad(w.instance_id, w.role, healthy=False) for w in _ray_workers(cluster)
+    ]
+
+
+def _ray_workers(cluster: ServingCluster) -> list[Any]:
+    from deploy.runtime.ray.cluster import RayCluster  # imports ray: only under Ray
+
+    assert isinstance(cluster, RayCluster)
+    return cluster.status().workers
+
+
+def faults_for(cluster: ServingCluster) -> tuple[str, ...]:
+    spec = cluster.spec
+    tp_sizes = [i.config.engine.tensor_parallel_size for i in spec.instances()]
+    return tuple(
+        kind
+        for kind in FAULTS
+        if (kind != "kill_tp_rank" or max(tp_sizes) > 1)
+        and (kind != "drop_kv_channel" or spec.kv_pairs())
+    )
 
 
 class Faults:
     def __init__(
         self,
-        cluster: LocalCluster,
+        cluster: ServingCluster,
         serving: Callable[[], bool],
         rng: random.Random,
         kv_deadline_s: float,
@@ -40,8 +93,8 @@ class Faults:
         self.log: list[dict[str, Any]] = []
         self._began = time.monotonic()
         self._faults: dict[str, Callable[[], dict[str, Any]]] = {
-            "kill_decode": self._kill_decode,
-            "kill_prefill_rank": self._kill_prefill_rank,
+            "kill_worker": self._kill_worker,
+            "kill_tp_rank": self._kill_tp_rank,
             "stop_worker": self._stop_worker,
             "drop_kv_channel": self._drop_kv_channel,
         }
@@ -61,33 +114,51 @@ class Faults:
 
     # -- the faults (each returns what it hit) -----------------------------------------------
 
-    def _kill_decode(self) -> dict[str, Any]:
-        instance_id = self._rng.choice(DECODES)
-        pid = self._cluster.workers[instance_id].pid
-        os.kill(pid, signal.SIGKILL)
-        return {"target": instance_id, "pid": pid}
+    def _pick(self, role: Role | None = None, min_tp: int = 1) -> Instance:
+        spec = self._cluster.spec
+        candidates = [
+            i
+            for i in instances(self._cluster)
+            if (role is None or i.role == role)
+            and spec.worker_config(i.instance_id).engine.tensor_parallel_size >= min_tp
+            and i.pids
+        ]
+        if not candidates:
+            raise RuntimeError(f"no running instance (role {role}, TP >= {min_tp})")
+        return self._rng.choice(candidates)
 
-    def _kill_prefill_rank(self) -> dict[str, Any]:
-        pids = self._cluster.workers["prefill-0"].call(ProcessIds(), timeout_s=10.0)
-        rank = self._rng.randrange(len(pids))
-        os.kill(pids[rank], signal.SIGKILL)
-        return {"target": f"prefill-0 rank {rank}", "pid": pids[rank]}
+    def _kill_worker(self) -> dict[str, Any]:
+        """A decode instance's worker (any instance's when there are no decode instances)."""
+        decodes = self._cluster.spec.instance_ids(Role.DECODE)
+        target = self._pick(Role.DECODE if decodes else None)
+        os.kill(target.pids[0], signal.SIGKILL)
+        return {"target": target.instance_id, "pid": target.pids[0]}
+
+    def _kill_tp_rank(self) -> dict[str, Any]:
+        target = self._pick(min_tp=2)
+        rank = self._rng.randrange(len(target.pids))
+        os.kill(target.pids[rank], signal.SIGKILL)
+        return {"target": f"{target.instance_id} rank {rank}", "pid": target.pids[rank]}
 
     def _stop_worker(self) -> dict[str, Any]:
-        instance_id = self._rng.choice(("prefill-0", *DECODES))
-        pid = self._cluster.workers[instance_id].pid
+        target = self._pick()
+        pid = target.pids[0]
         os.kill(pid, signal.SIGSTOP)
         threading.Timer(self._stop_s, _continue, args=(pid,)).start()
         time.sleep(self._stop_s + 0.1)
-        return {"target": instance_id, "pid": pid, "stopped_s": self._stop_s}
+        return {"target": target.instance_id, "pid": pid, "stopped_s": self._stop_s}
 
     def _drop_kv_channel(self) -> dict[str, Any]:
-        prefill = set(self._cluster.workers["prefill-0"].call(ProcessIds(), timeout_s=10.0))
-        decode = {self._cluster.workers[i].pid: i for i in DECODES}
-        links = _tcp_links(prefill, set(decode))
+        """A TCP connection from a KV source's ranks to a KV target's processes."""
+        by_id = {i.instance_id: i for i in instances(self._cluster)}
+        links = []
+        for source, target in self._cluster.spec.kv_pairs():
+            owners = {pid: target for pid in by_id[target].pids}
+            for local, remote, owner in _tcp_links(set(by_id[source].pids), set(owners)):
+                links.append((local, remote, f"{source} -> {owners[owner]}"))
         if not links:
-            raise RuntimeError("no TCP connection between a prefill rank and a decode worker")
-        local, remote, owner = self._rng.choice(links)
+            raise RuntimeError("no TCP connection between a KV source and its target")
+        local, remote, pair = self._rng.choice(links)
         done = subprocess.run(
             ["ss", "-K", "-tn", "src", local, "dst", remote],
             capture_output=True,
@@ -96,7 +167,7 @@ class Faults:
         )
         if done.returncode != 0 or local.split(":")[1] not in done.stdout:
             raise RuntimeError(f"ss -K could not abort {local} -> {remote}: {done.stderr.strip()}")
-        return {"target": f"{local} -> {remote} ({decode[owner]})"}
+        return {"target": f"{local} -> {remote} ({pair})"}
 
     # -- healing -------------------------------------------------------------------------------
 
@@ -112,15 +183,15 @@ class Faults:
 
     def _healed(self) -> bool:
         try:
-            loads = self._cluster.status()
+            reports = loads(self._cluster)
         except Exception:
             return False
         router = self._cluster.router
-        if router is None or not all(load.healthy for load in loads):
+        if router is None or not all(load.healthy for load in reports):
             return False
         pool = router.pool
         routable = {s.instance_id for s in [*pool.prefill_candidates(), *pool.decode_candidates()]}
-        return routable == {load.instance_id for load in loads} and self._serving()
+        return routable == {load.instance_id for load in reports} and self._serving()
 
 
 def _continue(pid: int) -> None:
@@ -150,16 +221,16 @@ def _tcp_links(prefill_pids: set[int], decode_pids: set[int]) -> list[tuple[str,
     return links
 
 
-def rss_by_kind(cluster: LocalCluster) -> dict[str, float]:
-    """Mean resident memory (MiB) per process kind: the router's (this process), the prefill
-    ranks', the decode workers'. Means, so a restarted process compares with its kind."""
-    kinds = {
-        "router": [os.getpid()],
-        "prefill": cluster.workers["prefill-0"].call(ProcessIds(), timeout_s=10.0),
-        "decode": [cluster.workers[i].pid for i in DECODES],
-    }
+def rss_by_kind(cluster: ServingCluster) -> dict[str, float]:
+    """Mean resident memory (MiB) per process kind: the router's (this process), and each
+    role's processes (prefill, decode, colocated, adaptive: every TP rank). Means, so a
+    restarted process compares with its kind."""
+    kinds: dict[str, list[int]] = {"router": [os.getpid()]}
+    for instance in instances(cluster):
+        kinds.setdefault(instance.role.value, []).extend(instance.pids)
     rss: dict[str, float] = {}
     for kind, pids in kinds.items():
         sizes = [psutil.Process(pid).memory_info().rss / 2**20 for pid in pids]
-        rss[kind] = round(sum(sizes) / len(sizes), 1)
+        if sizes:
+            rss[kind] = round(sum(sizes) / len(sizes), 1)
     return rss
