@@ -9,9 +9,9 @@ live as long as the runner, as vLLM and nano-vllm do:
 
 Rows n..bucket-1 are padding: token 0 at position 0, slot -1 (no KV write) and context length 0
 (zero attention output); their hidden rows are dropped. A step fills a pinned host copy of the
-buffers and sends it with two non-blocking copies. Reusing that host copy the next step is safe
-because every step ends in one sync (the sampler reads its tokens back), after which the copies
-have landed.
+buffers and sends it with two non-blocking copies; the next step waits on an event recorded
+after them before it rewrites the host copy (the sampler's one sync per step has nearly always
+passed it already).
 
 On CUDA (TP size 1, a back end that skips padding rows by itself: `handles_padding`) each bucket's
 forward is captured once as a CUDA graph and replayed: the step costs one launch instead of a
@@ -72,6 +72,9 @@ class DecodeGraphs:
         self._buffers = torch.zeros(4, size, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.long, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens = self._buffers
+        # Recorded after each step's copies; the next step waits for it before it rewrites
+        # the pinned host buffers (the sampler's sync has nearly always passed it already).
+        self._copied = torch.cuda.Event() if pinned else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its graph's hidden states
 
@@ -100,6 +103,8 @@ class DecodeGraphs:
         """Fill the host buffers for `bucket` rows and copy them to the device (non-blocking)."""
         num_seqs = len(chunks)
         host = self._host
+        if self._copied is not None:
+            self._copied.synchronize()
         positions = [c.start_pos for c in chunks]
         lens = [len(c.block_table) for c in chunks]
         width = max(lens)
@@ -118,10 +123,12 @@ class DecodeGraphs:
         host[:, num_seqs:bucket] = 0
         host[2, num_seqs:bucket] = -1  # padding: no KV write
         self._host_tables[:num_seqs, :width] = table_rows
-        self._buffers[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
-        self.block_tables[:num_seqs, :width].copy_(
-            self._host_tables[:num_seqs, :width], non_blocking=True
-        )
+        # Contiguous sources only: a strided one would be copied to pageable memory first.
+        # Whole rows of the tables go; entries past a row's own blocks are never read.
+        self._buffers.copy_(host, non_blocking=True)
+        self.block_tables[:num_seqs].copy_(self._host_tables[:num_seqs], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _metadata(self, bucket: int, num_padding: int) -> AttentionMetadata:
         empty = torch.zeros(1, dtype=torch.int32, device=self.device)
