@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_quant import check_kv_cache_dtype
 from engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {
@@ -42,6 +43,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    # How the KV cache stores keys and values: "auto" (the model's dtype), "fp8_e4m3" or "int8"
+    # (8 bits with a float32 scale per block and KV head: engine/kv_quant.py).
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     chunk_size: int = 512
@@ -71,6 +75,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         checks = {

@@ -18,6 +18,9 @@ head slice is a strided gather of head_dim-sized pieces). It also suits attentio
 gather of a sequence's blocks per head is already SDPA's [heads, seq, head_dim].
 `paged_view` gives the [num_blocks, block_size, heads, head_dim] strided view paged kernels
 such as flash-attn's take.
+
+A quantized cache (`kv_dtype` "fp8_e4m3" or "int8", engine/kv_quant.py) is uint8 with each
+head's block as one region of values and its scale: [..., num_blocks, block_bytes].
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from engine.kv_quant import KVQuantFormat, quant_format
 
 
 def local_kv_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
@@ -59,28 +64,46 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int  # heads held by this rank (see local_kv_heads)
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's (compute) dtype
+    kv_dtype: str = "auto"  # how the cache stores KV: engine.kv_quant.KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
+        quant_format(self.kv_dtype, self.block_size, self.head_dim)  # checks the name
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (
-            self.num_layers,
-            2,
-            self.num_kv_heads,
-            self.num_blocks,
-            self.block_size,
-            self.head_dim,
-        )
+    def quant(self) -> KVQuantFormat | None:
+        """The quantized block format, or None when KV is stored at the model's dtype."""
+        return quant_format(self.kv_dtype, self.block_size, self.head_dim)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's dtype: the model's, or uint8 when quantized."""
+        return self.dtype if self.kv_dtype == "auto" else torch.uint8
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One KV head's share of one block, in storage_dtype elements."""
+        quant = self.quant
+        return (self.block_size, self.head_dim) if quant is None else (quant.block_bytes,)
+
+    @property
+    def head_block_bytes(self) -> int:
+        """The bytes of one (layer, k/v, head, block) region, scales included."""
+        count = 1
+        for size in self.block_shape:
+            count *= size
+        return count * self.storage_dtype.itemsize
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_kv_heads, self.num_blocks, *self.block_shape)
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * 2 * self.num_kv_heads * self.head_block_bytes
 
     @staticmethod
     def num_blocks_for_budget(
@@ -90,10 +113,10 @@ class KVCacheSpec:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        kv_dtype: str = "auto",
     ) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_block = num_layers * 2 * block_size * num_kv_heads * head_dim * elem
-        return max(0, budget_bytes // per_block)
+        spec = KVCacheSpec(num_layers, 1, block_size, num_kv_heads, head_dim, dtype, kv_dtype)
+        return max(0, budget_bytes // spec.bytes_per_block)
 
 
 class KVCache:
@@ -102,14 +125,16 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         # zeros, not empty: a bug that reads an unwritten slot then gives zeros, not NaN garbage
-        self.data = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        self.data = torch.zeros(spec.shape, dtype=spec.storage_dtype, device=device)
+        self.quant = spec.quant  # None: KV at the model's dtype
 
     @property
     def device(self) -> torch.device:
         return self.data.device
 
     def key(self, layer: int) -> torch.Tensor:
-        return self.data[layer, 0]  # [num_kv_heads, num_blocks, block_size, head_dim]
+        # [num_kv_heads, num_blocks, block_size, head_dim]; quantized: [.., num_blocks, block_bytes]
+        return self.data[layer, 0]
 
     def value(self, layer: int) -> torch.Tensor:
         return self.data[layer, 1]

@@ -13,13 +13,19 @@ from dataclasses import dataclass
 import torch
 
 from engine import parallel
-from engine.attention import AttentionMetadata, build_attention_metadata, select_backend
+from engine.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    build_attention_metadata,
+    select_backend,
+)
 from engine.attention.metadata import to_device
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.config import EngineConfig
 from engine.graphs import DecodeGraphs
 from engine.kernels import triton_available
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_quant import quant_format
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.rank_device import rank_device
@@ -68,6 +74,11 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
         self.backend = select_backend(self.device, self.block_size, config.attention_backend)
+        kv_quant = quant_format(config.kv_cache_dtype, self.block_size, self.model_config.head_dim)
+        if kv_quant is not None:  # an 8-bit cache: a back end that dequantizes it reads it
+            if not self.backend.reads_quantized_kv:
+                self.backend = TorchAttentionBackend(cuda=self.device.type == "cuda")
+            self.backend.kv_quant = kv_quant
         self.model = load_model(
             self.model_config,
             config.model_dir,
@@ -97,6 +108,7 @@ class ModelRunner:
             num_kv_heads,
             cfg.head_dim,
             self.dtype,
+            self.config.kv_cache_dtype,
         )
         if num_blocks < 1:
             raise ValueError(
@@ -110,6 +122,7 @@ class ModelRunner:
             num_kv_heads=num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.dtype,
+            kv_dtype=self.config.kv_cache_dtype,
         )
 
     @torch.no_grad()

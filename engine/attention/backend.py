@@ -11,6 +11,9 @@ A back end computes attention for one layer of one step over the paged KV cache:
 - A layer with a sliding window W only attends to key positions k with q_pos - k < W (as
   transformers' Mistral/Qwen2 do).
 
+With `kv_quant` set (an 8-bit cache), a back end writes through `KVQuantFormat.write` and reads
+dequantized blocks (engine/kv_quant.py).
+
 Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
 key_cache, value_cache [num_kv_heads, num_blocks, block_size, head_dim] (head-major, see
 engine/kv_cache.py); returns
@@ -25,10 +28,15 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_quant import KVQuantFormat
 
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # Whether this back end reads a quantized cache: set `kv_quant` and the caches are uint8
+    # [num_kv_heads, num_blocks, block_bytes], written with kv_quant.write (engine/kv_quant.py).
+    reads_quantized_kv: bool = False
+    kv_quant: KVQuantFormat | None = None
     # Whether forward skips padding rows (slot -1, context length 0) by itself, without reading
     # `metadata.num_padding` on the host: what a CUDA graph of a fixed-shape step needs.
     handles_padding: bool = False

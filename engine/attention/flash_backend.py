@@ -20,6 +20,8 @@ from engine.kv_cache import paged_view
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash"
+    # an 8-bit cache: the blocks a step reads are dequantized into a compact cache first
+    reads_quantized_kv = True
 
     def forward(
         self,
@@ -32,7 +34,17 @@ class FlashAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        decode_tables, prefill_tables = metadata.decode_block_tables, metadata.prefill_block_tables
+        quant = self.kv_quant
+        if quant is None:
+            write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        else:
+            quant.write_pair(k, v, key_cache, value_cache, metadata.slot_mapping)
+            tables = [decode_tables, prefill_tables]
+            key_cache, _ = quant.dequantize_tables(key_cache, tables, q.dtype)
+            value_cache, (decode_tables, prefill_tables) = quant.dequantize_tables(
+                value_cache, tables, q.dtype
+            )
         key_cache, value_cache = paged_view(key_cache), paged_view(value_cache)
         # flash-attn's window (left, right): a query sees keys q_pos - left .. q_pos + right
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
@@ -44,7 +56,7 @@ class FlashAttentionBackend(AttentionBackend):
                 key_cache,
                 value_cache,
                 cache_seqlens=metadata.decode_context_lens.to(torch.int32),
-                block_table=metadata.decode_block_tables.to(torch.int32),
+                block_table=decode_tables.to(torch.int32),
                 softmax_scale=scale,
                 causal=True,
                 window_size=window,
@@ -61,6 +73,6 @@ class FlashAttentionBackend(AttentionBackend):
                 softmax_scale=scale,
                 causal=True,
                 window_size=window,
-                block_table=metadata.prefill_block_tables,
+                block_table=prefill_tables,
             )
         return out

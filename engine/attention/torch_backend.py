@@ -25,10 +25,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionBackend, write_kv
 from engine.attention.metadata import AttentionMetadata, PrefillChunkInfo
+from engine.kv_quant import KVQuantFormat
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    reads_quantized_kv = True  # an 8-bit cache: each gather of blocks is dequantized
 
     def __init__(self, cuda: bool = False) -> None:
         # Groups pay off where attention FLOPs cost (CPU); on CUDA each group's extra launches
@@ -67,7 +69,11 @@ class TorchAttentionBackend(AttentionBackend):
                 sliding_window,
             )
             return out
-        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        quant = self.kv_quant
+        if quant is None:
+            write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        else:
+            quant.write_pair(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
@@ -79,6 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
                 scale,
                 sliding_window,
                 self.group_decodes,
+                quant,
             )
         for chunk in metadata.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -92,6 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata,
                 scale,
                 sliding_window,
+                quant,
             )
         return out
 
@@ -111,20 +119,22 @@ def _decode(
     scale: float,
     sliding_window: int | None,
     grouped: bool = True,
+    quant: KVQuantFormat | None = None,
 ) -> torch.Tensor:
     if sliding_window is not None:
         tables, mask = _window_tables_and_mask(metadata, sliding_window)
-        return _attend(q, key_cache, value_cache, tables, mask, scale)
+        return _attend(q, key_cache, value_cache, tables, mask, scale, quant)
     if not grouped:
         mask = _decode_mask(metadata, sliding_window)
-        return _attend(q, key_cache, value_cache, metadata.decode_block_tables, mask, scale)
+        tables = metadata.decode_block_tables
+        return _attend(q, key_cache, value_cache, tables, mask, scale, quant)
     groups = _decode_groups(metadata, sliding_window)
     if len(groups) == 1:
         _, tables, mask = groups[0]
-        return _attend(q, key_cache, value_cache, tables, mask, scale)
+        return _attend(q, key_cache, value_cache, tables, mask, scale, quant)
     out = torch.empty_like(q)
     for rows, tables, mask in groups:
-        out[rows] = _attend(q[rows], key_cache, value_cache, tables, mask, scale)
+        out[rows] = _attend(q[rows], key_cache, value_cache, tables, mask, scale, quant)
     return out
 
 
@@ -135,11 +145,12 @@ def _attend(
     tables: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    quant: KVQuantFormat | None = None,
 ) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[0]
-    keys = _gather_blocks(key_cache, tables).transpose(0, 1)
-    values = _gather_blocks(value_cache, tables).transpose(0, 1)
+    keys = _gather_blocks(key_cache, tables, quant, q.dtype).transpose(0, 1)
+    values = _gather_blocks(value_cache, tables, quant, q.dtype).transpose(0, 1)
     queries = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, num_heads, head_dim)
@@ -200,15 +211,26 @@ def _decode_groups(
     return groups
 
 
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def _gather_blocks(
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    quant: KVQuantFormat | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """[rows, max_blocks] block ids -> [kv_heads, rows, max_blocks * block_size, head_dim].
 
     index_select over whole blocks (one contiguous block_size x head_dim piece per head) is a
     plain memcpy per block and head, several times faster on CPU than advanced indexing with a
-    2-D index; per head the result is already SDPA's [seq, head_dim].
+    2-D index; per head the result is already SDPA's [seq, head_dim]. A quantized cache's
+    blocks (their scales with them) are gathered the same way, then dequantized to `dtype`.
     """
-    num_kv_heads, num_blocks, block_size, head_dim = cache.shape
     rows, max_blocks = block_tables.shape
+    if quant is not None:
+        assert dtype is not None, "a quantized cache dequantizes to the query's dtype"
+        blocks = cache.index_select(1, block_tables.reshape(-1))  # [heads, n, block_bytes]
+        kv = quant.dequantize(blocks, dtype)  # [heads, n, block_size, head_dim]
+        return kv.view(cache.shape[0], rows, max_blocks * quant.block_size, quant.head_dim)
+    num_kv_heads, num_blocks, block_size, head_dim = cache.shape
     flat = cache.view(num_kv_heads, num_blocks, -1).index_select(1, block_tables.reshape(-1))
     return flat.view(num_kv_heads, rows, max_blocks * block_size, head_dim)
 
@@ -269,6 +291,7 @@ def _prefill_chunk(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    quant: KVQuantFormat | None = None,
 ) -> torch.Tensor:
     # SDPA wants 4-D [1, heads, len, head_dim]: with 3-D inputs CPU falls back to the slow math path
     queries = q.transpose(0, 1).unsqueeze(0)
@@ -279,8 +302,8 @@ def _prefill_chunk(
         first = _first_window_block(chunk, metadata.block_size, sliding_window)
         table = chunk.block_table[None, first:]
         length = chunk.context_len - first * metadata.block_size
-        keys = _gather_blocks(key_cache, table)[:, :, :length].transpose(0, 1)
-        values = _gather_blocks(value_cache, table)[:, :, :length].transpose(0, 1)
+        keys = _gather_blocks(key_cache, table, quant, q.dtype)[:, :, :length].transpose(0, 1)
+        values = _gather_blocks(value_cache, table, quant, q.dtype)[:, :, :length].transpose(0, 1)
     if chunk.start_pos == 0 and sliding_window is None:
         out = F.scaled_dot_product_attention(
             queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
