@@ -65,6 +65,8 @@ class KVTicket:
     start_timeout_s: float = 0.0
     min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
     transport: str = "network"  # KVTransferConfig.transport of the decode side
+    # how the decode side's cache stores KV (EngineConfig.kv_cache_dtype): both sides must match
+    kv_cache_dtype: str = "auto"
 
     @property
     def wait_to_start_s(self) -> float:

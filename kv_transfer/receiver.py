@@ -50,6 +50,7 @@ class KVReceiver:
         endpoints: Sequence[ChannelEndpoint],
         config: KVTransferConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -57,6 +58,7 @@ class KVReceiver:
         self.endpoints = tuple(endpoints)  # one per decode rank
         self.config = config or KVTransferConfig()
         self._clock = clock
+        self.kv_cache_dtype = kv_cache_dtype  # the decode cache's, named in every ticket
         self._transfer_ids = itertools.count(1)
         self._incoming: dict[str, _Incoming] = {}
         self._landed: dict[str, KVTicket] = {}
@@ -91,6 +93,7 @@ class KVReceiver:
             start_timeout_s=self.config.start_timeout_s,
             min_piece_bytes=self.config.min_piece_bytes,
             transport=self.config.transport,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         deadline = self._clock() + ticket.wait_to_start_s  # the ranks' waits end by then
         self._incoming[rid] = _Incoming(ticket, deadline, set(range(len(self.endpoints))))

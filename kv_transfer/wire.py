@@ -21,6 +21,11 @@ receives once its header has arrived. A sender that cancels mid-way still sends 
 payload, with a CANCELLED trailer; one that never started sends only a CANCELLED header. Either
 way the stream stays in step.
 
+Quantized caches (kv_cache.dtype fp8_e4m3 / int8, engine/kv_quant.py): the payload is uint8,
+each (layer, k/v, head, block) one region of its values and its scale (KVCacheSpec.block_shape),
+so every mode and every re-sharding by heads carries the scales with their blocks and heads.
+Both sides check that the ticket's kv_cache_dtype is their cache's (check_kv_cache_dtype).
+
 Copies. The KV cache is head-major, [num_layers, 2, heads, num_blocks, block_size, head_dim]
 (engine/kv_cache.py), so one (layer, k/v, head) over a run of blocks is one contiguous region:
 layerwise messages leave from it and land in it without a copy. The decode side receives in
@@ -104,10 +109,11 @@ class WireView:
         window: many layers times many heads), the heads of a (layer, k/v) go as one message,
         gathered and scattered."""
         ids = tuple(block_ids)
+        check_kv_cache_dtype(cache, ticket)
         if not ticket.layerwise:
             return cls(cache, ids, heads, False)
         spec = cache.spec
-        head_bytes = spec.block_size * spec.head_dim * spec.dtype.itemsize  # one head, one block
+        head_bytes = spec.head_block_bytes  # one head, one block (its scale with it)
         num_heads = heads.stop - heads.start
         per_head = 2 * spec.num_layers * num_heads  # messages per piece
         if num_heads > 1 and (
@@ -193,14 +199,14 @@ class WireView:
     @property
     def payload_bytes(self) -> int:
         """The KV bytes this view moves (all payload messages together)."""
-        return self.cache.spec.dtype.itemsize * _numel(self._message_shape(None))
+        return self.cache.spec.storage_dtype.itemsize * _numel(self._message_shape(None))
 
     def _message_shape(self, key: tuple[int, int, int, int] | None) -> tuple[int, ...]:
         spec = self.cache.spec
         if key is None:
-            shape = (len(self.block_ids), spec.block_size, spec.head_dim)
+            shape = (len(self.block_ids), *spec.block_shape)
             return (spec.num_layers, 2, self.num_heads, *shape)
-        shape = (self._pieces[key[3]][0], spec.block_size, spec.head_dim)
+        shape = (self._pieces[key[3]][0], *spec.block_shape)
         return (self.num_heads, *shape) if self.grouped else shape
 
     def _slab(
@@ -235,7 +241,8 @@ class WireView:
         direct = self._direct(key)
         if direct is not None:  # one (layer, k/v, head) of a block run: contiguous
             return direct, False
-        out = staging.take(self._message_shape(key), self.cache.spec.dtype, self.cache.device)
+        spec = self.cache.spec
+        out = staging.take(self._message_shape(key), spec.storage_dtype, self.cache.device)
         self._gather(key, out)
         return out, True
 
@@ -257,7 +264,7 @@ class WireView:
         if direct is not None:
             return direct, False
         spec = self.cache.spec
-        return staging.take(self._message_shape(key), spec.dtype, self.cache.device), True
+        return staging.take(self._message_shape(key), spec.storage_dtype, self.cache.device), True
 
     def scatter(self, index: int, staged: torch.Tensor) -> None:
         """Write a staged payload message into its blocks and heads."""
@@ -303,7 +310,7 @@ class WireView:
         payload_bytes, trailer_at = self._packed_layout()
         spec = self.cache.spec
         header = message[:_CONTROL_BYTES].view(torch.int64)
-        payload = message[_CONTROL_BYTES : _CONTROL_BYTES + payload_bytes].view(spec.dtype)
+        payload = message[_CONTROL_BYTES : _CONTROL_BYTES + payload_bytes].view(spec.storage_dtype)
         trailer = message[trailer_at : trailer_at + _CONTROL_BYTES].view(torch.int64)
         return header, payload.view(self._message_shape(None)), trailer
 
@@ -355,6 +362,18 @@ class Trailer:
     def first_token_at(self) -> float | None:
         """The sender's time.time() when the prompt finished, if it told it."""
         return self.sent_at_us / 1e6 if self.sent_at_us > 0 else None
+
+
+def check_kv_cache_dtype(cache: KVCache, ticket: KVTicket) -> None:
+    """Raise unless this side's cache stores KV as the ticket's (the decode side's) does: the
+    bytes of an int8, an fp8 and a full-width cache mean different things."""
+    mine = cache.spec.kv_dtype
+    if ticket.kv_cache_dtype != mine:
+        raise KVTransferError(
+            f"kv_cache dtype mismatch for {ticket.request_id!r}: the decode instance "
+            f"{ticket.decode_instance_id!r} stores KV as {ticket.kv_cache_dtype!r} and this "
+            f"rank's cache as {mine!r}; set the same kv_cache.dtype on prefill and decode"
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -60,7 +60,14 @@ class ReceiveConnector(KVConnector):
         self.pool = pool
         self.watermark_blocks = watermark_blocks
         endpoints: list[ChannelEndpoint] = executor.run_on_ranks(Endpoints())
-        self.kv_receiver = KVReceiver(pool, executor.block_size, instance_id, endpoints, config)
+        self.kv_receiver = KVReceiver(
+            pool,
+            executor.block_size,
+            instance_id,
+            endpoints,
+            config,
+            kv_cache_dtype=executor.config.kv_cache_dtype,
+        )
         self._send_control = send_control
         self._emit = emit
         self._incoming: dict[str, _Incoming] = {}

@@ -69,6 +69,13 @@ class SendConnector(KVConnector):
                 f"the decode side already aborted the transfer of {request.request_id!r}: "
                 "reserve again"
             )
+        kv_cache_dtype = self.executor.config.kv_cache_dtype
+        if ticket.kv_cache_dtype != kv_cache_dtype:
+            raise ValueError(
+                f"kv_cache dtype mismatch for {request.request_id!r}: the decode instance "
+                f"{ticket.decode_instance_id!r} stores KV as {ticket.kv_cache_dtype!r} and this "
+                f"prefill instance as {kv_cache_dtype!r}; set the same kv_cache.dtype on both"
+            )
         block_size = self.executor.block_size
         num_blocks = -(-len(request.prompt_token_ids) // block_size)
         problems = {
