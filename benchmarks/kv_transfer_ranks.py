@@ -23,7 +23,7 @@ from kv_transfer.rendezvous import ChannelDialer, ChannelHost
 class BenchWorker:
     """Parent-side handle of one rank process."""
 
-    def __init__(self, role: str, spec: tuple[int, ...], cpus: list[int] | None = None) -> None:
+    def __init__(self, role: str, spec: tuple[Any, ...], cpus: list[int] | None = None) -> None:
         context = torch.multiprocessing.get_context("spawn")
         self.commands, self.replies = context.Queue(), context.Queue()
         self.process = context.Process(
@@ -55,7 +55,7 @@ class BenchWorker:
 
 
 def start_bench_workers(
-    num_prefill: int, num_decode: int, spec: tuple[int, ...]
+    num_prefill: int, num_decode: int, spec: tuple[Any, ...]
 ) -> tuple[list[BenchWorker], list[BenchWorker], dict[str, list[int]]]:
     """The rank processes; with two or more cores, prefill ranks pinned to the first half and
     decode ranks to the second, so the two sides of a comparison never share a core."""
@@ -72,9 +72,12 @@ def start_bench_workers(
 class _RankState:
     """One rank process: caches per (tp_size, rank) layout, its channels, the raw baseline."""
 
-    def __init__(self, role: str, spec: tuple[int, ...]) -> None:
+    def __init__(self, role: str, spec: tuple[Any, ...]) -> None:
+        """spec: (num_layers, num_blocks, block_size, num_kv_heads, head_dim[, kv_cache_dtype])."""
         self.role = role
-        self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = spec
+        shape = spec[:5]
+        self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
+        self.kv_dtype = spec[5] if len(spec) > 5 else "auto"
         self.caches: dict[tuple[int, int], KVCache] = {}
         self.host = ChannelHost() if role == "decode" else None
         self.dialer = ChannelDialer()
@@ -93,9 +96,11 @@ class _RankState:
                 num_local,
                 self.head_dim,
                 torch.float32,
+                self.kv_dtype,
             )
             self.caches[key] = KVCache(spec)
-            self.caches[key].data.normal_()
+            data = self.caches[key].data
+            data.normal_() if data.is_floating_point() else data.random_(0, 256)
         return self.caches[key]
 
     def endpoint(self) -> ChannelEndpoint:
@@ -205,7 +210,7 @@ class _AllWaits:
 
 
 def _worker_main(
-    role: str, spec: tuple[int, ...], commands: Any, replies: Any, cpus: list[int] | None
+    role: str, spec: tuple[Any, ...], commands: Any, replies: Any, cpus: list[int] | None
 ) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)

@@ -234,6 +234,8 @@ def profile_tp(
     """Measure and fit one TP size; returns the profile entry and the raw samples."""
     import torch
 
+    from engine.kv_cache import KVCacheSpec
+
     torch.set_num_threads(1)
     probe = EngineProbe(config, pick_clock(clock, config))
     try:
@@ -261,8 +263,19 @@ def profile_tp(
     small, large = fit_decode(decode)
     by_batch = fit_decode_by_batch(decode, small, BY_BATCH_MAX)
     chunked = fit_mixed(mixed, small) if len(mixed) >= 3 else None
-    dtype_bytes = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
-    kv_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+    # the whole model's KV per token as the pool stores it (kv_cache.dtype: 8 bits and scales)
+    kv_bytes = (
+        KVCacheSpec(
+            model.num_layers,
+            1,
+            block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            getattr(torch, config.dtype),
+            config.kv_cache_dtype,
+        ).bytes_per_block
+        / block_size
+    )
     entry = TPProfile(
         prefill=fit_prefill(prefill),
         decode_small=small,

@@ -16,7 +16,9 @@ from typing import Any
 from planner.fit import fit_transfer
 
 
-def _ticket(tid: int, tokens: int, block_size: int, tp: int, endpoint: Any) -> Any:
+def _ticket(
+    tid: int, tokens: int, block_size: int, tp: int, endpoint: Any, kv_cache_dtype: str
+) -> Any:
     from kv_transfer.messages import KVTicket
 
     num_blocks = -(-tokens // block_size)
@@ -32,6 +34,7 @@ def _ticket(tid: int, tokens: int, block_size: int, tp: int, endpoint: Any) -> A
         decode_endpoints=(endpoint,) * tp,
         layerwise=False,
         timeout_s=60.0,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -53,6 +56,8 @@ def measure_transfer(
 ) -> tuple[float, float, list[list[float]]]:
     """(GB/s, per-message ms, [[tokens, bytes, ms], ...]) for `grid.transfer_tokens` (scaled up
     for a model whose KV is too small to time, `transfer_token_sizes`)."""
+    import torch
+
     from benchmarks.kv_transfer_ranks import (
         Endpoint,
         Recv,
@@ -60,14 +65,20 @@ def measure_transfer(
         WaitRecv,
         start_bench_workers,
     )
+    from engine.kv_cache import KVCacheSpec
     from engine.model_config import ModelConfig
 
     model = ModelConfig.from_model_dir(config.model_dir)
     block_size = config.block_size
-    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
-    token_sizes = transfer_token_sizes(tuple(grid.transfer_tokens), bytes_per_token)
+    kv_dtype = config.kv_cache_dtype
+    # the whole model's KV (every head) per block, as the rank caches store it (float32, or
+    # 8 bits and scales: kv_cache.dtype)
+    bytes_per_block = KVCacheSpec(
+        model.num_layers, 1, block_size, model.num_kv_heads, model.head_dim, torch.float32, kv_dtype
+    ).bytes_per_block
+    token_sizes = transfer_token_sizes(tuple(grid.transfer_tokens), bytes_per_block // block_size)
     num_blocks = -(-max(token_sizes) // block_size) + 1
-    spec = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    spec = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, kv_dtype)
     prefill, decode, _ = start_bench_workers(1, 1, spec)
     points: list[list[float]] = []
     try:
@@ -77,7 +88,7 @@ def measure_transfer(
             times = []
             for _ in range(grid.repeats + 1):  # the first one warms the channel up
                 tid += 1
-                ticket = _ticket(tid, tokens, block_size, tp, endpoint)
+                ticket = _ticket(tid, tokens, block_size, tp, endpoint, kv_dtype)
                 decode[0].call(Recv(ticket, 0))
                 prefill[0].post(Send(ticket, 0, list(ticket.block_ids)))
                 decode[0].post(WaitRecv())
@@ -85,8 +96,7 @@ def measure_transfer(
                 times.append((decode[0].reply() - start) * 1e3)
             blocks = -(-tokens // block_size)
             # The whole model's KV (every head): the tp rank pairs move their slices at once.
-            num_bytes = 2 * model.num_layers * blocks * block_size * model.num_kv_heads
-            num_bytes *= model.head_dim * 4  # the rank caches are float32
+            num_bytes = blocks * bytes_per_block
             points.append([tokens, float(num_bytes), statistics.median(times[1:])])
     finally:
         for worker in prefill + decode:
