@@ -103,7 +103,7 @@ class DecodeGraphs:
         """Fill the host buffers for `bucket` rows and copy them to the device (non-blocking)."""
         num_seqs = len(chunks)
         host = self._host
-        if self._copied is not None:
+        if self._copied is not None and not self._copied.query():
             self._copied.synchronize()
         positions = [c.start_pos for c in chunks]
         lens = [len(c.block_table) for c in chunks]
