@@ -20,6 +20,9 @@ from engine.kernels.paged_attention import paged_decode_attention, write_kv
 class TritonAttentionBackend(TorchAttentionBackend):
     name = "triton"
     handles_padding = True
+    # The kernels read the model dtype's cache only: an 8-bit KV cache takes the torch back end
+    # (the model runner swaps it in), whatever the torch back end it subclasses reads.
+    reads_quantized_kv = False
 
     def forward(
         self,
