@@ -162,7 +162,7 @@ class KVQuantFormat:
         # afresh, whose stale bytes are overwritten or never read), then the new rows.
         units = self.to_units(values.flatten(-2), torch.float32).mul_((old / scale)[..., None])
         rows = units.view(units.shape[0], -1, self.head_dim)  # [heads, U * block_size, head_dim]
-        new_rows = x.transpose(0, 1).float().div_(scale[:, inverse, None])  # [heads, T, head_dim]
+        new_rows = x.transpose(0, 1).float() / scale[:, inverse, None]  # [heads, T, head_dim]
         rows.index_copy_(1, inverse * self.block_size + offsets, new_rows)
         gathered[..., :num_values] = self.quantize(units)
         self.split(gathered)[1].copy_(scale)
