@@ -19,7 +19,13 @@ from engine.block_pool import BlockPool, PrefixCacheChanges
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.kv_connector import KVConnector
-from engine.logprobs import attach_logprobs, sampled_logprobs, split_logits
+from engine.logprobs import (
+    attach_logprobs,
+    first_row_indices,
+    process_first_rows,
+    sampled_logprobs,
+    split_logits,
+)
 from engine.outputs import RequestOutput, SchedulerStats, StepOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler
@@ -141,7 +147,12 @@ class LLMEngine:
                 drafts = [
                     c.token_ids[len(c.token_ids) - c.num_draft :] for c in batch.chunks if c.sample
                 ]
-                sampled = verify(logits, self.scheduler.sampling_rows(batch), drafts)
+                rows = self.scheduler.sampling_rows(batch)
+                # a request with processors or logprobs proposes nothing: one row, its first
+                first_rows = logits[first_row_indices(drafts)]
+                sampled = verify(process_first_rows(logits, rows, drafts), rows, drafts)
+                first_ids = [tokens[0] for tokens in sampled]
+                token_logprobs = sampled_logprobs(batch, first_rows, rows, first_ids)
             elif batch.num_sampled:
                 rows = self.scheduler.sampling_rows(batch)
                 sampled = self.sampler(logits, rows)

@@ -22,7 +22,7 @@ import torch
 from engine.batch import ScheduledBatch
 from engine.outputs import StepOutput, TokenLogprob
 from engine.request import Request
-from engine.sampler import SamplingRow
+from engine.sampler import SamplingRow, process_logits
 
 
 def token_logprobs(
@@ -97,6 +97,31 @@ def sampled_logprobs(
         logprob.top = logprob.top[: rows[i].params.logprobs or 0]
         result[request_ids[i]] = logprob
     return result
+
+
+def first_row_indices(drafts: Sequence[Sequence[int]]) -> list[int]:
+    """In a verification step's logits (len(draft) + 1 rows per sampled chunk), each chunk's
+    first row: the distribution of its first new token."""
+    indices, offset = [], 0
+    for draft in drafts:
+        indices.append(offset)
+        offset += len(draft) + 1
+    return indices
+
+
+def process_first_rows(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """A verification step's logits with the processors of the rows that have them applied.
+    The scheduler proposes no tokens for such a request, so its one row is its first."""
+    wanted = [i for i, row in enumerate(rows) if row.params.processes_logits]
+    if not wanted:
+        return logits
+    assert all(not drafts[i] for i in wanted), "a request with processors got proposals"
+    first = first_row_indices(drafts)
+    index = torch.tensor([first[i] for i in wanted], dtype=torch.long, device=logits.device)
+    processed = process_logits(logits.index_select(0, index), [rows[i] for i in wanted])
+    return logits.index_copy(0, index, processed)
 
 
 def attach_logprobs(

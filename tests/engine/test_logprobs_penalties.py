@@ -141,3 +141,32 @@ def test_sampling_params_refuse_bad_values() -> None:
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_processors_and_logprobs_beside_speculating_requests(tiny_model) -> None:
+    """Under speculation, a request with processors or logprobs proposes nothing, but it shares
+    verification steps with requests that do: its tokens and logprobs stay the plain engine's."""
+    from engine.speculative.config import SpeculativeConfig
+
+    model_dir = tiny_model("llama")
+    repeat = [5, 6, 7, 8, 9] * 8  # prompt lookup proposes on this one
+    prompts = [repeat, PROMPTS[1], repeat]
+    params = [
+        SamplingParams(max_tokens=16, ignore_eos=True),
+        SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.5, logprobs=2),
+        SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=1.0, logit_bias={5: 2.0}),
+    ]
+    spec = SpeculativeConfig(num_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    with LLM(model_dir, speculative=spec, **ENGINE_KWARGS) as llm:
+        speculated = llm.generate(prompts, params)
+        assert llm.stats.num_spec_proposed > 0
+    with LLM(model_dir, **ENGINE_KWARGS) as llm:
+        plain = llm.generate(prompts, params)
+    assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
+    assert speculated[1].logprobs is not None and plain[1].logprobs is not None
+    for ours, theirs in zip(speculated[1].logprobs, plain[1].logprobs, strict=True):
+        # batch shapes differ between the two runs: equal to float64 rounding
+        assert (ours.token_id, ours.rank) == (theirs.token_id, theirs.rank)
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-12)
+        assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
+    assert speculated[1].token_ids == hf_processed_greedy(model_dir, prompts[1], params[1])
