@@ -14,14 +14,17 @@ from collections.abc import Iterator
 import grpc
 import openai
 import pytest
+import torch
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from deploy.config.cluster_spec import ClusterSpec
 from deploy.runtime.local.local_cluster import LocalCluster
-from engine import EngineConfig
+from engine import EngineConfig, SamplingParams
 from kv_transfer.config import KVTransferConfig
 from router.config import RouterConfig
+from tests.engine.test_logprobs_penalties import hf_processed_greedy
+from tests.tiny_models import load_hf_model
 from worker.config import WorkerConfig
 
 pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
@@ -116,6 +119,40 @@ def test_greedy_text_through_the_sdk_equals_the_grpc_text(cluster: LocalCluster)
         extra_body={"ignore_eos": True},
     )
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected.text
+
+
+def test_logprobs_echo_n_and_penalties_across_the_hand_off(
+    cluster: LocalCluster, tiny_model_dir: str
+) -> None:
+    """The prefill instance scores the prompt and ships it with the first token; the decode
+    instance scores the rest and applies the penalties: all equal transformers'."""
+    prompt_ids = list(range(30, 51))
+    client = _client(cluster)
+    out = client.completions.create(
+        model=_model(cluster),
+        prompt=prompt_ids,
+        max_tokens=6,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        frequency_penalty=0.8,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.2},
+    )
+    params = SamplingParams(max_tokens=6, frequency_penalty=0.8, repetition_penalty=1.2)
+    generated = hf_processed_greedy(tiny_model_dir, prompt_ids, params)
+    hf = load_hf_model(tiny_model_dir, torch.float64)
+    with torch.no_grad():
+        all_ids = prompt_ids + generated
+        reference = torch.log_softmax(hf(torch.tensor([all_ids])).logits[0], dim=-1)
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs[0] is None
+    expected = [float(reference[i - 1, all_ids[i]]) for i in range(1, len(all_ids))]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-9)
+    siblings = client.completions.create(
+        model=_model(cluster), prompt=prompt_ids, max_tokens=4, n=2, temperature=0
+    )
+    assert [c.index for c in siblings.choices] == [0, 1]
+    assert siblings.choices[0].text == siblings.choices[1].text  # greedy: the same text
 
 
 def test_a_client_that_disconnects_mid_stream_frees_every_kv_block(cluster: LocalCluster) -> None:
