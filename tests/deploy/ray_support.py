@@ -1,8 +1,14 @@
 """Helpers for the Ray deployment tests: a tiny model with a tokenizer, its ClusterSpec, gRPC
-streams, and checks on listening sockets and processes."""
+streams, a simulated two-node Ray cluster, and checks on listening sockets and processes."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +20,12 @@ from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from deploy.config.cluster_spec import ClusterSpec, build_cluster_spec
 from deploy.config.serve_config import parse_config
+from deploy.runtime.ray.node import (
+    descendant_pids,
+    kill_and_wait,
+    process_is_running,
+    use_loopback_node_address,
+)
 from tests.engine.test_llm import hf_greedy, make_prompts
 from tests.listening import is_loopback, listening_addresses
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
@@ -73,3 +85,39 @@ def stream_all(address: str, prompts: list[list[int]], max_tokens: int) -> list[
 
 def non_loopback_listeners(pids: list[int]) -> list[str]:
     return [address for address in listening_addresses(pids) if not is_loopback(address)]
+
+
+@contextlib.contextmanager
+def two_ray_nodes(num_cpus: int) -> Iterator[str]:
+    """The address of a two-node Ray cluster on 127.0.0.1 (ray.cluster_utils.Cluster: `num_cpus`
+    logical CPUs a node), labelled node_a and node_b as a real cluster labels its node groups,
+    with a Ray temp dir of its own. Afterwards every process started meanwhile is gone (what is
+    still running after 15 s is stopped by id, and fails the check)."""
+    from ray.cluster_utils import Cluster
+
+    other_pids = set(descendant_pids(os.getpid()))
+    use_loopback_node_address()
+    ray_temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")  # short socket paths
+    os.makedirs("/tmp/ray", exist_ok=True)  # cluster_utils writes its address there
+    nodes = Cluster(initialize_head=False)
+    try:
+        nodes.add_node(
+            num_cpus=num_cpus,
+            resources={"node_a": 1},
+            include_dashboard=False,
+            node_ip_address="127.0.0.1",
+            temp_dir=ray_temp_dir,
+        )
+        nodes.add_node(num_cpus=num_cpus, resources={"node_b": 1}, node_ip_address="127.0.0.1")
+        nodes.wait_for_nodes()
+        yield nodes.address
+    finally:
+        pids = sorted(set(descendant_pids(os.getpid())) - other_pids)
+        nodes.shutdown()
+        shutil.rmtree(ray_temp_dir, ignore_errors=True)
+        deadline = time.monotonic() + 15
+        while any(process_is_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in pids if process_is_running(pid)]
+        kill_and_wait(left, timeout_s=5)
+    assert left == [], f"still running after the nodes stopped: {left}"

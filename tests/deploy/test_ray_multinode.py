@@ -7,9 +7,6 @@ as between real nodes; greedy outputs equal transformers' and every KV pool retu
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,17 +15,16 @@ from typing import Any
 import grpc
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from deploy.cli.main import main
 from deploy.runtime.ray.cluster import RayCluster
-from deploy.runtime.ray.node import descendant_pids, process_is_running, use_loopback_node_address
 from tests.deploy.ray_support import (
     hf_greedy,
     make_prompts,
     serve_spec,
     stream_all,
     tiny_model_with_tokenizer,
+    two_ray_nodes,
 )
 
 pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
@@ -55,32 +51,8 @@ def expected(model_dir: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[str]:
-    """The address of a two-node Ray cluster (node_a, node_b: one CPU each) on 127.0.0.1; every
-    process it started is gone afterwards."""
-    other_pids = set(descendant_pids(os.getpid()))
-    use_loopback_node_address()
-    ray_temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")  # short socket paths
-    os.makedirs("/tmp/ray", exist_ok=True)  # cluster_utils writes its address there
-    nodes = Cluster(initialize_head=False)
-    try:
-        nodes.add_node(
-            num_cpus=1,
-            resources={"node_a": 1},
-            include_dashboard=False,
-            node_ip_address="127.0.0.1",
-            temp_dir=ray_temp_dir,
-        )
-        nodes.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
-        nodes.wait_for_nodes()
-        yield nodes.address
-        pids = sorted(set(descendant_pids(os.getpid())) - other_pids)
-    finally:
-        nodes.shutdown()
-        shutil.rmtree(ray_temp_dir, ignore_errors=True)
-    deadline = time.monotonic() + 15
-    while any(process_is_running(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [pid for pid in pids if process_is_running(pid)] == []
+    with two_ray_nodes(num_cpus=1) as address:  # room for one worker a node
+        yield address
 
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -130,10 +102,14 @@ def test_each_layout_across_two_nodes_equals_transformers(
             assert sorted(placed) == [f"{mode}-0", f"{mode}-1"]
         assert set(placed.values()) == {node_a, node_b}  # replicas spread over both nodes
         _wait_for_pools(cluster)
-        assert _status_rows(cluster, capsys) == {
+        settled = {
             instance_id: [f"127.0.0.1/{node_id[:8]}", "healthy", "0", "0", f"0/{NUM_BLOCKS}"]
             for instance_id, node_id in placed.items()
         }
+        deadline = time.monotonic() + 10  # the router's next load refresh
+        while (rows := _status_rows(cluster, capsys)) != settled and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rows == settled
     assert not ray.is_initialized()  # joined, not owned: disconnected, the nodes stay up
 
 

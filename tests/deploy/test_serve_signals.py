@@ -82,17 +82,20 @@ class Serve:
         model_dir = tiny_model_with_tokenizer(tmp_path)
         config = tmp_path / "serve.yaml"
         config.write_text(template.format(model_dir=model_dir, profile=PROFILE))
+        serve = [sys.executable, "-m", "deploy.cli.main", "serve", "--config", str(config)]
+        self._spawn([*serve, *([] if ray else ["--no-ray"])])
+
+    @classmethod
+    def command(cls, argv: list[str]) -> Serve:
+        """Any command line (`pdserve serve --config ...`), watched the same way."""
+        serve = cls.__new__(cls)
+        serve._spawn(argv)
+        return serve
+
+    def _spawn(self, argv: list[str]) -> None:
         env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'proto'}"}
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "deploy.cli.main",
-                "serve",
-                "--config",
-                str(config),
-                *([] if ray else ["--no-ray"]),
-            ],
+            argv,
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.PIPE,
