@@ -2,19 +2,24 @@
 way a real cluster labels its node groups, one cluster for the module and each layout on it in
 turn. Disaggregated: the placement logic puts the prefill instance (TP=2, STRICT_PACK) on node_a
 and both decode instances on node_b. Colocated and adaptive: one replica per node (each node
-has room for one worker). KV crosses between the nodes' processes over the network transport,
-as between real nodes; greedy outputs equal transformers' and every KV pool returns to its size."""
+has room for one worker); the adaptive router is then made to split the two (one prefills, one
+decodes), so user requests hand their KV from one node to the other. KV crosses between the
+nodes' processes over the network transport, as between real nodes; greedy outputs equal
+transformers' and every KV pool returns to its size. `pdserve status` shows each instance's node."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import ray
+from pdserve_proto.v1 import generation_pb2 as pb
+from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from deploy.cli.main import main
 from deploy.runtime.ray.cluster import RayCluster
@@ -32,6 +37,9 @@ pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
 PROMPTS = make_prompts((4, 9, 17, 26, 31, 12, 40, 6), seed=5)
 MAX_TOKENS = 10
 NUM_BLOCKS = 128
+SPLIT_PROMPTS = make_prompts((60, 70, 80, 90, 50, 65, 75, 85, 55, 95, 45, 72), seed=7)
+SPLIT_TOKENS = 24
+TTFT_SLO_S, TPOT_SLO_S = 60.0, 0.001  # every TTFT meets it, every decode step misses it
 PROFILE = str(Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json")
 
 
@@ -101,6 +109,8 @@ def test_each_layout_across_two_nodes_equals_transformers(
         else:
             assert sorted(placed) == [f"{mode}-0", f"{mode}-1"]
         assert set(placed.values()) == {node_a, node_b}  # replicas spread over both nodes
+        if mode == "adaptive":
+            _split_hands_kv_across_nodes(cluster, model_dir, placed)
         _wait_for_pools(cluster)
         settled = {
             instance_id: [f"127.0.0.1/{node_id[:8]}", "healthy", "0", "0", f"0/{NUM_BLOCKS}"]
@@ -111,6 +121,37 @@ def test_each_layout_across_two_nodes_equals_transformers(
             time.sleep(0.2)
         assert rows == settled
     assert not ray.is_initialized()  # joined, not owned: disconnected, the nodes stay up
+
+
+def _generate(address: str, prompt: list[int]) -> tuple[list[int], pb.GenerateResponse]:
+    """A greedy stream whose TPOT objective no step meets: (its tokens, its last message)."""
+    request = pb.GenerateRequest(
+        token_ids=prompt,
+        max_tokens=SPLIT_TOKENS,
+        ignore_eos=True,
+        ttft_slo_s=TTFT_SLO_S,
+        tpot_slo_s=TPOT_SLO_S,
+    )
+    with grpc.insecure_channel(address) as channel:
+        responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
+    return [t for r in responses for t in r.token_ids], responses[-1]
+
+
+def _split_hands_kv_across_nodes(
+    cluster: RayCluster, model_dir: str, placed: dict[str, str]
+) -> None:
+    """A window of requests that all miss their TPOT makes the router's layout search split
+    the two instances (one prefills, the other decodes: router/adaptive/layout_model.py); the
+    requests after it are placed remote, so their KV crosses from one node to the other."""
+    expected = hf_greedy(model_dir, SPLIT_PROMPTS, SPLIT_TOKENS)
+    with ThreadPoolExecutor(8) as pool:
+        first = list(pool.map(lambda p: _generate(cluster.address, p), SPLIT_PROMPTS * 2))
+        then = list(pool.map(lambda p: _generate(cluster.address, p), SPLIT_PROMPTS))
+    assert [tokens for tokens, _ in first + then] == expected * 3
+    remote = [last for _, last in first + then if last.placement.kind == "remote"]
+    assert len(remote) >= len(then), [last.placement.kind for _, last in first + then]
+    for last in remote:
+        assert placed[last.prefill_instance] != placed[last.decode_instance]
 
 
 def _wait_for_pools(cluster: RayCluster) -> None:
