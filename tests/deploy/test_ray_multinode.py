@@ -20,6 +20,7 @@ import pytest
 import ray
 from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
+from ray.util import placement_group_table
 
 from deploy.cli.main import main
 from deploy.runtime.ray.cluster import RayCluster
@@ -75,6 +76,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "adaptive": {"instances": 2},
         "router": {"latency_profile": PROFILE},
     },
+    # TP=2: each instance's two ranks packed on one node (half a CPU each: one instance a node)
+    "adaptive-tp2": {
+        "mode": "adaptive",
+        "adaptive": {"instances": 2, "tensor_parallel_size": 2},
+        "router": {"latency_profile": PROFILE},
+        "ray": {"num_cpus_per_worker": 0.5},
+    },
 }
 
 
@@ -107,9 +115,11 @@ def test_each_layout_across_two_nodes_equals_transformers(
         if mode == "disaggregated":
             assert placed == {"prefill-0": node_a, "decode-0": node_b, "decode-1": node_b}
         else:
-            assert sorted(placed) == [f"{mode}-0", f"{mode}-1"]
+            role = mode.split("-")[0]
+            assert sorted(placed) == [f"{role}-0", f"{role}-1"]
         assert set(placed.values()) == {node_a, node_b}  # replicas spread over both nodes
-        if mode == "adaptive":
+        assert _rank_nodes(cluster) == {i: [placed[i]] * p.tp_size for i, p in _by_id(cluster)}
+        if mode.startswith("adaptive"):
             _split_hands_kv_across_nodes(cluster, model_dir, placed)
         _wait_for_pools(cluster)
         settled = {
@@ -152,6 +162,19 @@ def _split_hands_kv_across_nodes(
     assert len(remote) >= len(then), [last.placement.kind for _, last in first + then]
     for last in remote:
         assert placed[last.prefill_instance] != placed[last.decode_instance]
+
+
+def _by_id(cluster: RayCluster) -> list[tuple[str, Any]]:
+    return [(p.instance_id, p) for p in cluster.placements]
+
+
+def _rank_nodes(cluster: RayCluster) -> dict[str, list[str]]:
+    """The node of each TP rank's bundle, by instance."""
+    nodes = {}
+    for instance_id, placement in _by_id(cluster):
+        table = placement_group_table(placement.placement_group)
+        nodes[instance_id] = [table["bundles_to_node_id"][b] for b in placement.bundle_indices]
+    return nodes
 
 
 def _wait_for_pools(cluster: RayCluster) -> None:
