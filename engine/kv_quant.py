@@ -17,7 +17,9 @@ Writes (prefill, chunked prefill and decode alike: `KVQuantFormat.write`): a wri
 block (offset 0) starts its scale afresh; a later write whose values exceed the scale grows it
 and requantizes the block's earlier entries to the new scale. Scales only grow within a block,
 so no value is ever clipped. Reads dequantize the gathered blocks to the compute dtype
-(`dequantize`). docs/design/kv-quantization.md gives the reasoning and the measured quality.
+(`dequantize`); every attention reads the cache, a prompt's first chunk included, so a prefix
+hit or another chunking attends to what a miss does. docs/design/kv-quantization.md gives the
+reasoning and the measured quality.
 """
 
 from __future__ import annotations

@@ -163,6 +163,12 @@ def copy_blocks(
     through a temporary: 14 against 44 ms for 512 scattered blocks of the benchmark's shape on
     one core, where one contiguous copy of the same bytes takes 11. On a GPU, where each copy
     is a kernel launch, many stretches take one gather and one scatter instead."""
+    dst_data = view.cache.data
+    if source.dtype != dst_data.dtype or source.shape[4:] != dst_data.shape[4:]:
+        raise KVTransferError(
+            f"the prefill rank's cache holds {source.dtype} blocks {tuple(source.shape[4:])} and "
+            f"this one {dst_data.dtype} {tuple(dst_data.shape[4:])}: set the same kv_cache.dtype"
+        )
     src = source[:, :, src_heads]  # [L, 2, heads, blocks, block_size, head_dim]
     dst = view.cache.data[:, :, view.heads]
     runs = paired_runs(src_block_ids, list(view.block_ids))

@@ -21,11 +21,6 @@ receives once its header has arrived. A sender that cancels mid-way still sends 
 payload, with a CANCELLED trailer; one that never started sends only a CANCELLED header. Either
 way the stream stays in step.
 
-Quantized caches (kv_cache.dtype fp8_e4m3 / int8, engine/kv_quant.py): the payload is uint8,
-each (layer, k/v, head, block) one region of its values and its scale (KVCacheSpec.block_shape),
-so every mode and every re-sharding by heads carries the scales with their blocks and heads.
-Both sides check that the ticket's kv_cache_dtype is their cache's (check_kv_cache_dtype).
-
 Copies. The KV cache is head-major, [num_layers, 2, heads, num_blocks, block_size, head_dim]
 (engine/kv_cache.py), so one (layer, k/v, head) over a run of blocks is one contiguous region:
 layerwise messages leave from it and land in it without a copy. The decode side receives in
@@ -87,7 +82,11 @@ def empty_control(device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class WireView:
-    """One side's view of one channel's transfer: its cache, block ids and head slice."""
+    """One side's view of one channel's transfer: its cache, block ids and head slice.
+
+    An 8-bit cache (engine/kv_quant.py) travels as uint8: each (layer, k/v, head, block) is one
+    region of its values and its scale (KVCacheSpec.block_shape), so every mode and every
+    re-sharding by heads carries the scales with their blocks and heads."""
 
     cache: KVCache
     block_ids: tuple[int, ...]
@@ -95,6 +94,9 @@ class WireView:
     layerwise: bool
     pieces: tuple[int, ...] | None = None  # layerwise: blocks per piece; None: one piece
     grouped: bool = False  # layerwise: one message per (layer, k/v) with all heads, not per head
+    # the ticket's kv_cache_dtype, checked against the cache before any KV moves (None: unchecked;
+    # a CANCELLED header carries no KV, so it goes whatever the two sides store)
+    kv_cache_dtype: str | None = None
 
     @classmethod
     def for_ticket(
@@ -109,9 +111,9 @@ class WireView:
         window: many layers times many heads), the heads of a (layer, k/v) go as one message,
         gathered and scattered."""
         ids = tuple(block_ids)
-        check_kv_cache_dtype(cache, ticket)
+        dtype = ticket.kv_cache_dtype
         if not ticket.layerwise:
-            return cls(cache, ids, heads, False)
+            return cls(cache, ids, heads, False, kv_cache_dtype=dtype)
         spec = cache.spec
         head_bytes = spec.head_block_bytes  # one head, one block (its scale with it)
         num_heads = heads.stop - heads.start
@@ -120,15 +122,15 @@ class WireView:
             len(ids) * head_bytes < ticket.min_piece_bytes
             or per_head + 2 > MAX_MESSAGES_PER_TRANSFER
         ):
-            return cls(cache, ids, heads, True, grouped=True)
+            return cls(cache, ids, heads, True, grouped=True, kv_cache_dtype=dtype)
         pieces = run_lengths(ticket.block_ids)
         if (
             1 < len(pieces) <= MAX_PIECES
             and min(pieces) * head_bytes >= ticket.min_piece_bytes
             and per_head * len(pieces) + 2 <= MAX_MESSAGES_PER_TRANSFER
         ):
-            return cls(cache, ids, heads, True, pieces=pieces)
-        return cls(cache, ids, heads, True)
+            return cls(cache, ids, heads, True, pieces=pieces, kv_cache_dtype=dtype)
+        return cls(cache, ids, heads, True, kv_cache_dtype=dtype)
 
     def __post_init__(self) -> None:
         if self.pieces is not None and (
@@ -237,6 +239,7 @@ class WireView:
     def outgoing(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
         """Payload message `index` ready to send, and whether it is a staging buffer (to give
         back once sent) rather than a view of the cache."""
+        self.check_kv_cache_dtype()
         key = self.payload_key(index)
         direct = self._direct(key)
         if direct is not None:  # one (layer, k/v, head) of a block run: contiguous
@@ -259,6 +262,7 @@ class WireView:
     def incoming(self, index: int, staging: StagingPool) -> tuple[torch.Tensor, bool]:
         """A buffer to receive payload message `index` into, and whether it is a staging buffer
         (to scatter, then give back) rather than the destination itself."""
+        self.check_kv_cache_dtype()
         key = self.payload_key(index)
         direct = self._direct(key)
         if direct is not None:
@@ -278,6 +282,17 @@ class WireView:
         target, dim, (_, _, index) = self._slab(key)
         assert index is not None
         target.index_copy_(dim, index, staged)
+
+    def check_kv_cache_dtype(self) -> None:
+        """Raise unless this side's cache stores KV as the ticket (the decode side) says: the
+        bytes of an int8, an fp8 and a full-width cache mean different things."""
+        mine = self.cache.spec.kv_dtype
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype != mine:
+            raise KVTransferError(
+                f"kv_cache dtype mismatch: the ticket (the decode instance) stores KV as "
+                f"{self.kv_cache_dtype!r} and this rank's cache as {mine!r}; set the same "
+                "kv_cache.dtype on prefill and decode"
+            )
 
     def header(self, transfer_id: int, status: int) -> torch.Tensor:
         values = (
@@ -332,6 +347,7 @@ class WireView:
         header, payload, trailer = self._packed_parts(message)
         header.copy_(self.header(transfer_id, status))
         if status == STATUS_OK:
+            self.check_kv_cache_dtype()
             self._gather(None, payload)
         values = (transfer_id, status, first_token_id, num_tokens, sent_at_us)
         trailer.copy_(control_message(values, self.cache.device))
@@ -346,6 +362,7 @@ class WireView:
         if magic != MAGIC or trailer_tid != transfer_id:
             raise KVTransferError(f"{what}: bad trailer {trailer.tolist()}")
         if status == STATUS_OK:
+            self.check_kv_cache_dtype()
             self._scatter(None, payload)
         return status, Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))
 
@@ -362,18 +379,6 @@ class Trailer:
     def first_token_at(self) -> float | None:
         """The sender's time.time() when the prompt finished, if it told it."""
         return self.sent_at_us / 1e6 if self.sent_at_us > 0 else None
-
-
-def check_kv_cache_dtype(cache: KVCache, ticket: KVTicket) -> None:
-    """Raise unless this side's cache stores KV as the ticket's (the decode side's) does: the
-    bytes of an int8, an fp8 and a full-width cache mean different things."""
-    mine = cache.spec.kv_dtype
-    if ticket.kv_cache_dtype != mine:
-        raise KVTransferError(
-            f"kv_cache dtype mismatch for {ticket.request_id!r}: the decode instance "
-            f"{ticket.decode_instance_id!r} stores KV as {ticket.kv_cache_dtype!r} and this "
-            f"rank's cache as {mine!r}; set the same kv_cache.dtype on prefill and decode"
-        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -295,7 +295,10 @@ def _prefill_chunk(
 ) -> torch.Tensor:
     # SDPA wants 4-D [1, heads, len, head_dim]: with 3-D inputs CPU falls back to the slow math path
     queries = q.transpose(0, 1).unsqueeze(0)
-    if chunk.start_pos == 0:  # the chunk is the whole context
+    # The chunk is the whole context: its own k/v, unless the cache is 8-bit, where attention
+    # reads what the cache holds, as every later chunk and decode step does (so a prefix hit or
+    # another chunking attends to the same values as a miss, and the hand-off ships them).
+    if chunk.start_pos == 0 and quant is None:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     else:  # [1, kv_heads, context_len, head_dim] straight from the head-major gather
         # a sliding layer skips the blocks wholly before its first query's window
