@@ -177,3 +177,22 @@ def test_prefix_cache_reuses_quantized_blocks(tiny_model, kind: str) -> None:
         assert second.token_ids == first.token_ids
         llm.engine.block_pool.check_integrity()
         assert llm.engine.block_pool.num_free_blocks == free
+
+
+def test_flash_reads_a_compact_dequantized_copy_of_the_blocks_it_needs() -> None:
+    """What the flash-attn back end reads (dequantize_tables): the blocks the tables name,
+    dequantized, under renumbered tables that index the same values."""
+    quant, cache = cache_for("int8", num_heads=2, num_blocks=6)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.arange(24)
+    quant.write(torch.randn(24, 2, HEAD_DIM, generator=gen), cache.key(0), slots)
+    decode_tables = torch.tensor([[5, 1], [2, 2]], dtype=torch.int32)
+    prefill_tables = torch.tensor([[1, 4, 0]])
+    dense, (decode_new, prefill_new) = quant.dequantize_tables(
+        cache.key(0), [decode_tables, prefill_tables], torch.float32
+    )
+    assert dense.shape == (2, 5, BLOCK_SIZE, HEAD_DIM)  # blocks 0, 1, 2, 4, 5; 3 unread
+    assert decode_new.dtype == torch.int32
+    full = quant.dequantize(cache.key(0), torch.float32)
+    for old, new in ((decode_tables, decode_new), (prefill_tables, prefill_new)):
+        assert torch.equal(dense[:, new.long()], full[:, old.long()])
