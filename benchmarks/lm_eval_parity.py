@@ -6,7 +6,8 @@ Starts `pdserve serve --model smollm2` (disaggregated: one prefill and one decod
 processes) and runs two local tasks (YAML over JSON-lines files written here; no hub):
 - a multiple-choice task (log-likelihoods) through lm-eval's `local-completions` model, which
   scores each choice with `echo` and `logprobs` on /v1/completions;
-- a generation task through `local-chat-completions` (greedy, with the chat template),
+- a generation task through `local-chat-completions` (greedy, with the chat template; its
+  exact match compares the last number of the answer),
 then the same two tasks through lm-eval's `hf` model on the same SmolLM2 folder in float32.
 The JSON compares every choice's log-likelihood (`max_abs_loglik_diff`), and the accuracy and
 exact match, overall and per item. Raw samples go under benchmarks/runs/lm_eval_parity/.
@@ -29,7 +30,6 @@ from typing import Any
 from benchmarks.output import emit
 
 RUNS = Path(__file__).resolve().parent / "runs" / "lm_eval_parity"
-WORDS = "apple river stone cloud green tiger piano window silver garden rocket candle".split()
 
 
 def write_tasks(folder: Path, num_loglik: int, num_gen: int) -> None:
@@ -51,14 +51,10 @@ def write_tasks(folder: Path, num_loglik: int, num_gen: int) -> None:
             }
             f.write(json.dumps(record) + "\n")
     with open(folder / "gen.jsonl", "w") as f:
-        for i in range(num_gen):
-            if i % 2:
-                a, b = rng.randint(1, 20), rng.randint(1, 20)
-                question, target = f"What is {a} plus {b}? Answer with the number only.", str(a + b)
-            else:
-                word = rng.choice(WORDS)
-                question, target = f"Repeat this word and nothing else: {word}", word
-            f.write(json.dumps({"question": question, "answer": target}) + "\n")
+        for _ in range(num_gen):
+            a, b = rng.randint(1, 20), rng.randint(1, 20)
+            question = f"What is {a} plus {b}? Answer with the number only."
+            f.write(json.dumps({"question": question, "answer": str(a + b)}) + "\n")
     data = folder.resolve()
     (folder / "mc.yaml").write_text(
         f"""task: pdserve_parity_mc
@@ -90,10 +86,15 @@ generation_kwargs:
   max_gen_toks: 16
   do_sample: false
   temperature: 0
+filter_list:
+  - name: last_number
+    filter:
+      - function: regex
+        regex_pattern: '[0-9]+'
+        group_select: -1
+      - function: take_first
 metric_list:
   - metric: exact_match
-    ignore_case: true
-    ignore_punctuation: true
 """
     )
 
@@ -234,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         "acc_pdserve": float(mc_pd["acc,none"]),
         "acc_hf": float(mc_hf["acc,none"]),
         "acc_items_equal": int(acc_items),
-        "exact_match_pdserve": float(gen_pd["exact_match,none"]),
-        "exact_match_hf": float(gen_hf["exact_match,none"]),
+        "exact_match_pdserve": float(gen_pd["exact_match,last_number"]),
+        "exact_match_hf": float(gen_hf["exact_match,last_number"]),
         "exact_match_items_equal": int(gen_items),
         "generation_text_items_equal": int(same_text),
         "model": "SmolLM2-135M-Instruct float32, pdserve disaggregated (1 prefill + 1 decode)",
