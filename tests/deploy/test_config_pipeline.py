@@ -189,6 +189,7 @@ def table(tmp: Path) -> dict[str, Row]:
         "kv_cache.memory_mb": Row(3, engine("kv_cache_memory_bytes"), 3 * 1024 * 1024),
         "kv_cache.num_blocks": Row(100, engine("num_kv_blocks")),
         "kv_cache.prefix_caching": Row(False, engine("enable_prefix_caching")),
+        "kv_cache.dtype": Row("int8", engine("kv_cache_dtype")),
         "kv_transfer.transfer_timeout_s": Row(5.0, kv("transfer_timeout_s")),
         "kv_transfer.start_timeout_s": Row(7.0, kv("start_timeout_s")),
         "kv_transfer.transport": Row("network", kv("transport")),
