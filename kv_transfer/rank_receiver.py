@@ -188,20 +188,24 @@ class _Lane(Incoming):
             pass
         self.handle._lane_finished(result if isinstance(result, Trailer) else None, error)
 
-    def receive(self, channel: Channel, header: torch.Tensor) -> Trailer:
-        """The header arrived: check it, post this transfer's receives and wait for them."""
+    def receive(
+        self, channel: Channel, header: torch.Tensor, post_next: Callable[[], None]
+    ) -> Trailer:
+        """The header arrived: check it, post this transfer's receives (then the next header's,
+        through `post_next`) and wait for them."""
         view, what, tid = self.view, self.what, self.transfer_id
         # Raises when the stream is out of step. A same-node message holds more after it.
         status = view.check_header(header[:CONTROL_LEN], tid, what)
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled before sending")
         if channel.same_node:
-            return self._receive_same_node(channel, header)
+            return self._receive_same_node(channel, header, post_next)
         # The send has started: the rest must follow within the transfer timeout.
         deadline = time.monotonic() + self.ticket.timeout_s
         if not view.layerwise:
             message = view.packed_buffer(self.staging)
             work = channel.irecv(message, view.tag(tid, 1))
+            post_next()
             channel.wait(work, deadline, what)
             status, trailer = view.unpack(message, tid, what)
             self.staging.give(message)
@@ -215,6 +219,7 @@ class _Lane(Incoming):
         closing = empty_control(view.cache.device)
         last = 1 + view.num_payload_messages
         trailer_work = channel.irecv(closing, view.tag(tid, last))
+        post_next()
         # Scatter message i while later messages are still arriving.
         for index, (work, buffer, staged) in enumerate(posted):
             channel.wait(work, deadline, f"{what} payload {index}")
@@ -229,11 +234,14 @@ class _Lane(Incoming):
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
         return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))
 
-    def _receive_same_node(self, channel: Channel, message: torch.Tensor) -> Trailer:
+    def _receive_same_node(
+        self, channel: Channel, message: torch.Tensor, post_next: Callable[[], None]
+    ) -> Trailer:
         """The transfer's one message came whole (same_node.end_message): on OK copy the source
         blocks out of the prefill rank's cache (mapped once per channel) into this transfer's."""
         view, what, tid = self.view, self.what, self.transfer_id
         trailer, copy_by_ns, src_ids = parse_end_message(message, len(view.block_ids))
+        post_next()  # `message` is read: its buffer may take the one after next
         magic, trailer_tid, status, first_token_id, num_tokens, sent_at_us = trailer
         if magic != MAGIC or trailer_tid != tid:
             raise KVTransferError(f"{what}: bad trailer {trailer}")

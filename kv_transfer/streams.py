@@ -155,7 +155,11 @@ class Incoming:
     # CONTROL_LEN exactly.
     same_node_message_len: int = CONTROL_LEN
 
-    def receive(self, channel: Channel, header: torch.Tensor) -> object:
+    def receive(
+        self, channel: Channel, header: torch.Tensor, post_next: Callable[[], None]
+    ) -> object:
+        """Post this transfer's receives, call `post_next` once they are all posted (the next
+        header's receive goes right behind them), then wait for them and return the result."""
         raise NotImplementedError
 
     def end(self, result: object, error: KVTransferError | None) -> None:
@@ -172,6 +176,8 @@ class RecvStream:
         self._reader: threading.Thread | None = None
         self._ended: KVTransferError | None = None
         self._same_node_len = CONTROL_LEN  # the longest any expected transfer needs
+        self._buffer: torch.Tensor | None = None  # same-node first-message buffers, in turn
+        self._spare: torch.Tensor | None = None
         channel.on_broken(self._fail_expected)
 
     def expect(self, incoming: Incoming) -> None:
@@ -193,31 +199,52 @@ class RecvStream:
         with self._lock:
             return self._expected.pop(incoming.transfer_id, None) is incoming
 
+    def _post_header(self) -> tuple[dist.Work, torch.Tensor]:
+        """Post the receive of the next transfer's first message."""
+        channel = self.channel
+        if channel.same_node:  # gloo takes a shorter message into a longer receive
+            with self._lock:
+                length = self._same_node_len
+            # Two buffers in turn: the next one is posted while this one is still being read.
+            self._spare, header = self._buffer, self._spare
+            if header is None or header.numel() != length:
+                header = torch.zeros(length, dtype=torch.int64)
+            self._buffer = header
+        else:  # NCCL needs the sizes to match: the header alone
+            header = empty_control(channel.device)
+        return channel.irecv(header, HEADER_TAG), header
+
     def _read(self) -> None:
         channel = self.channel
         try:
             channel.wait_connected(time.monotonic() + _IDLE_WAIT_S)
-            header = empty_control(channel.device)
+            posted: tuple[dist.Work, torch.Tensor] | None = self._post_header()
             while True:
-                if channel.same_node:  # gloo takes a shorter message into a longer receive
-                    with self._lock:
-                        length = self._same_node_len
-                    if header.numel() != length:  # else reused: each is read before the next
-                        header = torch.zeros(length, dtype=torch.int64)
-                else:  # NCCL needs the sizes to match: the header alone
-                    header = empty_control(channel.device)
-                work = channel.irecv(header, HEADER_TAG)
+                assert posted is not None
+                work, header = posted
                 channel.wait(work, time.monotonic() + _IDLE_WAIT_S, "the next header")
                 magic, transfer_id = header[:2].tolist()
                 with self._lock:
                     incoming = self._expected.pop(transfer_id, None)
                 if magic != MAGIC or incoming is None:
                     raise KVTransferError(
-                        f"{channel}: header {header.tolist()} names no transfer this side expects"
+                        f"{channel}: header {header.tolist()[:6]} names no transfer this side "
+                        "expects"
                     )
+                posted = None
+
+                def post_next() -> None:
+                    """The next header's receive, right behind this transfer's last one: a
+                    transfer queued behind this one then finds it posted (gloo writes only
+                    into a posted receive)."""
+                    nonlocal posted
+                    if posted is None:
+                        posted = self._post_header()
+
                 try:
-                    result = incoming.receive(channel, header)
+                    result = incoming.receive(channel, header, post_next)
                 except KVTransferCancelled as exc:  # the stream is still in step
+                    post_next()
                     incoming.end(None, exc)
                     continue
                 except KVTransferError as exc:
@@ -226,6 +253,7 @@ class RecvStream:
                 except Exception as exc:  # a bug or a shape mismatch: end it, never hang
                     incoming.end(None, KVTransferError(f"{channel}: {exc!r}"))
                     raise
+                post_next()
                 incoming.end(result, None)
         except Exception as exc:
             error = exc if isinstance(exc, KVTransferError) else KVTransferError(str(exc))

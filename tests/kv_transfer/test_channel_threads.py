@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ class _Expected(Incoming):
         self.ended = threading.Event()
         self.error: KVTransferError | None = None
 
-    def receive(self, channel: Channel, header: torch.Tensor) -> object:
+    def receive(
+        self, channel: Channel, header: torch.Tensor, post_next: Callable[[], None]
+    ) -> object:
         raise AssertionError("no header is ever sent")
 
     def end(self, result: object, error: KVTransferError | None) -> None:
