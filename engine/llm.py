@@ -32,6 +32,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slo import PrefillGate, RequestSLO
+from engine.speculative.draft import DraftModel
 from engine.speculative.verify import verify
 from engine.step_costs import StepCosts
 
@@ -58,6 +59,12 @@ class LLMEngine:
         )
         self.step_costs = StepCosts()  # learned from every step, read by the prefill gate
         gate = PrefillGate(self.step_costs) if config.slo_scheduling else None
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.method == "draft":  # a draft model beside the target
+            assert spec.draft_model is not None
+            draft = DraftModel(config, spec.draft_model, model_config, self.executor.num_kv_blocks)
+        self.draft = draft
         self.scheduler = Scheduler(
             self.block_pool,
             block_size=self.executor.block_size,
@@ -72,6 +79,7 @@ class LLMEngine:
             speculative=config.speculative,
             step_costs=self.step_costs,
             release_window=model_config.release_window,
+            draft=draft,
         )
         self.sampler = Sampler()
 
@@ -150,7 +158,10 @@ class LLMEngine:
                 rows = self.scheduler.sampling_rows(batch)
                 # a request with processors or logprobs proposes nothing: one row, its first
                 first_rows = logits[first_row_indices(drafts)]
-                sampled = verify(process_first_rows(logits, rows, drafts), rows, drafts)
+                speculator = self.scheduler.speculator
+                assert speculator is not None
+                probs = speculator.draft_probs([c.request_id for c in batch.chunks if c.sample])
+                sampled = verify(process_first_rows(logits, rows, drafts), rows, drafts, probs)
                 first_ids = [tokens[0] for tokens in sampled]
                 token_logprobs = sampled_logprobs(batch, first_rows, rows, first_ids)
             elif batch.num_sampled:

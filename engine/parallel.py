@@ -12,6 +12,8 @@ rank's part into `param`; with safetensors slices only that part is read from di
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -80,6 +82,18 @@ def set_tp_group(
     global _TP_GROUP, _CONTROL_GROUP, _TP_RANK, _TP_SIZE
     _TP_GROUP, _TP_RANK, _TP_SIZE = group, tp_rank, tp_size
     _CONTROL_GROUP = control_group if control_group is not None else group
+
+
+@contextmanager
+def without_tp() -> Iterator[None]:
+    """Inside: this process alone, as at TP size 1 (a draft model that is not sharded, beside
+    a TP target on its driver rank); the TP group is back afterwards."""
+    saved = (_TP_GROUP, _TP_RANK, _TP_SIZE, _CONTROL_GROUP)
+    set_tp_group(None, 0, 1)
+    try:
+        yield
+    finally:
+        set_tp_group(saved[0], saved[1], saved[2], saved[3])
 
 
 def destroy_tp_group() -> None:

@@ -36,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.block_pool import BlockPool
@@ -48,6 +49,9 @@ from engine.slo import PrefillGate, StepWindow
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.proposer import Speculator
 from engine.step_costs import StepCosts
+
+if TYPE_CHECKING:
+    from engine.speculative.draft import DraftModel
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         step_costs: StepCosts | None = None,
         release_window: int | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.block_pool = block_pool
         # When every layer slides, the smallest window: a decoding request's blocks wholly
@@ -96,7 +101,9 @@ class Scheduler:
         self.connector = connector if connector is not None else KVConnector()
         self.gate = gate
         self.speculator = (
-            Speculator(speculative, max_model_len, step_costs) if speculative is not None else None
+            Speculator(speculative, max_model_len, step_costs, draft)
+            if speculative is not None
+            else None
         )
         self._clock = clock  # stamps first tokens (time.time(), as arrival times are)
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -168,7 +175,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         if self.speculator is not None:
-            self.speculator.begin_step(self.running)
+            self.speculator.begin_step(self.running, self.landed)
         self._schedule_running(plan, decodes=True)
         if self.gate is not None:  # this step's decodes, and the landed ones about to join
             decodes = [self.requests[i] for i in plan.num_new_tokens]
@@ -474,6 +481,8 @@ class Scheduler:
         request.num_released_blocks = num_out
 
     def _release_blocks(self, request: Request) -> None:
+        if self.speculator is not None:  # a draft model's blocks go with the target's
+            self.speculator.release(request)
         self.block_pool.free_sequence_blocks(request.block_table[request.num_released_blocks :])
         request.block_table = []
         request.num_released_blocks = 0

@@ -205,7 +205,10 @@ def speculative_config(config: ServeConfig) -> SpeculativeConfig | None:
     section = config.speculative
     if section.method is None:
         return None
-    return SpeculativeConfig(**dataclasses.asdict(section))
+    fields = dataclasses.asdict(section)
+    if section.draft_model is not None:  # a folder, or a model name built on first use
+        fields["draft_model"] = resolve_model(section.draft_model)
+    return SpeculativeConfig(**fields)
 
 
 def router_config(config: ServeConfig, model_dir: str) -> RouterConfig:

@@ -110,26 +110,31 @@ class GPUSection:
 
 
 def _check_speculative_method(key: str, value: Any) -> None:
-    if value is None or value == "ngram":
+    if value is None or value in ("ngram", "draft"):
         return
-    if value == "draft":
-        raise ConfigError(
-            f"{key} 'draft' (a draft model) is not supported by this build; use 'ngram' "
-            "(prompt lookup) or null"
-        )
-    raise ConfigError(f"{key} must be ngram or null (off), got {value!r}")
+    raise ConfigError(f"{key} must be ngram, draft or null (off), got {value!r}")
 
 
 @dataclass(frozen=True)
 class SpeculativeSection:
     """Speculative decoding on every instance that decodes (engine/speculative/): `method`
     null is off; "ngram" proposes up to `num_tokens` tokens a step by prompt lookup, matching
-    the last `prompt_lookup_min`..`prompt_lookup_max` tokens. A request may turn it off."""
+    the last `prompt_lookup_min`..`prompt_lookup_max` tokens; "draft" proposes them with
+    `draft_model` (a model folder, or a name `model` accepts, with the target's tokenizer). A
+    request may turn it off."""
 
     method: str | None = knob(None, _check_speculative_method)
     num_tokens: int = knob(4, checks.integer(1))
     prompt_lookup_min: int = knob(1, checks.integer(1))
     prompt_lookup_max: int = knob(4, checks.integer(1))
+    draft_model: str | None = knob(
+        None,
+        checks.rule(
+            lambda value: isinstance(value, str) and value,
+            "{key} must be a model folder or name, got {value!r}",
+            optional=True,
+        ),
+    )
 
     def __post_init__(self) -> None:
         for knob_field in dataclasses.fields(self):  # each value's type before it is compared
@@ -142,6 +147,10 @@ class SpeculativeSection:
             raise ConfigError(
                 f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                 f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ConfigError(
+                "speculative.draft_model is needed with method draft, and only with it"
             )
 
 

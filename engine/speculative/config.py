@@ -14,8 +14,9 @@ class SpeculativeConfig:
     [prompt_lookup_min, prompt_lookup_max] that matches. Per request, the number proposed adapts
     to how many were accepted, down to none for a while when nothing is (state.py).
 
-    `method` "draft" (a small model with the target's tokenizer) is not available: it is refused
-    here, by name, rather than served half-built.
+    `method` "draft" proposes with `draft_model` (a Hugging Face folder of a small model with
+    the target's tokenizer, engine/speculative/draft.py): up to `num_tokens` tokens a step, one
+    draft forward each, the same adaptive length. The prompt lookup knobs do not apply to it.
     """
 
     method: str = "ngram"
@@ -27,12 +28,12 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
-        if self.method == "draft":
+        if self.method == "draft" and not self.draft_model:
             raise ValueError(
-                "speculative method 'draft' (a draft model) is not supported by this build; "
-                "use method 'ngram' (prompt lookup)"
+                "speculative method 'draft' needs draft_model: the folder of a small Hugging "
+                "Face model with the target's tokenizer"
             )
-        if self.draft_model is not None:
+        if self.method != "draft" and self.draft_model is not None:
             raise ValueError("speculative draft_model is only for method 'draft'")
         for name in ("num_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)

@@ -8,9 +8,11 @@ correction at the first rejection, or a bonus token after all k): between 1 and 
 Greedy: d_j is accepted while it is the argmax of row j-1; the token after is that row's argmax,
 so the output is exactly what non-speculative greedy decoding gives.
 
-Sampling (Leviathan et al. 2023, Chen et al. 2023) with a point-mass proposal q = 1[d_j]: accept
-d_j with probability p_j(d_j); on rejection draw from the residual max(0, p_j - q), which is p_j
-with d_j removed, renormalized. Each emitted token is then distributed as p exactly. The
+Sampling (Leviathan et al. 2023, Chen et al. 2023): accept d_j with probability
+min(1, p_j(d_j) / q_j(d_j)); on rejection draw from the residual max(0, p_j - q_j), renormalized.
+Each emitted token is then distributed as p exactly. A draft model passes its distributions q
+[k, vocab]; prompt lookup proposes a point mass q = 1[d_j] (None here): accept with probability
+p_j(d_j), and the residual is p_j with d_j removed. The
 probabilities are the ones the sampler uses (temperature, top-k, top-p), and every random number
 for output position i is a function of mix_seed(seed, i) (engine/sampling_noise.py), so a seeded
 request is reproducible and a chunk with no proposals draws exactly as the plain sampler does.
@@ -27,10 +29,16 @@ from engine.sampling_noise import uniforms
 
 
 def verify(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]]
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    drafts: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[list[int]]:
     """`logits` [sum(len(d) + 1 for d in drafts), vocab]; one row (SamplingRow) and one list
-    of proposed tokens per sampled chunk. Returns each chunk's new tokens, in order."""
+    of proposed tokens per sampled chunk, and optionally the distribution each draft was drawn
+    from ([>= len(d), vocab], None for a point mass). Returns each chunk's new tokens, in order."""
+    if draft_probs is None:
+        draft_probs = [None] * len(drafts)
     num_rows = sum(len(d) + 1 for d in drafts)
     if logits.dim() != 2 or logits.shape[0] != num_rows or len(rows) != len(drafts):
         raise ValueError(
@@ -40,12 +48,12 @@ def verify(
     argmax: list[int] = logits.argmax(dim=-1).tolist()
     results: list[list[int]] = []
     offset = 0
-    for row, draft in zip(rows, drafts, strict=True):
+    for row, draft, q in zip(rows, drafts, draft_probs, strict=True):
         size = len(draft) + 1
         if row.params.greedy:
             results.append(_greedy(argmax[offset : offset + size], draft))
         else:
-            results.append(_rejection_sample(logits[offset : offset + size], row, draft))
+            results.append(_rejection_sample(logits[offset : offset + size], row, draft, q))
         offset += size
     return results
 
@@ -57,7 +65,9 @@ def _greedy(targets: list[int], draft: Sequence[int]) -> list[int]:
     return targets
 
 
-def _rejection_sample(logits: torch.Tensor, row: SamplingRow, draft: Sequence[int]) -> list[int]:
+def _rejection_sample(
+    logits: torch.Tensor, row: SamplingRow, draft: Sequence[int], q: torch.Tensor | None
+) -> list[int]:
     probs = filtered_probs(logits, [row.params] * logits.shape[0])
     out: list[int] = []
     for j, token in enumerate(draft):
@@ -65,12 +75,18 @@ def _rejection_sample(logits: torch.Tensor, row: SamplingRow, draft: Sequence[in
         p_token = float(probs[j, token])
         # the acceptance test's uniform: its own stream (salt 1) of the position's seed
         uniform = float(uniforms([seed], 1, torch.float64, probs.device, salt=1)[0, 0])
-        if uniform < p_token:
+        q_token = 1.0 if q is None else float(q[j, token])
+        if uniform * q_token < p_token:  # u < min(1, p / q)
             out.append(token)
             continue
-        residual = probs[j].clone()
-        residual[token] = 0.0  # max(0, p - q) for q the point mass on the proposed token
-        out.append(draw(residual / residual.sum(), seed))
+        if q is None:
+            residual = probs[j].clone()
+            residual[token] = 0.0  # max(0, p - q) for q the point mass on the proposed token
+        else:
+            residual = (probs[j] - q[j].to(probs.dtype)).clamp_(min=0.0)
+        total = float(residual.sum())
+        # total 0 only where p == q, whose rejection has probability 0: float rounding
+        out.append(draw(residual / total if total > 0 else probs[j], seed))
         return out
     out.append(draw(probs[-1], mix_seed(row.seed, row.output_pos + len(draft))))
     return out

@@ -158,8 +158,9 @@ def test_abort_mid_speculation_frees_every_block(tiny_model) -> None:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_greedy_equals_transformers(tiny_model) -> None:
-    model_dir = tiny_model("qwen2")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_tensor_parallel_greedy_equals_transformers(tiny_model, family: str) -> None:
+    model_dir = tiny_model(family)
     prompts = copy_prompts(model_dir)
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     outputs, (proposed, accepted), _ = run(model_dir, prompts, tensor_parallel_size=2)
@@ -167,8 +168,10 @@ def test_tensor_parallel_greedy_equals_transformers(tiny_model) -> None:
     assert 0 < accepted < proposed
 
 
-def test_draft_method_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="'draft'"):
-        SpeculativeConfig(method="draft", draft_model="some/model")
+def test_bad_speculative_configs_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="'draft' needs draft_model"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="only for method 'draft'"):
+        SpeculativeConfig(draft_model="some/model")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)

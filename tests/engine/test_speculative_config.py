@@ -16,19 +16,24 @@ def test_section_reaches_the_engine_config() -> None:
     engine = engine_config(config, "/models/x", 1)
     assert engine.speculative == SpeculativeConfig(method="ngram", num_tokens=6)
     assert engine_config(parse_config({}), "/models/x", 1).speculative is None
+    draft = parse_config({"speculative": {"method": "draft", "draft_model": "/models/d"}})
+    assert engine_config(draft, "/models/x", 1).speculative == SpeculativeConfig(
+        method="draft", draft_model="/models/d"
+    )
 
 
 @pytest.mark.parametrize(
     ("section", "message"),
     [
         ({"methd": "ngram"}, "unknown key 'methd' in speculative (did you mean 'method'?)"),
-        ({"method": "eagle"}, "speculative.method must be ngram or null"),
-        ({"method": "draft"}, "'draft' (a draft model) is not supported"),
+        ({"method": "eagle"}, "speculative.method must be ngram, draft or null"),
+        ({"method": "draft"}, "speculative.draft_model is needed with method draft"),
+        ({"method": "draft", "draft_model": 3}, "speculative.draft_model must be a model folder"),
         ({"method": "ngram", "num_tokens": 0}, "speculative.num_tokens must be an integer >= 1"),
         ({"method": "ngram", "num_tokens": "4"}, "speculative.num_tokens must be an integer"),
         ({"method": "ngram", "num_tokens": 33}, "at most 32"),
         ({"prompt_lookup_min": 5}, "must not exceed speculative.prompt_lookup_max"),
-        ({"method": "ngram", "draft_model": "/m"}, "unknown key 'draft_model' in speculative"),
+        ({"method": "ngram", "draft_model": "/m"}, "and only with it"),
     ],
 )
 def test_bad_sections_are_refused_by_name(section: dict[str, object], message: str) -> None:
