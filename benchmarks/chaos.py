@@ -3,22 +3,19 @@
     python -m benchmarks.chaos [--runtime plain|ray] [--mode disaggregated|adaptive|colocated]
                                [--duration-s 240] [--fault-every-s 20] [--out chaos.json]
 
-This process hosts the cluster and its router, as `pdserve serve` does (`--runtime plain`:
-worker processes, as with --no-ray; `ray`: worker actors on a local Ray cluster). The layout
-(`--mode`): disaggregated, one prefill instance at TP=2 and two decode instances; adaptive or
-colocated, two instances at TP=1. The demo model runs in float64, so a migrated greedy stream
-must match the undisturbed one exactly. The load runs in a child process
-(benchmarks/chaos_load.py). First every prompt of the set is generated once, undisturbed: that
-is the reference. Then, while the load runs, a fault every --fault-every-s (drawn between half
-and one and a half times it), in turn from those the layout has (chaos_faults.faults_for):
+This process hosts the cluster and its router as `pdserve serve` does (`--runtime`: worker
+processes, or actors on a local Ray cluster). `--mode` disaggregated: a prefill instance at TP=2
+and two decode instances; adaptive or colocated: two instances at TP=1. The demo model runs in
+float64, so a migrated greedy stream must equal the undisturbed one, the reference generated
+first. While the load runs (in a child process, benchmarks/chaos_load.py), a fault every
+--fault-every-s (x0.5 to x1.5), in turn from those the layout has (chaos_faults.faults_for):
 
     kill_worker       SIGKILL a decode worker (any instance's worker without decode instances)
     kill_tp_rank      SIGKILL one TP rank of an instance at TP>1 (the driver or another rank)
     stop_worker       SIGSTOP a worker for longer than the KV deadlines, then SIGCONT
     drop_kv_channel   abort a TCP connection between a KV source's ranks and its target
                       (`ss -K`: the KV channel's sockets; needs the kernel's sock_destroy)
-
-After each fault it waits until every instance is healthy, routable and SERVING (`heal_s`).
+After each it waits until every instance is healthy, routable and SERVING (`heal_s`).
 
 The last line printed is one JSON object (also written to --out):
   requests, completed, faults_injected, faults (each with its kind, target, heal_s)

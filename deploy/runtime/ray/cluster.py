@@ -7,23 +7,20 @@
 
 Start-up, in order (each step reported through `progress`):
 1. Ray: a local cluster on 127.0.0.1 (deploy/runtime/ray/node.py), or join `spec.ray.address`.
-2. Placement groups (deploy/runtime/ray/placement.py), for every layout (disaggregated, colocated,
-   adaptive): an instance at TP>1 STRICT_PACK, one bundle per TP rank; the TP=1 replicas of a
-   role spread; GPUs or CPU shares claimed as Ray resources.
+2. Placement groups for any layout (deploy/runtime/ray/placement.py): an instance at TP>1
+   packed on one node, the TP=1 replicas of a role spread; GPUs or CPU shares as resources.
 3. Worker actors (deploy/runtime/ray/actors.py), all at once: each loads the model, forms its TP group
    (rank actors via deploy/runtime/ray/launcher.py) and opens its KV channel endpoints. Ports travel as
    actor-call arguments and results (RankSpec, KVTicket); KV itself never enters Ray.
-4. KV channels: one two-token request through every (prefill, decode) pair (ClusterSpec.kv_pairs;
-   none when colocated) builds every pair channel before the first user request (and checks the
-   hand-off end to end).
+4. KV channels: a two-token request through every pair (ClusterSpec.kv_pairs; none when
+   colocated) builds its channels before the first user request.
 5. The router, in this process (deploy/runtime/router_host.py) with a RayHandle per worker actor; then
    wait until its health is SERVING.
 
 Failures: a worker actor whose process dies is restarted by Ray (`ray.max_restarts`) behind the
-same name and handle; what becomes of its in-flight requests: docs/design/recovery.md. New requests avoid the
-instance (the router's pool marks it unhealthy) until its load reports healthy again, which is
-after its constructor rebuilt the worker and its KV pair channels (deploy/runtime/channels.py). A
-restarted prefill driver replaces its TP rank actors (deploy/runtime/ray/launcher.py).
+same name and handle (its in-flight requests: docs/design/recovery.md). The router avoids it until
+its load reports healthy, once its constructor rebuilt the worker and its KV pair channels
+(deploy/runtime/channels.py). A restarted driver replaces its TP rank actors (launcher.py).
 
 Shutdown (`shutdown()`; `pdserve serve` calls it on SIGINT/SIGTERM): the router stops
 admitting and gives in-flight requests `shutdown_grace_s`, then aborts them; the workers shut
