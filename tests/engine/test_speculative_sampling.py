@@ -2,9 +2,11 @@
 significance 0.001 (fixed seeds, so each test's outcome is deterministic).
 
 1. The verifier alone, on fixed logits: the first emitted token after a point-mass proposal is
-   distributed as the target's (filtered) probabilities, for a likely and an unlikely proposal.
+   distributed as the target's (filtered) probabilities, for a likely and an unlikely proposal;
+   and after a proposal drawn from a draft distribution q, with q passed to the verifier.
 2. End to end on a tiny-vocabulary model (6 tokens) at temperature 1: 3000 seeded requests whose
-   prompt repeats itself, so prompt lookup proposes from the first decode step. The joint
+   prompt repeats itself, so prompt lookup proposes from the first decode step; and the same
+   with a draft model (the target's first layer) that samples its proposals. The joint
    distribution of their first three tokens is compared with the exact one from transformers in
    float64, with speculation on and, as a control of the test itself, off.
 """
@@ -20,6 +22,7 @@ from scipy.stats import chisquare
 from engine import LLM, SamplingParams
 from engine.sampler import SamplingRow, filtered_probs
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.layer_skip import build_layer_skip_draft
 from engine.speculative.verify import verify
 from tests.tiny_models import load_hf_model
 
@@ -68,6 +71,23 @@ def test_first_token_follows_the_target(params: SamplingParams, draft: list[int]
     assert chi_square_p(counts, {(t,): p for t, p in enumerate(probs)}) > ALPHA
 
 
+def test_first_token_follows_the_target_after_a_draft_distribution() -> None:
+    params = SamplingParams(temperature=1.0)
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0, -0.5]] * 2, dtype=torch.float64)
+    probs = filtered_probs(logits[:1], [params])[0].tolist()
+    q = torch.tensor([[0.1, 0.1, 0.5, 0.2, 0.1]], dtype=torch.float64)  # favours token 2
+    generator = torch.Generator().manual_seed(0)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for seed in range(20000):
+        proposal = int(torch.multinomial(q[0], 1, generator=generator))
+        (tokens,) = verify(logits, [SamplingRow(params, seed, 0)], [[proposal]], [q])
+        counts[(tokens[0],)] = counts.get((tokens[0],), 0) + 1
+        accepted += tokens[0] == proposal
+    assert 0 < accepted < 20000
+    assert chi_square_p(counts, {(t,): p for t, p in enumerate(probs)}) > ALPHA
+
+
 def exact_first_tokens(model_dir: str, num_tokens: int) -> dict[tuple[int, ...], float]:
     """P(first `num_tokens` outputs) at temperature 1, from transformers in float64."""
     hf = load_hf_model(model_dir, torch.float64)
@@ -85,12 +105,18 @@ def exact_first_tokens(model_dir: str, num_tokens: int) -> dict[tuple[int, ...],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("speculative", [True, False])
-def test_sampled_outputs_follow_the_target(tiny_model, speculative: bool) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft", None])
+def test_sampled_outputs_follow_the_target(tiny_model, tmp_path, method: str | None) -> None:
     model_dir = tiny_model("llama", vocab_size=VOCAB)
     num_seeds, num_tokens = 3000, 3
     exact = exact_first_tokens(model_dir, num_tokens)
-    spec = SpeculativeConfig(num_tokens=3, prompt_lookup_max=3) if speculative else None
+    spec = None
+    if method == "ngram":
+        spec = SpeculativeConfig(num_tokens=3, prompt_lookup_max=3)
+    elif method == "draft":
+        draft_dir = build_layer_skip_draft(model_dir, tmp_path / "draft", 1)
+        spec = SpeculativeConfig(method="draft", draft_model=draft_dir, num_tokens=3)
+    speculative = spec is not None
     params = [
         SamplingParams(max_tokens=num_tokens + 1, temperature=1.0, seed=s, ignore_eos=True)
         for s in range(num_seeds)
