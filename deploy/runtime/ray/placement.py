@@ -65,9 +65,6 @@ class PlacementPlan:
     num_cpus_per_worker: float = 1.0
     gpus_per_rank: float = 1.0  # below 1: ranks share GPUs (see gpus_per_rank)
 
-    def count(self, role: Role) -> int:
-        return sum(1 for i in self.instances if i.role == role)
-
     def resources(self, role: Role) -> dict[str, float]:
         """The custom resources of `role`'s bundles ({} when it has no instance)."""
         return next((dict(i.resources) for i in self.instances if i.role == role), {})
