@@ -1,6 +1,8 @@
 """Speculation on a served disaggregated cluster, in real processes: a prefill instance (TP=1)
 hands each request's KV to a decode instance at TP=2 that speculates from the request's first
-decode step. Its pool is too small for the batch, so it preempts mid-speculation. Tokens equal
+decode step, by prompt lookup or with a draft model (the target's first layer, which catches up
+on the prompt on its first step). Its pool is too small for the batch, so it preempts
+mid-speculation. Tokens equal
 transformers' float64 greedy ones, the decode instance reports proposed and accepted tokens,
 and every pool comes back whole.
 """
@@ -11,6 +13,7 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.layer_skip import build_layer_skip_draft
 from kv_transfer.config import KVTransferConfig
 from tests.engine.test_llm import hf_greedy
 from tests.engine.test_speculative import BASE
@@ -29,9 +32,18 @@ def engine_config(model_dir: str, **overrides: object) -> EngineConfig:
     return EngineConfig(model_dir=model_dir, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_served_speculation_equals_transformers(tiny_model, family: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "method"),
+    [("llama", "ngram"), ("qwen2", "ngram"), ("mistral", "ngram"), ("llama", "draft")],
+)
+def test_served_speculation_equals_transformers(
+    tiny_model, tmp_path, family: str, method: str
+) -> None:
     model_dir = tiny_model(family)
+    spec = SpeculativeConfig(num_tokens=4, prompt_lookup_max=3)
+    if method == "draft":
+        draft_dir = build_layer_skip_draft(model_dir, tmp_path / "draft", 1)
+        spec = SpeculativeConfig(method="draft", draft_model=draft_dir, num_tokens=4)
     first = hf_greedy(model_dir, BASE, 24)
     prompts = [p + o + p for p, o in zip(BASE, first, strict=True)]
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
@@ -40,7 +52,7 @@ def test_served_speculation_equals_transformers(tiny_model, family: str) -> None
         model_dir,
         tensor_parallel_size=2,
         num_kv_blocks=24,
-        speculative=SpeculativeConfig(num_tokens=4, prompt_lookup_max=3),
+        speculative=spec,
     )
     cluster = Cluster()
     try:
