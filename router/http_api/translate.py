@@ -8,6 +8,7 @@ both. Sampling defaults are OpenAI's where they differ from pdserve's gRPC ones:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from router.http_api.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     Delta,
     PromptLogprobs,
     PromptTokensDetails,
@@ -122,17 +124,31 @@ def chat_to_proto(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRe
     return request
 
 
-def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> Usage:
+def usage(
+    num_prompt: int,
+    num_completion: int,
+    num_cached: int = 0,
+    lasts: Sequence[GenerationChunk] = (),
+) -> Usage:
+    """With the choices' `lasts`: their speculative tokens accepted and rejected, summed."""
+    details = None
+    if lasts:
+        accepted = sum(last.num_spec_accepted_tokens for last in lasts)
+        proposed = sum(last.num_spec_proposed_tokens for last in lasts)
+        details = CompletionTokensDetails.model_construct(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=proposed - accepted
+        )
     return Usage.model_construct(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,
         total_tokens=num_prompt + num_completion,
         prompt_tokens_details=PromptTokensDetails.model_construct(cached_tokens=num_cached),
+        completion_tokens_details=details,
     )
 
 
 def final_usage(last: GenerationChunk) -> Usage:
-    return usage(last.num_prompt_tokens, last.num_completion_tokens, last.num_cached_tokens)
+    return usage(last.num_prompt_tokens, last.num_completion_tokens, last.num_cached_tokens, [last])
 
 
 @dataclass
@@ -188,7 +204,7 @@ class ResponseShape:
         lasts = [c.last for c in self.choices.values() if c.last is not None]
         num_completion = sum(last.num_completion_tokens for last in lasts)
         num_cached = max((last.num_cached_tokens for last in lasts), default=0)
-        return usage(self.num_prompt_tokens, num_completion, num_cached)
+        return usage(self.num_prompt_tokens, num_completion, num_cached, lasts)
 
     def _vllm_prompt_logprobs(self) -> PromptLogprobs | None:
         if not self.wants_prompt_logprobs or self.writer is None or self.prompt_logprobs is None:
