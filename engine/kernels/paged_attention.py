@@ -12,7 +12,9 @@ is skipped, as vLLM's PAD_SLOT_ID is.
 num_kv_heads query heads that share the KV head together, so each key and value row is read
 once per KV head. It walks the sequence's positions in tiles of BLOCK_N, looking each position's
 block up in the block table (any block size works, and nothing is padded to the longest
-sequence), with an online softmax in float32 (float64 for float64 models). A sequence of context
+sequence), with an online softmax in float32 (float64 for float64 models). Scores and the weighted sum are
+tl.dot products (tensor cores; the query group padded to 16 rows), but for float64, which has
+none and takes a broadcast product instead. A sequence of context
 length 0 is padding: its output rows are zeros. A sliding window W reads only positions
 p > context_len - 1 - W.
 """
@@ -114,6 +116,8 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACC_FP64: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -125,11 +129,12 @@ def _paged_decode_kernel(
     g_mask = g < group_size
     d_mask = d < HEAD_DIM
     heads = kv_head * group_size + g
-    q = tl.load(
+    q_raw = tl.load(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(acc_dtype)
+    )
+    q = q_raw.to(acc_dtype)
     m = tl.full([BLOCK_G], float("-inf"), acc_dtype)
     denom = tl.zeros([BLOCK_G], acc_dtype)
     acc = tl.zeros([BLOCK_G, BLOCK_D], acc_dtype)
@@ -142,14 +147,28 @@ def _paged_decode_kernel(
         row = cache_base + block_id.to(tl.int64) * stride_cb + (pos % block_size) * stride_co
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.sum(q[:, None, :] * k.to(acc_dtype)[None, :, :], axis=2) * scale  # [G, N]
+        if USE_DOT:  # tensor cores: [G, D] x [D, N], float32 accumulation
+            if IEEE:
+                scores = tl.dot(q_raw, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q_raw, tl.trans(k))
+        else:  # float64: no tensor-core dot; a broadcast product, fine for tests
+            scores = tl.sum(q[:, None, :] * k.to(acc_dtype)[None, :, :], axis=2)
+        scores = scores * scale  # [G, N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(acc_dtype)[None, :, :], axis=1)
+        if USE_DOT:
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(acc_dtype)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m = m_new
     out = acc / tl.maximum(denom, 1e-30)[:, None]
     tl.store(
@@ -182,6 +201,10 @@ def paged_decode_attention(
         return out
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and key_cache.stride(-1) == 1
     assert key_cache.stride() == value_cache.stride()
+    # tl.dot (tensor cores) needs every dimension >= 16, and has no float64: float64 models
+    # take a broadcast product, which is exact enough for parity and slow, and only for tests.
+    use_dot = q.dtype != torch.float64
+    minimum = 16 if use_dot else 1
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         out,
         q,
@@ -202,9 +225,11 @@ def paged_decode_attention(
         key_cache.shape[2],
         group_size,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_G=max(triton.next_power_of_2(group_size), 1),
-        BLOCK_N=block_n,
-        ACC_FP64=q.dtype == torch.float64,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), minimum),
+        BLOCK_G=max(triton.next_power_of_2(group_size), minimum),
+        BLOCK_N=max(block_n, minimum),
+        ACC_FP64=not use_dot,
+        USE_DOT=use_dot,
+        IEEE=q.dtype == torch.float32,
     )
     return out
