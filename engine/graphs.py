@@ -83,7 +83,11 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def fits(self, chunks: Sequence[SequenceChunk]) -> bool:
-        return len(chunks) <= self.max_batch and is_pure_decode(chunks)
+        return (
+            len(chunks) <= self.max_batch
+            and is_pure_decode(chunks)
+            and all(len(c.block_table) <= self.max_blocks for c in chunks)
+        )
 
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)

@@ -86,6 +86,7 @@ def test_which_steps_take_the_fixed_shape_path(tiny_model) -> None:
     assert not graphs.fits([SequenceChunk("c", [1, 2], 4, [0, 1], num_draft=1)])  # speculative
     assert not graphs.fits([SequenceChunk("d", [1], 3, [0], sample=False)])
     assert not graphs.fits([])
+    assert not graphs.fits([SequenceChunk("e", [1], 4, list(range(graphs.max_blocks + 1)))])
 
 
 def test_off_by_default_on_cpu(tiny_model) -> None:
