@@ -200,6 +200,12 @@ def table(tmp: Path) -> dict[str, Row]:
             SpeculativeConfig(num_tokens=6),
             {"speculative.method": "ngram"},
         ),
+        "speculative.draft_model": Row(
+            other,
+            engine("speculative"),
+            SpeculativeConfig(method="draft", draft_model=other),
+            {"speculative.method": "draft"},
+        ),
         "speculative.prompt_lookup_min": Row(
             2,
             engine("speculative"),
