@@ -85,6 +85,30 @@ def test_fused_forward_matches_transformers_in_float64(tiny_model, family: str) 
     assert [r.token_ids for r in ours] == expected
 
 
+@pytest.mark.slow  # about 20 s each: every kernel launch is interpreted
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_graphed_gpu_path_run_eagerly_matches_transformers(tiny_model, family: str) -> None:
+    """What a CUDA graph replays, run eagerly on CPU: the fixed-shape buffers with padding rows,
+    the Triton KV write and decode attention, and the fused ops, all at once (Qwen2: a sliding
+    window in the tiny model)."""
+    model_dir = tiny_model(family)
+    config = EngineConfig(
+        model_dir=model_dir,
+        dtype="float64",
+        block_size=8,
+        num_kv_blocks=64,
+        attention_backend="triton",
+        fused_ops=True,
+        fixed_shape_decode=True,
+    )
+    with Executor(config) as executor:
+        runner = executor._runner
+        assert runner.backend.name == "triton" and runner.model.fused_ops
+        prompts = make_prompts(executor.model_config.vocab_size, lens=(5, 19, 26))
+        ours = greedy_generate(executor, prompts, 24)
+    assert [r.token_ids for r in ours] == hf_greedy(model_dir, prompts, 24)
+
+
 def test_gemma_keeps_the_torch_forward(tiny_model) -> None:
     config = EngineConfig(model_dir=tiny_model("gemma3"), num_kv_blocks=8, fused_ops=True)
     with Executor(config) as executor:
