@@ -35,14 +35,20 @@ _DIAL_POLL_S = 0.002
 ORDERED_MATCHING_ENV = "PDSERVE_KV_ORDERED_MATCHING"
 
 
+# Tests set it to split a CPU channel as a CUDA one is split (control on one gloo group, the KV on
+# a second one standing in for NCCL), so the two streams' ordering runs on CPU.
+SPLIT_GROUPS_ENV = "PDSERVE_KV_SPLIT_GROUPS"
+
+
 def ordered_matching() -> bool:
     """Whether gloo channels drop their tags (NCCL channels never have any)."""
     return os.environ.get(ORDERED_MATCHING_ENV, "") not in ("", "0")
 
 
-# NCCL's group timeout is what its watchdog enforces on every operation, the header receive that
-# waits for new work included; deadlines are enforced here instead (by polling, then aborting the
-# group), so the watchdog must never fire first.
+# NCCL's group timeout is what its watchdog enforces on every operation. NCCL carries only KV,
+# posted once a transfer is known to be next, but a transfer's deadline can still be long: the
+# deadlines are enforced here (by polling, then aborting the group), and the watchdog must never
+# fire first.
 _NCCL_GROUP_TIMEOUT = datetime.timedelta(days=7)
 _CUDA_POLL_S = 0.00005
 _CUDA_POLL_MAX_S = 0.001
@@ -100,8 +106,22 @@ def remaining_s(deadline: float) -> float:
     return deadline - time.monotonic()
 
 
+@dataclass(frozen=True)
+class Posted:
+    """A posted send or receive, and whether its wait polls (NCCL) or blocks (gloo)."""
+
+    work: dist.Work
+    polled: bool
+
+
 class Channel:
-    """One 2-rank process group. `isend`/`irecv` post; `wait` bounds every completion by a deadline.
+    """One rank pair. `isend`/`irecv` post; `wait` bounds every completion by a deadline.
+
+    On CPU one gloo group carries everything. On CUDA two groups share the pair's store prefix:
+    control messages (CPU tensors: headers, trailers) go over gloo and the KV (CUDA tensors) over
+    NCCL. A header receive waits for new work on a socket, never as an NCCL kernel kept running on
+    the GPU, and a transfer's NCCL receives are posted only once its header named it: each group
+    is its own stream in post order, and both sides post to each in the same order.
 
     Thread-safe for posting from one thread while others wait: the backends lock per connection.
     """
@@ -115,13 +135,16 @@ class Channel:
         self.peer_rank = 1 - rank
         self.device = device
         self._store = dist.PrefixStore(f"{pair_key}/{epoch}", store)
-        self._group: _PairGroup | None = None
+        self._group: _PairGroup | None = None  # control (and, on CPU, the KV too): gloo
+        self._data: _PairGroup | None = None  # the KV's group: NCCL on CUDA, else `_group`
         self._connected = threading.Event()
         self._connect_error: BaseException | None = None
         self._closed = threading.Event()
         self._group_lock = threading.Lock()  # close() and a finishing connect() hand the group over
         self.broken = False
-        self.ordered = device.type == "cuda" or ordered_matching()
+        self.ordered = ordered_matching()  # gloo only: NCCL ignores tags whatever they are
+        # Control and KV on two groups (the class docstring): always on CUDA; on CPU for tests.
+        self.split = device.type == "cuda" or os.environ.get(SPLIT_GROUPS_ENV, "") not in ("", "0")
         # The same-node transport: control messages only (gloo, CPU), the KV through `source`,
         # the prefill rank's exported cache (same_node.py). Set before connecting.
         self.same_node = False
@@ -137,19 +160,32 @@ class Channel:
     def connect(self, deadline: float) -> None:
         """Build the group; blocks until the peer joins or the deadline passes. A group that
         comes up after close() is aborted at once (close could not reach it)."""
+        groups: list[_PairGroup] = []
         try:
-            group = self._make_group(as_timedelta(remaining_s(deadline)))
-            self._warm_up(group, deadline)
+            timeout = as_timedelta(remaining_s(deadline))
+            # gloo: the timeout bounds the rendezvous; every wait passes its own.
+            groups.append(_pair_group(dist.ProcessGroupGloo(self._store, self.rank, 2, timeout)))
+            self._warm_up(groups[0], torch.device("cpu"), deadline)
+            if self.device.type == "cuda":
+                groups.append(self._nccl_group())
+            elif self.split:
+                store = dist.PrefixStore("data", self._store)
+                groups.append(_pair_group(dist.ProcessGroupGloo(store, self.rank, 2, timeout)))
+            if len(groups) > 1:
+                self._warm_up(groups[1], self.device, deadline)
         except BaseException as exc:  # the constructor raises several types on a missing peer
             self._connect_error = exc
             self.broken = True
+            for group in groups:
+                _abort(group)
         else:
             with self._group_lock:
                 closed = self._closed.is_set()
                 if not closed:
-                    self._group = group
+                    self._group, self._data = groups[0], groups[-1]
             if closed:
-                _abort(group)
+                for group in groups:
+                    _abort(group)
         finally:
             self._connected.set()
         if self._connect_error is not None:
@@ -188,6 +224,7 @@ class Channel:
         """Carry control messages only, on gloo; the KV comes from `source` (before connect)."""
         self.same_node, self.source = True, source
         self.device = torch.device("cpu")
+        self.split = False  # no KV on the wire
         self.ordered = ordered_matching()
 
     def mapped_source(self) -> torch.Tensor:
@@ -211,34 +248,33 @@ class Channel:
         if self._connect_error is not None:
             raise KVTransferTimeout(f"{self}: connecting failed ({self._connect_error})")
 
-    def _make_group(self, timeout: datetime.timedelta) -> _PairGroup:
-        if self.device.type == "cuda":
-            _nccl_raises_instead_of_killing()
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = _NCCL_GROUP_TIMEOUT
-            return _pair_group(dist.ProcessGroupNCCL(self._store, self.rank, 2, options))
-        # gloo: the timeout bounds the rendezvous; every wait passes its own.
-        return _pair_group(dist.ProcessGroupGloo(self._store, self.rank, 2, timeout))
+    def _nccl_group(self) -> _PairGroup:
+        _nccl_raises_instead_of_killing()
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = _NCCL_GROUP_TIMEOUT
+        store = dist.PrefixStore("nccl", self._store)  # beside the gloo group's keys
+        return _pair_group(dist.ProcessGroupNCCL(store, self.rank, 2, options))
 
-    def _warm_up(self, group: _PairGroup, deadline: float) -> None:
+    def _warm_up(self, group: _PairGroup, device: torch.device, deadline: float) -> None:
         """One message from rank 0 to rank 1 on the connecting thread: NCCL builds its
         communicator lazily in a pair's first operation, which must not be a transfer's (it would
         block whichever thread posts it, the decode loop's included)."""
-        probe = torch.ones(1, device=self.device)
+        probe = torch.ones(1, device=device)
         if self.rank == 0:
             work = group.send([probe], 1, 0)
         else:
             work = group.recv([probe], 0, 0)
-        self._wait_work(work, deadline)
+        self._wait_work(Posted(work, device.type == "cuda"), deadline)
         if probe.item() != 1:
             raise RuntimeError(f"the warm-up message arrived as {probe.item()}")
 
-    def _wait_work(self, work: dist.Work, deadline: float) -> None:
-        if self.device.type != "cuda":
+    def _wait_work(self, posted: Posted, deadline: float) -> None:
+        work = posted.work
+        if not posted.polled:
             work.wait(as_timedelta(remaining_s(deadline)))
             return
         # NCCL: poll, so a late peer ends in our timeout, not in a watchdog abort of the process.
-        # The pause grows to _CUDA_POLL_MAX_S: an idle header receive costs ~1k wake-ups a second.
+        # The pause grows to _CUDA_POLL_MAX_S, for a wait on a peer still sending its KV.
         pause = _CUDA_POLL_S
         while not work.is_completed():
             if remaining_s(deadline) <= 0:
@@ -247,18 +283,26 @@ class Channel:
             pause = min(2 * pause, _CUDA_POLL_MAX_S)
         work.wait()  # raises the communicator's error, if it had one
 
-    def _live_group(self) -> _PairGroup:
-        if self.broken or self._group is None:
+    def _post(self, tensor: torch.Tensor, tag: int, send: bool, control: bool) -> Posted:
+        """Post a control message (a CPU tensor) on the gloo group, the KV on the KV's group
+        (NCCL on CUDA). Gloo messages are tagged unless matching in order; NCCL ignores tags."""
+        group, data = self._group, self._data
+        if self.broken or group is None or data is None:
             raise KVTransferError(f"{self} is broken or not connected")
-        return self._group
+        if not control:
+            group = data
+        polled = tensor.is_cuda
+        tag = 0 if polled or self.ordered else tag
+        post = group.send if send else group.recv
+        return Posted(post([tensor], self.peer_rank, tag), polled)
 
-    def isend(self, tensor: torch.Tensor, tag: int) -> dist.Work:
-        return self._live_group().send([tensor], self.peer_rank, 0 if self.ordered else tag)
+    def isend(self, tensor: torch.Tensor, tag: int, control: bool = False) -> Posted:
+        return self._post(tensor, tag, True, control)
 
-    def irecv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
-        return self._live_group().recv([tensor], self.peer_rank, 0 if self.ordered else tag)
+    def irecv(self, tensor: torch.Tensor, tag: int, control: bool = False) -> Posted:
+        return self._post(tensor, tag, False, control)
 
-    def wait(self, work: dist.Work, deadline: float, what: str) -> None:
+    def wait(self, work: Posted, deadline: float, what: str) -> None:
         """Wait for one posted op; any failure breaks the channel and raises a KVTransferError."""
         try:
             if remaining_s(deadline) <= 0:
@@ -290,14 +334,15 @@ class Channel:
         aborts the interpreter's teardown)."""
         with self._group_lock:
             self._closed.set()
-            group, self._group = self._group, None
+            group, data = self._group, self._data
+            self._group = self._data = None
         self._mapped = None  # unmapped once a copy still reading it is done
         if not self._connected.is_set():
             self._connect_error = self._connect_error or RuntimeError("the channel was closed")
             self.broken = True
             self._connected.set()
-        if group is not None:
-            _abort(group)
+        for dropped in {id(g): g for g in (group, data) if g is not None}.values():
+            _abort(dropped)
 
 
 def _abort(group: _PairGroup) -> None:

@@ -216,9 +216,9 @@ class _Lane(Incoming):
         for index in range(view.num_payload_messages):
             buffer, staged = view.incoming(index, self.staging)
             posted.append((channel.irecv(buffer, view.tag(tid, 1 + index)), buffer, staged))
-        closing = empty_control(view.cache.device)
+        closing = empty_control(torch.device("cpu"))  # control: gloo
         last = 1 + view.num_payload_messages
-        trailer_work = channel.irecv(closing, view.tag(tid, last))
+        trailer_work = channel.irecv(closing, view.tag(tid, last), control=True)
         post_next()
         # Scatter message i while later messages are still arriving.
         for index, (work, buffer, staged) in enumerate(posted):

@@ -84,7 +84,9 @@ class SendHandle:
         self._finishing = False
         self.error: KVTransferError | None = None
         self._post_inline = post_inline
-        self._outbox: queue.SimpleQueue[tuple[_Lane, torch.Tensor, int, str, bool, bool] | None]
+        self._outbox: queue.SimpleQueue[
+            tuple[_Lane, torch.Tensor, int, str, bool, bool, bool] | None
+        ]
         self._outbox = queue.SimpleQueue()
         threading.Thread(
             target=self._poster, name=f"kv-send-{ticket.request_id}", daemon=True
@@ -101,7 +103,7 @@ class SendHandle:
                 # Nothing of it is on the wire: a CANCELLED header takes its place in the
                 # stream, so the decode side ends it promptly and the channel stays.
                 header = lane.view.header(self.ticket.transfer_id, STATUS_CANCELLED)
-                channel.sends.abandon(outgoing, header.to(channel.device))
+                channel.sends.abandon(outgoing, header)
             else:
                 channel.mark_broken()
                 self._dialer.report_broken(lane.endpoint, channel)
@@ -116,20 +118,30 @@ class SendHandle:
         what: str,
         staged: bool = False,
         last: bool = False,
+        control: bool = False,
     ) -> None:
+        """Queue one message of the lane's transfer. `control`: a header or trailer (a CPU
+        tensor), which goes on the channel's control group, never the KV's (channel.py)."""
         if self._post_inline:
-            self._post_now(lane, tensor, index, what, staged, last)
+            self._post_now(lane, tensor, index, what, staged, last, control)
         else:
-            self._outbox.put((lane, tensor, index, what, staged, last))
+            self._outbox.put((lane, tensor, index, what, staged, last, control))
 
     def _post_now(
-        self, lane: _Lane, tensor: torch.Tensor, index: int, what: str, staged: bool, last: bool
+        self,
+        lane: _Lane,
+        tensor: torch.Tensor,
+        index: int,
+        what: str,
+        staged: bool,
+        last: bool,
+        control: bool,
     ) -> None:
         channel, outgoing = lane.channel, lane.outgoing  # read once: the lane may fail meanwhile
         if channel is None or outgoing is None:
             return
         tag = lane.view.tag(self.ticket.transfer_id, index)
-        channel.sends.push(outgoing, tensor, tag, what, staged, last)
+        channel.sends.push(outgoing, tensor, tag, what, staged, last, control)
 
     def _post_payload_until(self, lane: _Lane, stop: int) -> None:
         while lane.next_index < stop:
@@ -192,9 +204,9 @@ class SendHandle:
                 self.ticket.num_tokens,
                 sent_at_us,
             )
-            trailer = control_message(values, lane.view.cache.device)
+            trailer = control_message(values, torch.device("cpu"))  # control: gloo
             last = 1 + lane.view.num_payload_messages
-            self._post(lane, trailer, last, "trailer", last=True)
+            self._post(lane, trailer, last, "trailer", last=True, control=True)
         if status == STATUS_CANCELLED and self.error is None:
             self.error = KVTransferError(f"request {self.ticket.request_id}: cancelled")
         self._start_waiting()
@@ -238,9 +250,9 @@ class SendHandle:
         tid = self.ticket.transfer_id
         header = lane.view.header(tid, status)
         if status == STATUS_CANCELLED:  # the header alone: nothing follows it
-            self._post(lane, header, 0, "header", last=True)
+            self._post(lane, header, 0, "header", last=True, control=True)
             return
-        self._post(lane, header, 0, "header")
+        self._post(lane, header, 0, "header", control=True)
         first = -1 if first_token_id is None else first_token_id
         message = lane.view.pack(
             self._staging,
@@ -267,7 +279,7 @@ class SendHandle:
         message = end_message(
             lane.view.header(tid, status), trailer, copy_by_ns, lane.view.block_ids
         )
-        self._post(lane, message, 0, "same-node message", last=True)
+        self._post(lane, message, 0, "same-node message", last=True, control=True)
 
     def _wait_all(self) -> None:
         try:
@@ -407,11 +419,13 @@ class KVRankSender:
             lane.same_node = lane.channel.same_node
             if lane.same_node:  # one message at finish; a cancel: the header alone
                 if status == STATUS_CANCELLED:
-                    header = lane.view.header(ticket.transfer_id, status).cpu()
-                    handle._post(lane, header, 0, "header", last=True)
+                    header = lane.view.header(ticket.transfer_id, status)
+                    handle._post(lane, header, 0, "header", last=True, control=True)
             elif lane.view.layerwise:
                 header = lane.view.header(ticket.transfer_id, status)
-                handle._post(lane, header, 0, "header", last=status == STATUS_CANCELLED)
+                handle._post(
+                    lane, header, 0, "header", last=status == STATUS_CANCELLED, control=True
+                )
             elif status == STATUS_CANCELLED:  # whole mode: the header alone, without KV
                 handle._post_packed(lane, status, None)
         return handle

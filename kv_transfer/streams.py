@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from kv_transfer.errors import KVTransferCancelled, KVTransferError
 from kv_transfer.wire import CONTROL_LEN, HEADER_TAG, MAGIC, empty_control
 
 if TYPE_CHECKING:
-    from kv_transfer.channel import Channel
+    from kv_transfer.channel import Channel, Posted
 
 # The header wait is a wait for new work: it has no deadline of its own (transfers that wait for
 # their header are withdrawn at theirs). A channel whose peer dies ends it with an error.
@@ -50,8 +49,9 @@ class Outgoing:
     """One transfer's messages on one channel, in order; `posted` holds what the backend has."""
 
     what: str
-    pending: deque[tuple[torch.Tensor, int, str, bool]] = field(default_factory=deque)
-    posted: list[tuple[dist.Work, torch.Tensor, str, bool]] = field(default_factory=list)
+    # (tensor, tag, what, staged, control): control messages go on the control group (channel.py)
+    pending: deque[tuple[torch.Tensor, int, str, bool, bool]] = field(default_factory=deque)
+    posted: list[tuple[Posted, torch.Tensor, str, bool]] = field(default_factory=list)
     closed: bool = False  # the last message was pushed
     started: bool = False  # a message reached the backend: the stream now depends on the rest
     error: KVTransferError | None = None
@@ -86,11 +86,12 @@ class SendStream:
         what: str,
         staged: bool,
         last: bool,
+        control: bool = False,
     ) -> None:
         with self._lock:
             if outgoing.error is not None or outgoing.closed:
                 return
-            outgoing.pending.append((tensor, tag, what, staged))
+            outgoing.pending.append((tensor, tag, what, staged, control))
             outgoing.closed = last
             broke = self._drain()
         if broke:
@@ -103,7 +104,9 @@ class SendStream:
         with self._lock:
             if outgoing in self._order and not outgoing.started:
                 outgoing.pending.clear()
-                outgoing.pending.append((cancel_header, HEADER_TAG, "cancelled header", False))
+                outgoing.pending.append(
+                    (cancel_header, HEADER_TAG, "cancelled header", False, True)
+                )
                 outgoing.closed = True
                 outgoing.error = KVTransferError(f"{outgoing.what}: abandoned")
                 broke = self._drain()
@@ -118,9 +121,9 @@ class SendStream:
         while self._order:
             head = self._order[0]
             while head.pending:
-                tensor, tag, what, staged = head.pending.popleft()
+                tensor, tag, what, staged, control = head.pending.popleft()
                 try:
-                    work = self.channel.isend(tensor, tag)
+                    work = self.channel.isend(tensor, tag, control)
                 except Exception as exc:  # the peer is gone or the group was dropped
                     head.error = KVTransferError(f"{head.what}: posting {what} failed: {exc}")
                     head.all_posted.set()
@@ -199,7 +202,7 @@ class RecvStream:
         with self._lock:
             return self._expected.pop(incoming.transfer_id, None) is incoming
 
-    def _post_header(self) -> tuple[dist.Work, torch.Tensor]:
+    def _post_header(self) -> tuple[Posted, torch.Tensor]:
         """Post the receive of the next transfer's first message."""
         channel = self.channel
         if channel.same_node:  # gloo takes a shorter message into a longer receive
@@ -210,15 +213,15 @@ class RecvStream:
             if header is None or header.numel() != length:
                 header = torch.zeros(length, dtype=torch.int64)
             self._buffer = header
-        else:  # NCCL needs the sizes to match: the header alone
-            header = empty_control(channel.device)
-        return channel.irecv(header, HEADER_TAG), header
+        else:  # the header alone (a control message: CPU, on gloo even beside NCCL)
+            header = empty_control(torch.device("cpu"))
+        return channel.irecv(header, HEADER_TAG, control=True), header
 
     def _read(self) -> None:
         channel = self.channel
         try:
             channel.wait_connected(time.monotonic() + _IDLE_WAIT_S)
-            posted: tuple[dist.Work, torch.Tensor] | None = self._post_header()
+            posted: tuple[Posted, torch.Tensor] | None = self._post_header()
             while True:
                 assert posted is not None
                 work, header = posted

@@ -302,7 +302,8 @@ class WireView:
             self.num_heads,
             self.num_payload_messages,
         )
-        return control_message(values, self.cache.device)
+        # A control message: on the CPU, over gloo, even where the KV goes over NCCL (Channel).
+        return control_message(values, torch.device("cpu"))
 
     def check_header(self, header: torch.Tensor, transfer_id: int, what: str) -> int:
         """The sender's status; raises if the two sides disagree on the transfer's shape."""

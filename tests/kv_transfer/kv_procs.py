@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads
+from kv_transfer.channel import Channel
 from kv_transfer.rank_receiver import KVRankReceiver, RecvHandle
 from kv_transfer.rank_sender import KVRankSender, SendHandle
 from kv_transfer.rendezvous import ChannelDialer, ChannelHost
@@ -167,6 +168,11 @@ class _WorkerState:
         if num_layers_to_send is None:
             handle.finish(first_token_id)
         self.handles[name] = (handle, cache)
+
+    def split_channels(self) -> bool:
+        """Whether channels made here put control and KV on two groups (SPLIT_GROUPS_ENV)."""
+        probe = Channel("probe", 0, torch.distributed.HashStore(), 0, torch.device("cpu"))
+        return probe.split
 
     def same_node(self, name_prefix: str) -> list[bool]:
         """Whether each of this rank's channels for an instance pair uses the same-node

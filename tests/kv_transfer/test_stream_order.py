@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_transfer.channel import ordered_matching
+from kv_transfer.channel import SPLIT_GROUPS_ENV, ordered_matching
 from kv_transfer.messages import KVTicket
 from tests.kv_transfer.kv_procs import Worker, start_workers
 
@@ -21,19 +21,32 @@ _ids = itertools.count(1)
 _transport = "network"  # the pair fixture's transport
 
 
-@pytest.fixture(scope="module", params=["network", "same_node"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
+@pytest.fixture(scope="module", params=["network", "network-split", "same_node"])
+def pair(
+    request: pytest.FixtureRequest, monkeypatch_module: pytest.MonkeyPatch
+) -> Iterator[tuple[Worker, Worker]]:
     """One prefill rank and one decode rank: every transfer shares their one channel, over
-    either transport."""
+    either transport. "network-split": headers and trailers on one gloo group, the KV on a second,
+    as a CUDA channel splits them between gloo and NCCL (two streams, each in post order)."""
     assert ordered_matching(), "the suite runs kv_transfer with ordered matching on"
     global _transport
-    _transport = request.param
+    _transport = request.param.removesuffix("-split")
+    if request.param.endswith("-split"):  # the worker processes inherit it when spawned
+        monkeypatch_module.setenv(SPLIT_GROUPS_ENV, "1")
     prefill, decode = start_workers(1)[0], start_workers(1)[0]
+    monkeypatch_module.delenv(SPLIT_GROUPS_ENV, raising=False)
     try:
+        assert decode.call("split_channels") == request.param.endswith("-split")
         yield prefill, decode
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 def ticket_for(
