@@ -23,7 +23,7 @@ from engine.attention.metadata import to_device
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.config import EngineConfig
 from engine.graphs import DecodeGraphs
-from engine.kernels import triton_available
+from engine.kernels import check_runnable, triton_available
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_quant import quant_format
 from engine.loader import load_model
@@ -200,6 +200,7 @@ def fused_ops(config: EngineConfig, runner: ModelRunner) -> bool:
         wanted = runner.device.type == "cuda" and triton_available()
     if not wanted:
         return False
+    check_runnable(runner.device.type, "fused_ops")
     from engine.models import fused_llama
 
     return fused_llama.supports(runner.model)

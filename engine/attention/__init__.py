@@ -9,6 +9,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels import check_runnable
 
 # flash-attn's paged kernels take a block table only when the page size is a multiple of 256.
 FLASH_BLOCK_SIZE_MULTIPLE = 256
@@ -41,6 +42,7 @@ def select_backend(
 
         return FlashAttentionBackend()
     if name == "triton":
+        check_runnable(torch.device(device).type, "the triton attention back end")
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(cuda=on_cuda)

@@ -97,3 +97,12 @@ def test_off_by_default_on_cpu(tiny_model) -> None:
 def test_unknown_attention_backend_is_rejected(tiny_model, bad: str) -> None:
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(model_dir=tiny_model("llama"), attention_backend=bad)
+
+
+def test_the_triton_back_end_outside_cuda_needs_the_interpreter(monkeypatch) -> None:
+    from engine.attention import select_backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        select_backend("cpu", 16, "triton")
+    assert select_backend("cpu", 16).name == "torch"  # auto never picks it on CPU
