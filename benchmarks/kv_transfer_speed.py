@@ -22,11 +22,10 @@ benchmarks/block_runs.py measures how often each arises under load with BlockPoo
               pair of the p -> d plan, all at once: separates what the fan-out costs on these
               cores from what the KV path's copies (head slices, scattered blocks) cost.
 
-First the transports: same_node_over_network = network path time / same-node transport time
-(shared memory, see kv_transfer/same_node.py), worst over p,d in {(1,1),(2,2)} and two layouts,
-with the raw send interleaved (network_over_raw_same_run; network_over_raw_topology_same_run
-against one raw send per rank pair of the plan, all at once). Prefill ranks are pinned to one half
-of the cores, decode ranks to the other, where there are two or more.
+First the transports: same_node_over_network = network time / same-node time (kv_transfer/
+same_node.py), worst over p,d in {(1,1),(2,2)} and two layouts, raw sends interleaved (also one
+per rank pair of the plan at once: network_over_raw_topology_same_run). Prefill ranks are pinned
+to one half of the cores, decode ranks to the other, where there are two or more.
 
 Run: python -m benchmarks.kv_transfer_speed [--quick] [--out kv.json] (last line: one JSON object)
 """
