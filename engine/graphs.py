@@ -22,6 +22,7 @@ eagerly through ModelRunner.prepare_inputs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -113,7 +114,9 @@ class DecodeGraphs:
         lens = [len(c.block_table) for c in chunks]
         width = max(lens)
         tables = np.zeros((num_seqs, width), dtype=np.int64)
-        flat = np.fromiter((b for c in chunks for b in c.block_table), np.int64, sum(lens))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(c.block_table for c in chunks), np.int64, sum(lens)
+        )
         rows = np.repeat(np.arange(num_seqs), lens)
         cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
         tables[rows, cols] = flat
