@@ -74,11 +74,17 @@ class Recovery:
 def continuation(request: ValidatedRequest, sent_token_ids: list[int]) -> ValidatedRequest:
     """The request that goes on after `sent_token_ids`: they join the prompt, and the budget
     shrinks by as many. Some budget is always left: a worker sends the last token and its
-    finish reason in one event, so a stream that got its last token has finished."""
+    finish reason in one event, so a stream that got its last token has finished.
+    min_tokens shrinks too, and the prompt's log-probabilities, already sent, are not asked
+    again. (The frequency and presence penalties then count only the tokens after the move.)"""
     if not sent_token_ids:
         return request
+    num_sent = len(sent_token_ids)
     params = dataclasses.replace(
-        request.params, max_tokens=request.params.max_tokens - len(sent_token_ids)
+        request.params,
+        max_tokens=request.params.max_tokens - num_sent,
+        min_tokens=max(0, request.params.min_tokens - num_sent),
+        prompt_logprobs=None,
     )
     prompt = [*request.prompt_token_ids, *sent_token_ids]
     return dataclasses.replace(request, prompt_token_ids=prompt, params=params)

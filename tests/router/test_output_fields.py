@@ -18,7 +18,9 @@ from deploy.runtime.handle import LocalHandle
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from router.config import RouterConfig
+from router.recovery import continuation
 from router.tokenizer import RouterTokenizer
+from router.validation import ValidatedRequest
 from tests.engine.test_logprobs_penalties import hf_processed_greedy
 from tests.router.harness import RouterThread
 from tests.tiny_models import load_hf_model
@@ -279,3 +281,13 @@ def test_n_completions_share_the_prompt_through_the_prefix_cache(client, model, 
     )
     finished = {c.index for chunk in streamed for c in chunk.choices if c.finish_reason}
     assert finished == {0, 1}
+
+
+def test_a_moved_request_keeps_its_budgets_and_asks_no_prompt_logprobs_again() -> None:
+    params = SamplingParams(max_tokens=10, min_tokens=4, prompt_logprobs=2, logprobs=1)
+    request = ValidatedRequest("r", [1, 2, 3], params, ())
+    moved = continuation(request, [7, 8])
+    assert moved.prompt_token_ids == [1, 2, 3, 7, 8]
+    assert moved.params.max_tokens == 8 and moved.params.min_tokens == 2
+    assert moved.params.prompt_logprobs is None and moved.params.logprobs == 1
+    assert continuation(request, []) is request  # a retry before any token asks again
