@@ -8,6 +8,7 @@ and returns the logits of the chunks that asked to sample.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -227,5 +228,10 @@ def decode_graphs(config: EngineConfig, runner: ModelRunner) -> DecodeGraphs | N
         runner.device,
     )
     if capture:
-        graphs.capture()
+        try:
+            graphs.capture()
+        except RuntimeError as error:  # an op that waits for the GPU (MoE layers in float64)
+            torch.cuda.synchronize(runner.device)
+            warnings.warn(f"decode steps run eagerly: CUDA graph capture failed ({error})")
+            return None
     return graphs
