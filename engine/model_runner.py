@@ -232,6 +232,8 @@ def decode_graphs(config: EngineConfig, runner: ModelRunner) -> DecodeGraphs | N
             graphs.capture()
         except RuntimeError as error:  # an op that waits for the GPU (MoE layers in float64)
             torch.cuda.synchronize(runner.device)
-            warnings.warn(f"decode steps run eagerly: CUDA graph capture failed ({error})")
+            warnings.warn(
+                f"decode steps run eagerly: CUDA graph capture failed ({error})", stacklevel=2
+            )
             return None
     return graphs
