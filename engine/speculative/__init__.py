@@ -3,6 +3,8 @@ target forward, keep the longest prefix the target agrees with plus one token of
 
     config.py     SpeculativeConfig: the method and its knobs (EngineConfig.speculative)
     ngram.py      prompt lookup: the continuation of the latest earlier match of the last n tokens
+    draft.py      a draft model beside the target, with its own paged KV, drafting in one batch
+    layer_skip.py a draft cut from the target itself (some of its layers), for want of a hub
     state.py      per-request counts and the adaptive number of proposed tokens
     verify.py     greedy acceptance and rejection sampling over the verification logits
 
