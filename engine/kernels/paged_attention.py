@@ -44,8 +44,8 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)  # head * stride_ch passes 2**31 in a large cache
     slot = tl.load(slot_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     # the slot broadcast to a vector first: the interpreter rejects a scalar & vector mask
