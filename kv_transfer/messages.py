@@ -67,6 +67,11 @@ class KVTicket:
     transport: str = "network"  # KVTransferConfig.transport of the decode side
     # how the decode side's cache stores KV (EngineConfig.kv_cache_dtype): both sides must match
     kv_cache_dtype: str = "auto"
+    # time.time() at which the decode side withdraws the reservation if no header came (0: not
+    # told). A sender past it (less a margin for clock skew) fails the transfer without touching
+    # the channel: a header the decode side no longer expects would break the channel for every
+    # transfer queued on it.
+    start_by: float = 0.0
 
     @property
     def wait_to_start_s(self) -> float:

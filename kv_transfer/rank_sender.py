@@ -62,6 +62,9 @@ class _Lane:
 logger = logging.getLogger(__name__)
 _WAIT_ALL = None  # the poster's last item: every message is posted, wait for them
 _INLINE_MAX_BYTES = 1 << 20
+# A send starts no later than this before the decode side withdraws (KVTicket.start_by; a quarter
+# of the wait where that is shorter): room for the dial, the header's trip and clock skew.
+_START_BY_MARGIN_S = 5.0
 
 
 class SendHandle:
@@ -399,6 +402,15 @@ class KVRankSender:
             sum(lane.view.payload_bytes for lane in lanes) <= _INLINE_MAX_BYTES
         )
         handle = SendHandle(ticket, lanes, self.dialer, self.staging, post_inline)
+        margin = min(_START_BY_MARGIN_S, ticket.wait_to_start_s / 4)
+        if ticket.start_by and time.time() > ticket.start_by - margin:
+            late = KVTransferTimeout(
+                f"request {ticket.request_id} (transfer {ticket.transfer_id}): the decode side "
+                "withdraws its reservation before this send could begin; nothing sent"
+            )
+            for lane in lanes:
+                handle._fail(lane, late)
+            return handle
         for lane, segment in zip(lanes, segments, strict=True):
             pair_key = ticket.pair_key(self.prefill_rank, segment.decode_rank)
             source = None

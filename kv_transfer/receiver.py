@@ -94,6 +94,7 @@ class KVReceiver:
             min_piece_bytes=self.config.min_piece_bytes,
             transport=self.config.transport,
             kv_cache_dtype=self.kv_cache_dtype,
+            start_by=time.time() + self.config.start_timeout_s + self.config.transfer_timeout_s,
         )
         deadline = self._clock() + ticket.wait_to_start_s  # the ranks' waits end by then
         self._incoming[rid] = _Incoming(ticket, deadline, set(range(len(self.endpoints))))

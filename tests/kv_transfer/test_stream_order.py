@@ -6,7 +6,9 @@ byte that lands is checked. Real processes over gloo."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -139,6 +141,26 @@ def test_a_sender_that_never_comes_is_withdrawn_and_the_channel_stays(
     assert_landed(prefill, decode, after, [7, 8, 9])
     send(prefill, lost, [0, 1])  # too late: the decode side no longer expects it
     assert prefill.call("wait", "lost", None)["ok"] is False
+
+
+def test_a_send_past_the_withdrawal_is_refused_and_breaks_nothing(
+    pair: tuple[Worker, Worker],
+) -> None:
+    """A header the decode side no longer expects would break the channel and fail every
+    transfer queued on it; a sender past the ticket's start_by sends nothing instead."""
+    prefill, decode = pair
+    late = ticket_for(decode, "late", [0, 1], True, timeout_s=2.0)
+    late = replace(late, start_by=time.time() - 1.0)
+    queued = ticket_for(decode, "queued", [2, 3, 4], False)
+    decode.call("recv", "late", late, 0, NUM_KV_HEADS)
+    decode.call("recv", "queued", queued, 0, NUM_KV_HEADS)
+    send(prefill, late, [5, 6])
+    result = prefill.call("wait", "late", None)
+    assert (result["ok"], result["error"]) == (False, "KVTransferTimeout"), result
+    send(prefill, queued, [7, 8, 9])
+    assert_landed(prefill, decode, queued, [7, 8, 9])  # the channel held
+    result = decode.call("wait", "late", None)  # withdrawn at its own deadline
+    assert (result["ok"], result["error"]) == (False, "KVTransferTimeout"), result
 
 
 def test_many_transfers_in_shuffled_order(pair: tuple[Worker, Worker]) -> None:
