@@ -102,6 +102,13 @@ def test_completions_echo_with_logprobs_scores_the_prompt(
     # greedy: each generated token is the most likely one
     for position in range(len(prompt_ids), len(all_ids)):
         assert logprobs.token_logprobs[position] == max(logprobs.top_logprobs[position].values())
+    streamed = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True
+    )
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    streamed_logprobs = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed_logprobs == logprobs.token_logprobs
 
 
 def _greedy(hf_logprobs, prompt_ids: list[int], num_tokens: int) -> list[int]:
