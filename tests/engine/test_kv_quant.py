@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_quant import KVQuantFormat
 
@@ -196,3 +196,22 @@ def test_flash_reads_a_compact_dequantized_copy_of_the_blocks_it_needs() -> None
     full = quant.dequantize(cache.key(0), torch.float32)
     for old, new in ((decode_tables, decode_new), (prefill_tables, prefill_new)):
         assert torch.equal(dense[:, new.long()], full[:, old.long()])
+
+
+def test_a_memory_budget_holds_about_four_times_the_blocks(tiny_model) -> None:
+    """The pool a worker builds for kv_cache_memory_bytes (serve config: kv_cache.memory_mb)
+    counts the 8-bit blocks and their scales; admission and reservations count those blocks."""
+    from engine.executor import Executor  # noqa: PLC0415
+
+    blocks = {}
+    for kind in ("auto", "int8"):
+        config = EngineConfig(
+            tiny_model("llama"), kv_cache_memory_bytes=1 << 20, block_size=16, kv_cache_dtype=kind
+        )
+        executor = Executor(config)
+        try:
+            blocks[kind] = executor.num_kv_blocks
+            assert executor.kv_cache.data.numel() * executor.kv_cache.data.element_size() <= 1 << 20
+        finally:
+            executor.shutdown()
+    assert blocks["int8"] / blocks["auto"] >= 3.8  # head_dim 16 here: a scale per 256 values
