@@ -38,7 +38,7 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] long
     metadata: AttentionMetadata
     # [num_logits] long: the last token of each sampled chunk (its last num_draft + 1 tokens
-    # for a speculative one), in batch order
+    # for a speculative one, every token for an `all_logits` one), in batch order
     sample_indices: torch.Tensor
 
 
@@ -168,8 +168,7 @@ class ModelRunner:
         sample_indices = [
             index
             for i, c in enumerate(chunks)
-            if c.sample
-            for index in range(last_token[i] - c.num_draft, last_token[i] + 1)
+            for index in range(last_token[i] - c.num_logits + 1, last_token[i] + 1)
         ]
         input_ids = list(itertools.chain.from_iterable(c.token_ids for c in ordered))
         return StepInputs(
