@@ -12,6 +12,8 @@ import torch
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.channel import Channel
 from kv_transfer.errors import KVTransferError
+from kv_transfer.rank_sender import KVRankSender
+from kv_transfer.rendezvous import ChannelDialer
 from kv_transfer.same_node import export_cache, map_cache
 
 SPEC = KVCacheSpec(2, 6, 4, 2, 8, torch.float32)
@@ -52,3 +54,17 @@ def test_a_channel_maps_its_source_once_and_drops_it_on_close() -> None:
     assert torch.equal(mapped, cache.data)
     channel.close()
     assert channel._mapped is None
+
+
+def test_a_rank_that_may_pair_on_its_node_exports_before_it_serves() -> None:
+    """On CPU the export moves the cache into shared memory by copying it: done while the model
+    writes the cache, it would lose those writes. So it happens when the sending side is built
+    (prefill_worker/rank.py passes export_now unless the transport is "network"), not at the
+    first same-node dial."""
+    early, late = filled(1.0), filled(1.0)
+    KVRankSender(early, ChannelDialer(), 0, SPEC.num_kv_heads, export_now=True)
+    KVRankSender(late, ChannelDialer(), 0, SPEC.num_kv_heads)
+    assert early.data.is_shared()
+    assert not late.data.is_shared()
+    early.data.fill_(5.0)  # the model's writes after the export land in the shared pages
+    assert map_cache(export_cache(early)).eq(5.0).all()
