@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from engine.sampler import filtered_probs, mix_seed
 from engine.sampling_noise import uniforms
 
 DRAFT_SALT = 2  # the noise stream of draft draws (1: verification's acceptance test)
+FORWARD_WEIGHT = 0.2  # of the newest one-token draft forward in `forward_s`
 
 
 @dataclass
@@ -80,6 +82,7 @@ class DraftModel:
         self.pool = BlockPool(self.runner.num_kv_blocks, enable_caching=False)
         self.seqs: dict[str, _DraftSeq] = {}
         self.probs: dict[str, torch.Tensor] = {}  # [k, vocab] q of a sampled request's drafts
+        self.forward_s: float | None = None  # seconds of one batched draft forward (average)
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -149,9 +152,14 @@ class DraftModel:
 
     def _draw(self, chunks: list[SequenceChunk], requests: list[Request], step: int) -> list[int]:
         """One draft forward over `chunks`; each request's next proposal."""
+        started = time.perf_counter()
         with parallel.without_tp():
             logits = self.runner.execute(ScheduledBatch(chunks))  # [len(chunks), vocab]
-        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        tokens: list[int] = logits.argmax(dim=-1).tolist()  # the host sync: the forward's end
+        seconds = time.perf_counter() - started
+        if step > 0:  # one token per sequence, as the cost check prices it
+            last = self.forward_s
+            self.forward_s = seconds if last is None else last + FORWARD_WEIGHT * (seconds - last)
         for i, request in enumerate(requests):
             params = request.params
             if params.greedy:

@@ -10,8 +10,10 @@ is compute bound, only requests that copy well still propose. Until both costs a
 every request proposes.
 
 With a draft model (draft.py), `begin_step` drafts for every decode of the step in one batch
-(the running ones and those whose KV just landed) and `propose` hands out the result; the
-draft's own forwards are not in the cost check, the adaptive length is what limits them.
+(the running ones and those whose KV just landed) and `propose` hands out the result. A draft
+forward of the batch costs `draft.forward_s`, so a proposed token costs that over B more: the
+threshold gains forward_s / step. A request's first PROBE_VERIFICATIONS verifications skip that
+term, so its rate is measured before the draft's price can turn it off.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     import torch
 
     from engine.speculative.draft import DraftModel
+
+
+PROBE_VERIFICATIONS = 2  # a request's verifications before a draft's cost counts
 
 
 class Speculator:
@@ -49,6 +54,7 @@ class Speculator:
         self.num_proposed = 0
         self.num_accepted = 0
         self._threshold = 0.0  # this step's worth a proposed token must reach (module doc)
+        self._draft_threshold = 0.0  # what the draft's own forwards add to it
 
     def begin_step(self, running: list[Request], landed: Iterable[Request] = ()) -> None:
         """Price this step's proposals for a batch of the `running` requests; with a draft
@@ -62,6 +68,8 @@ class Speculator:
             price = costs.prefill_s(1, context)
             if step and price is not None:
                 self._threshold = min(1.0, price * batch_size / step)
+            if step and self.draft is not None and self.draft.forward_s is not None:
+                self._draft_threshold = self.draft.forward_s / step
         if self.draft is not None:
             self._drafted.clear()
             self.draft.probs.clear()
@@ -114,7 +122,10 @@ class Speculator:
             request.params.max_tokens - request.num_output_tokens - 1,
             self.max_model_len - request.num_tokens - 1,
         )
-        num_tokens = min(num_tokens, _worth(state.rate, self._threshold))
+        threshold = self._threshold
+        if state.num_verifications >= PROBE_VERIFICATIONS:
+            threshold = min(1.0, threshold + self._draft_threshold)
+        num_tokens = min(num_tokens, _worth(state.rate, threshold))
         if num_tokens <= 0 or not state.wants_proposal():
             return 0
         return num_tokens
