@@ -440,4 +440,6 @@ class KVRankSender:
                 )
             elif status == STATUS_CANCELLED:  # whole mode: the header alone, without KV
                 handle._post_packed(lane, status, None)
+        if status == STATUS_OK and all(lane.same_node for lane in lanes):
+            handle._post_inline = True  # one small message a lane: the socket takes it at once
         return handle
