@@ -1,5 +1,6 @@
 """Speculation through the whole served path (serve config -> router -> workers, plain
-processes), with a decode instance SIGKILLed while its streams speculate: the streams migrate
+processes), by prompt lookup and with a draft model (the target's first layer), with a decode
+instance SIGKILLed while its streams speculate: the streams migrate
 to the other decode instance, which speculates too, and finish token for token what
 transformers generates. The gRPC usage reports the tokens proposed and accepted per request,
 a cancelled stream ends cleanly, and every pool is back to its start count afterwards.
@@ -17,6 +18,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from deploy.runtime.local.local_cluster import LocalCluster
+from engine.speculative.layer_skip import build_layer_skip_draft
 from tests.deploy.ray_support import hf_greedy, serve_spec, tiny_model_with_tokenizer
 from tests.deploy.test_recovery import _all_back, _start_all, _wait_until
 from tests.engine.test_llm import make_prompts
@@ -33,8 +35,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_model_with_tokenizer(tmp_path_factory.mktemp("spec-recovery"))
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: str) -> Iterator[LocalCluster]:
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def cluster(
+    model_dir: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[LocalCluster]:
+    speculative: dict[str, object] = {"method": "ngram", "num_tokens": 4, "prompt_lookup_max": 3}
+    if request.param == "draft":
+        draft = build_layer_skip_draft(model_dir, tmp_path_factory.mktemp("draft") / "d", 1)
+        speculative = {"method": "draft", "draft_model": draft, "num_tokens": 4}
     spec = serve_spec(
         model_dir,
         dtype="float64",
@@ -42,7 +50,7 @@ def cluster(model_dir: str) -> Iterator[LocalCluster]:
         kv_cache={"block_size": 8, "num_blocks": 256},
         kv_transfer={"transfer_timeout_s": 5.0, "start_timeout_s": 8.0},
         router={"worker_timeout_s": 5.0, "shutdown_grace_s": 1.0},
-        speculative={"method": "ngram", "num_tokens": 4, "prompt_lookup_max": 3},
+        speculative=speculative,
         ray={"enabled": False},
     )
     with LocalCluster(spec) as running:
