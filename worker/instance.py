@@ -32,7 +32,7 @@ import functools
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from decode_worker.rank import DecodeRank
 from engine.executor import Executor
@@ -51,6 +51,7 @@ from worker.protocol import (
     LoadDetails,
     Overloaded,
     PrefixReport,
+    Role,
     SendControl,
     TokenEvent,
     WorkerRequest,
@@ -108,7 +109,11 @@ class Worker(WorkerLoop):
         executor = Executor(config.engine, rank_extension=extension, launcher=launcher)
         self._send_control = send_control
         sides = KVConnectors()
-        self.engine = LLMEngine(config.engine, executor, sides)
+        engine_config = config.engine
+        if config.role == Role.PREFILL and engine_config.speculative is not None:
+            # it never decodes: no draft model beside it
+            engine_config = replace(engine_config, speculative=None)
+        self.engine = LLMEngine(engine_config, executor, sides)
         pool = self.engine.block_pool
         self.sending: SendConnector | None = None
         self.receiving: ReceiveConnector | None = None
@@ -204,7 +209,7 @@ class Worker(WorkerLoop):
     @on_loop_thread
     def load(self, prefix: PrefixReport = PrefixReport.NONE) -> InstanceLoad:
         stats = self.engine.stats
-        speculative = self.config.engine.speculative is not None
+        speculative = self.engine.config.speculative is not None
         # The decode step this engine measures at its decode batch (engine/step_costs.py),
         # which an adaptive router's latency model learns from; and its prefill gate's holds.
         decode_batch = max(1, stats.num_decoding)
