@@ -96,8 +96,11 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
             scores = out[seen]
             penalty = params.repetition_penalty
             out[seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
-        if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
-            output_ids = torch.tensor(list(row.output_token_ids), device=out.device)
+        prior = params.prior_output_tokens  # output before a migration, now in the prompt
+        counted = [*row.prompt_token_ids[len(row.prompt_token_ids) - prior :]] if prior else []
+        counted += row.output_token_ids
+        if (params.frequency_penalty or params.presence_penalty) and counted:
+            output_ids = torch.tensor(counted, device=out.device)
             counts = torch.bincount(output_ids, minlength=vocab_size)[:vocab_size].to(out.dtype)
             out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
                 out.dtype

@@ -28,6 +28,9 @@ class SamplingParams:
     `repetition_penalty` (transformers' and vLLM's: a logit of any token in the prompt or the
     output is divided by it when positive, multiplied when negative); `frequency_penalty` and
     `presence_penalty` subtract count * f + (count > 0) * p, counting the output tokens only.
+    `prior_output_tokens`: how many of the prompt's last tokens were this request's own output
+    before a migration moved it (router/recovery.py); the two penalties count them as output, so
+    a moved stream goes on as the undisturbed one would.
     """
 
     max_tokens: int = 16
@@ -45,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -76,6 +80,10 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
+            )
+        if not isinstance(self.prior_output_tokens, int) or self.prior_output_tokens < 0:
+            raise ValueError(
+                f"prior_output_tokens must be an integer >= 0, got {self.prior_output_tokens!r}"
             )
         bias = dict(self.logit_bias)  # a dict or pairs; one entry per token
         if any(

@@ -76,7 +76,7 @@ def continuation(request: ValidatedRequest, sent_token_ids: list[int]) -> Valida
     shrinks by as many. Some budget is always left: a worker sends the last token and its
     finish reason in one event, so a stream that got its last token has finished.
     min_tokens shrinks too, and the prompt's log-probabilities, already sent, are not asked
-    again. (The frequency and presence penalties then count only the tokens after the move.)"""
+    again; the frequency and presence penalties still count the sent tokens as output."""
     if not sent_token_ids:
         return request
     num_sent = len(sent_token_ids)
@@ -84,6 +84,7 @@ def continuation(request: ValidatedRequest, sent_token_ids: list[int]) -> Valida
         request.params,
         max_tokens=request.params.max_tokens - num_sent,
         min_tokens=max(0, request.params.min_tokens - num_sent),
+        prior_output_tokens=request.params.prior_output_tokens + num_sent,
         prompt_logprobs=None,
     )
     prompt = [*request.prompt_token_ids, *sent_token_ids]

@@ -9,6 +9,8 @@ past a prefix cache that holds the prompt) equal log-softmax of HF's logits of t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import (
@@ -77,6 +79,23 @@ def test_processors_equal_transformers(tiny_model, params: SamplingParams) -> No
     assert expected != plain  # the processors changed something
     if params.min_tokens:
         assert all(len(e) == params.min_tokens + 1 and e[-1] == EOS for e in expected)
+
+
+def test_a_moved_request_still_counts_its_sent_tokens_in_the_penalties(tiny_model) -> None:
+    """A migration sends the prompt plus the tokens already streamed (router/recovery.py); with
+    prior_output_tokens the penalties still count those as output, so the rest of the stream is
+    the undisturbed one's. Without it they would forget them, and the stream would change."""
+    model_dir = tiny_model("llama")
+    params = SamplingParams(max_tokens=32, frequency_penalty=2.0, ignore_eos=True)
+    sent = 12
+    with LLM(model_dir, **ENGINE_KWARGS) as llm:
+        whole = [out.token_ids for out in llm.generate(PROMPTS, params)]
+        prompts = [p + w[:sent] for p, w in zip(PROMPTS, whole, strict=True)]
+        rest = params.max_tokens - sent
+        moved = llm.generate(prompts, replace(params, max_tokens=rest, prior_output_tokens=sent))
+        forgetful = llm.generate(prompts, replace(params, max_tokens=rest))
+    assert [out.token_ids for out in moved] == [w[sent:] for w in whole]
+    assert [out.token_ids for out in forgetful] != [w[sent:] for w in whole]
 
 
 def _hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
