@@ -17,6 +17,8 @@ SmolLM2-135M-Instruct (float32 weights, CPU, one torch thread), all in one run:
               the worse of the two dtypes (each also reported), engines interleaved per round.
 
     python -m benchmarks.kv_quant [--quick] [--out result.json]   (last line: one JSON object)
+    On a GPU (benchmarks/gpu_checks.sh): --device cuda --dtype bfloat16 measures the same keys
+    against a bf16 cache, but for the hand-off, which it leaves out (None).
 """
 
 from __future__ import annotations
@@ -77,9 +79,14 @@ def chat(tokenizer: Any, text: str) -> list[int]:
     return encode(tokenizer, [text])[0]
 
 
+DEVICE = {"device": "cpu", "dtype": "float32"}  # main() sets them from --device and --dtype
+
+
 def engine_config(model_dir: str, kv_dtype: str, **kwargs: Any) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
+        device=DEVICE["device"],
+        dtype=DEVICE["dtype"],
         block_size=BLOCK_SIZE,
         kv_cache_dtype=kv_dtype,
         num_threads=1,
@@ -97,7 +104,8 @@ def answer_nll(executor: Executor, prompt: list[int], answer: list[int]) -> floa
         [executor.execute(ScheduledBatch([first])), executor.execute(ScheduledBatch([rest]))]
     )
     logprobs = torch.log_softmax(logits.double(), dim=-1)
-    return -float(logprobs.gather(1, torch.tensor(answer)[:, None]).sum())
+    targets = torch.tensor(answer, device=logprobs.device)[:, None]
+    return -float(logprobs.gather(1, targets).sum())
 
 
 def measure_quality(model_dir: str, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -225,8 +233,11 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--handoff-iters", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (no hand-off timing)")
+    parser.add_argument("--dtype", default="float32", help="the model's: float32, bfloat16")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    DEVICE.update(device=args.device, dtype=args.dtype)
     if args.quick:
         args.texts, args.rounds, args.handoff_iters = 10, 1, 2
     torch.set_num_threads(1)
@@ -239,17 +250,18 @@ def main() -> None:
     started = time.perf_counter()
     quality = measure_quality(model_dir, tokenizer, args)
     decode = measure_decode(model_dir, tokenizer, args)
-    handoff = measure_handoff(model_dir, args)
+    on_cpu = args.device == "cpu"  # the hand-off benchmark's ranks run on CPU (gloo)
+    handoff = measure_handoff(model_dir, args) if on_cpu else {}
     fp32 = pool_blocks_per_gb(model_dir, torch.float32, "auto")
     bf16 = pool_blocks_per_gb(model_dir, torch.bfloat16, "auto")
     q8 = pool_blocks_per_gb(model_dir, torch.float32, "int8")
     result = {
-        "model": "SmolLM2-135M-Instruct (float32, CPU, 1 thread)",
+        "model": f"SmolLM2-135M-Instruct ({args.dtype}, {args.device}, 1 thread)",
         "ppl_ratio_fp8": round(quality["fp8_e4m3"] / quality["auto"], 4),
         "ppl_ratio_int8": round(quality["int8"] / quality["auto"], 4),
         "blocks_per_gb_ratio": round(q8 / fp32, 3),
         "handoff_bytes_ratio": round(fp32 / q8, 4),  # bytes per block, the scales counted
-        "handoff_time_ratio_8k": round(handoff["int8"] / handoff["auto"], 3),
+        "handoff_time_ratio_8k": round(handoff["int8"] / handoff["auto"], 3) if on_cpu else None,
         "decode_speed_ratio": round(min(decode[kv] for kv in QUANT) / decode["auto"], 3),
         "decode_speed_ratio_fp8": round(decode["fp8_e4m3"] / decode["auto"], 3),
         "decode_speed_ratio_int8": round(decode["int8"] / decode["auto"], 3),
