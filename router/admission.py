@@ -27,11 +27,14 @@ class AdmissionFull(Exception):
 
 
 class AdmissionTicket:
-    __slots__ = ("_future", "parked", "released", "running")
+    __slots__ = ("_future", "holds_place", "parked", "released", "running")
 
     def __init__(self, running: bool, future: asyncio.Future[None] | None = None) -> None:
         self.running = running
         self.parked = False  # waiting for KV space, in a queue place
+        # Back from a park and trying to place again: it keeps its queue place until it is
+        # placed (settle), parks again, or ends, so no later arrival takes the place meanwhile.
+        self.holds_place = False
         self.released = False
         self._future = future
 
@@ -43,6 +46,7 @@ class AdmissionController:
         self.num_running = 0
         self._waiting: deque[AdmissionTicket] = deque()
         self._num_parked = 0
+        self._num_holding = 0  # resumed tickets keeping their queue place (holds_place)
         self.num_parks_total = 0  # times a running request gave up its slot for KV space
         self._start_interval_s: float | None = None  # smoothed time between waiters' starts
         self._last_start: float | None = None
@@ -50,7 +54,7 @@ class AdmissionController:
     @property
     def num_waiting(self) -> int:
         """Requests in queue places: waiting for a running slot, or parked for KV space."""
-        return len(self._waiting) + self._num_parked
+        return len(self._waiting) + self._num_parked + self._num_holding
 
     def expected_wait_s(self) -> float | None:
         """How long a request queued now would wait for its turn (None: no estimate yet)."""
@@ -86,7 +90,10 @@ class AdmissionController:
         """A running request waits for KV space: its running slot goes to the next waiter and it
         takes a queue place instead. Raises AdmissionFull when no queue place is left."""
         assert ticket.running and not ticket.released
-        if self.num_waiting >= self.max_queued:
+        if ticket.holds_place:  # parks again in the place it kept
+            ticket.holds_place = False
+            self._num_holding -= 1
+        elif self.num_waiting >= self.max_queued:
             raise AdmissionFull(self._full_message())
         ticket.running, ticket.parked = False, True
         self._num_parked += 1
@@ -103,10 +110,19 @@ class AdmissionController:
         if self.num_running < self.max_running:
             ticket.running = True
             self.num_running += 1
-            return
-        ticket._future = asyncio.get_running_loop().create_future()
-        self._waiting.appendleft(ticket)
-        await self.wait_until_running(ticket)
+        else:
+            ticket._future = asyncio.get_running_loop().create_future()
+            self._waiting.appendleft(ticket)  # a queue place of its own meanwhile
+            await self.wait_until_running(ticket)
+        if not ticket.released:
+            ticket.holds_place = True
+            self._num_holding += 1
+
+    def settle(self, ticket: AdmissionTicket) -> None:
+        """The request is placed: a place it kept since a park is free again."""
+        if ticket.holds_place:
+            ticket.holds_place = False
+            self._num_holding -= 1
 
     def _full_message(self) -> str:
         return (
@@ -118,6 +134,7 @@ class AdmissionController:
         if ticket.released:
             return
         ticket.released = True
+        self.settle(ticket)
         if ticket.parked:
             ticket.parked = False
             self._num_parked -= 1

@@ -135,6 +135,7 @@ class GenerationRunner:
                         continue
                     raise _after(lost, exc) from exc
                 progress.start_placement(dispatch)
+                self._admission.settle(ticket)  # a queue place kept since a park is free
                 if dispatch.num_failed:  # placements that failed before this one answered
                     progress.recovery.retries += dispatch.num_failed
                     self._metrics.request_retries.inc(dispatch.num_failed)

@@ -152,8 +152,10 @@ def test_waiting_for_kv_space_takes_a_queue_place(tiny_model_dir: str) -> None:
     config = RouterConfig(
         model_dir=tiny_model_dir, http_port=0, max_queued_requests=2, load_refresh_interval_s=0.05
     )
+    # Steps slow enough (a request holds its space about 2 s) that all eight have arrived before
+    # the first ends, even on a loaded machine: a late one would find space and pass.
     make = lambda: synthetic_cluster(  # noqa: E731
-        1, 1, num_blocks=SYNTHETIC_BLOCKS, step_interval_s=0.05
+        1, 1, num_blocks=SYNTHETIC_BLOCKS, step_interval_s=0.15
     )
     with RouterThread(config, make) as server:
         port, model = _port_and_model(server)
