@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +83,65 @@ def stream_all(address: str, prompts: list[list[int]], max_tokens: int) -> list[
     """Every prompt as its own concurrent stream."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda prompt: stream(address, prompt, max_tokens), prompts))
+
+
+def start_streams(
+    address: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[threading.Thread], list[Any]]:
+    """Every prompt as a stream on its own thread; returns once each has its first message (30 s
+    at most). The results list fills in as the threads end."""
+    started: list[int] = []
+    results: list[Any] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = stream(address, prompts[i], max_tokens, 60.0, started)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(started) < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return threads, results
+
+
+def kill_the_busiest(cluster: Any, workers: list[Any], timeout_s: float = 30.0) -> Any:
+    """SIGKILL the instance of `workers` that reports the most running streams, and return its
+    status. The loads are read in one round trip and the kill follows at once: on a quiet machine
+    the tiny model decodes a 400-token stream in about a second, and a slow read let a victim's
+    streams finish before the kill."""
+    import ray  # noqa: PLC0415 - only the Ray tests use this
+
+    from worker.protocol import Load  # noqa: PLC0415
+
+    actors = [ray.get_actor(f"pdserve-{w.instance_id}", cluster.namespace) for w in workers]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = ray.get([actor.call.remote(Load()) for actor in actors], timeout=10)
+        running = [load.num_running for load in loads]
+        if max(running) > 0:
+            break
+        assert time.monotonic() < deadline, f"no instance reports a stream: {loads}"
+        time.sleep(0.01)
+    victim = workers[running.index(max(running))]
+    os.kill(victim.pids[0], signal.SIGKILL)
+    return victim
+
+
+def wait_restarted(cluster: Any, victim: Any, timeout_s: float = 90.0) -> None:
+    """Until Ray has restarted `victim` (healthy, a new process) and the cluster serves again,
+    plus a load refresh or two, so the router sees the instance healthy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        worker = next(w for w in cluster.status().workers if w.instance_id == victim.instance_id)
+        if worker.healthy and worker.pids and worker.pids[0] != victim.pids[0]:
+            break
+        assert time.monotonic() < deadline, f"{victim.instance_id} not back: {worker}"
+        time.sleep(0.2)
+    while not cluster.serving():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
 
 
 def non_loopback_listeners(pids: list[int]) -> list[str]:

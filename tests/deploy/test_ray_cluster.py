@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
@@ -21,15 +20,17 @@ from deploy.runtime.ray.cluster import RayCluster, WorkerStatus
 from deploy.runtime.ray.node import process_is_running
 from tests.deploy.ray_support import (
     hf_greedy,
+    kill_the_busiest,
     make_prompts,
     non_loopback_listeners,
     serve_spec,
-    stream,
+    start_streams,
     stream_all,
     tiny_model_with_tokenizer,
+    wait_restarted,
 )
 from tests.workers.test_disaggregated import shared_memory_of
-from worker.protocol import Load, Role
+from worker.protocol import Role
 
 pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
 
@@ -125,34 +126,12 @@ def test_every_listening_socket_is_on_loopback(cluster: RayCluster) -> None:
 def test_streams_of_a_killed_decode_actor_migrate_and_it_is_restarted(
     cluster: RayCluster, reference
 ) -> None:
-    started: list[int] = []
-    results: list = [None] * len(LONG_PROMPTS)
-
-    def run(i: int) -> None:
-        results[i] = stream(cluster.address, LONG_PROMPTS[i], LONG_MAX_TOKENS, 60.0, started)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(LONG_PROMPTS))]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 30
-    while len(started) < len(LONG_PROMPTS) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    threads, results = start_streams(cluster.address, LONG_PROMPTS, LONG_MAX_TOKENS)
     # The router spreads streams by free KV blocks, so which decode instance holds the most is
-    # a matter of timing: kill the one that reports the most running streams. Read both loads in
-    # one round trip and kill at once: on a quiet machine the tiny model decodes a 400-token
-    # stream in about a second, and a slow read let a victim's streams finish before the kill.
+    # a matter of timing: kill the one that reports the most running streams.
     decodes = [w for w in cluster.status().workers if w.role == Role.DECODE]
-    actors = [ray.get_actor(f"pdserve-{w.instance_id}", cluster.namespace) for w in decodes]
-    while True:
-        loads = ray.get([actor.call.remote(Load()) for actor in actors], timeout=10)
-        running = [load.num_running for load in loads]
-        victim = decodes[running.index(max(running))]
-        if max(running) > 0:
-            break
-        assert time.monotonic() < deadline, f"no decode instance reports a stream: {loads}"
-        time.sleep(0.01)
+    victim = kill_the_busiest(cluster, decodes)
     name = victim.instance_id
-    os.kill(victim.pids[0], signal.SIGKILL)
     killed_at = time.monotonic()
     for thread in threads:
         thread.join(30)
@@ -167,17 +146,7 @@ def test_streams_of_a_killed_decode_actor_migrate_and_it_is_restarted(
     assert migrations is not None and migrations >= 1, f"{name} held none of the streams"
 
     # Ray restarts the actor; once it reports healthy the router uses it again.
-    deadline = time.monotonic() + 90
-    while True:
-        worker = next(w for w in cluster.status().workers if w.instance_id == name)
-        if worker.healthy and worker.pids and worker.pids[0] != victim.pids[0]:
-            break
-        assert time.monotonic() < deadline, f"{name} not back: {worker}"
-        time.sleep(0.2)
-    while not cluster.serving():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(0.5)  # a load refresh or two: the router sees the instance healthy again
+    wait_restarted(cluster, victim)
     results = stream_all(cluster.address, PROMPTS[:16], MAX_TOKENS)
     assert [r.code for r in results] == [grpc.StatusCode.OK] * 16
     assert [r.token_ids for r in results] == reference["short"][:16]

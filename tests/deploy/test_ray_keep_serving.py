@@ -10,9 +10,6 @@ than them shows what a pause of minutes shows with the defaults (benchmarks/chao
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,13 +24,14 @@ from deploy.runtime.ray.cluster import RayCluster
 from deploy.runtime.ray.node import process_is_running
 from tests.deploy.ray_support import (
     hf_greedy,
+    kill_the_busiest,
     make_prompts,
     serve_spec,
-    stream,
+    start_streams,
     stream_all,
     tiny_model_with_tokenizer,
+    wait_restarted,
 )
-from worker.protocol import Load
 
 pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
 
@@ -127,30 +125,8 @@ def test_a_request_id_reused_after_a_cancel_gets_its_own_answer(cluster: RayClus
 
 
 def test_streams_of_a_killed_actor_migrate_and_ray_restarts_it(cluster: RayCluster, reference):
-    started: list[int] = []
-    results: list = [None] * len(LONG_PROMPTS)
-
-    def run(i: int) -> None:
-        results[i] = stream(cluster.address, LONG_PROMPTS[i], LONG_MAX_TOKENS, 60.0, started)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(LONG_PROMPTS))]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 30
-    while len(started) < len(LONG_PROMPTS) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    # kill the instance that runs the most streams, read and killed in one go (see
-    # test_ray_cluster.py: a slow read let the victim's streams finish first)
-    workers = cluster.status().workers
-    actors = [ray.get_actor(f"pdserve-{w.instance_id}", cluster.namespace) for w in workers]
-    while True:
-        running = [load.num_running for load in ray.get([a.call.remote(Load()) for a in actors])]
-        if max(running) > 0:
-            break
-        assert time.monotonic() < deadline, "no instance reports a stream"
-        time.sleep(0.01)
-    victim = workers[running.index(max(running))]
-    os.kill(victim.pids[0], signal.SIGKILL)
+    threads, results = start_streams(cluster.address, LONG_PROMPTS, LONG_MAX_TOKENS)
+    victim = kill_the_busiest(cluster, cluster.status().workers)
     for thread in threads:
         thread.join(60)
     # its streams move to the other instance and finish token for token as transformers does
@@ -162,17 +138,7 @@ def test_streams_of_a_killed_actor_migrate_and_ray_restarts_it(cluster: RayClust
     )
     assert migrations is not None and migrations >= 1, f"{victim.instance_id} held no stream"
     # Ray restarts the actor (it rebuilds its KV channels first); the router uses it again
-    deadline = time.monotonic() + 90
-    while True:
-        worker = next(w for w in cluster.status().workers if w.instance_id == victim.instance_id)
-        if worker.healthy and worker.pids and worker.pids[0] != victim.pids[0]:
-            break
-        assert time.monotonic() < deadline, f"{victim.instance_id} not back: {worker}"
-        time.sleep(0.2)
-    while not cluster.serving():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(0.5)  # a load refresh or two: the router sees the instance healthy again
+    wait_restarted(cluster, victim)
     _serves_exactly(cluster, reference)
     _pools_back(cluster)
     assert not process_is_running(victim.pids[0])
