@@ -32,6 +32,8 @@ from kv_transfer.channel import (
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
 from kv_transfer.same_node import NODE_ID
 
+_MISSING = "\x00missing"  # never an epoch
+
 
 class ChannelHost:
     """A decode rank's side: hosts the rendezvous store and the channels prefill ranks dial."""
@@ -100,11 +102,14 @@ class ChannelDialer:
             # or expired). Waiting for it instead would hold this decode instance's dial lock, and
             # stall every other send to it, until the deadline.
             store.set_timeout(as_timedelta(min(remaining_s(deadline), STORE_OP_TIMEOUT_S)))
-            if not store.check([key]):
+            # One round trip: compare_set leaves a missing key missing and returns `expected`,
+            # and returns an existing key's value unchanged (a check and a get cost two).
+            value = store.compare_set(key, _MISSING, _MISSING)
+            if value == _MISSING.encode():
                 raise KVTransferError(
                     f"decode side of {pair_key} no longer expects transfer {transfer_key}"
                 )
-            epoch = int(store.get(key))
+            epoch = int(value)
         except KVTransferError:
             raise
         except Exception as exc:
