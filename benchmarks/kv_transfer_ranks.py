@@ -112,7 +112,9 @@ class _RankState:
         cache = self.cache(ticket.decode_tp_size, rank)
         key = ("recv", ticket.decode_tp_size, rank)
         if key not in self.ranks:  # one per rank, as a worker keeps it (its staging pool too)
-            self.ranks[key] = KVRankReceiver(cache, self.host, rank, self.num_kv_heads)
+            self.ranks[key] = KVRankReceiver(
+                cache, self.host, rank, self.num_kv_heads, export_now=True
+            )
         self.pending = self.ranks[key].receive(ticket)
 
     def wait_recv(self) -> float:

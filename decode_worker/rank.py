@@ -44,11 +44,17 @@ class RecvReport:
 class DecodeRank:
     """A rank's KVRankReceiver over its runner's KV cache, and the receives in flight on it."""
 
-    def __init__(self, runner: ModelRunner, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, runner: ModelRunner, host: str = "127.0.0.1", transport: str = "auto"
+    ) -> None:
         self.rank = parallel.tp_rank()
         self.channel_host = ChannelHost(runner.device, host)
         self.receiver = KVRankReceiver(
-            runner.kv_cache, self.channel_host, self.rank, runner.model_config.num_kv_heads
+            runner.kv_cache,
+            self.channel_host,
+            self.rank,
+            runner.model_config.num_kv_heads,
+            export_now=transport != "network",  # before serving: see KVRankReceiver
         )
         self._handles: list[RecvHandle] = []
 

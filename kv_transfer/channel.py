@@ -150,6 +150,11 @@ class Channel:
         self.same_node = False
         self.source: bytes | None = None
         self._mapped: torch.Tensor | None = None  # `source` mapped here, for the channel's life
+        # The decode rank's exported cache (CPU): on the prefill side, it then writes part of a
+        # large transfer itself (same_node.py's split); on the decode side, the one published
+        # with this channel. None: the decode side copies it all.
+        self.dest: bytes | None = None
+        self._mapped_dest: torch.Tensor | None = None
         self._broken_callbacks: list[Callable[[KVTransferError], None]] = []
         self.sends = SendStream(self)  # the prefill side's stream (a dialed channel)
         self.receives = RecvStream(self)  # the decode side's stream (a hosted channel)
@@ -220,9 +225,11 @@ class Channel:
 
         threading.Thread(target=run, name=f"connect-{self.pair_key}", daemon=True).start()
 
-    def use_same_node(self, source: bytes) -> None:
-        """Carry control messages only, on gloo; the KV comes from `source` (before connect)."""
+    def use_same_node(self, source: bytes, dest: bytes | None = None) -> None:
+        """Carry control messages only, on gloo; the KV comes from `source` (before connect),
+        and the prefill side may write part of it into `dest`, the decode rank's cache."""
         self.same_node, self.source = True, source
+        self.dest = dest or self.dest  # the decode side set its own when it made the channel
         self.device = torch.device("cpu")
         self.split = False  # no KV on the wire
         self.ordered = ordered_matching()
@@ -236,6 +243,17 @@ class Channel:
                 raise KVTransferError(f"{self} carries no same-node source")
             self._mapped = map_cache(self.source)
         return self._mapped
+
+    def mapped_dest(self) -> torch.Tensor | None:
+        """The decode rank's cache, mapped on first use by the prefill side (its send thread);
+        None when it was not exported or cannot be mapped (then the decode side copies all)."""
+        if self._mapped_dest is None and self.dest is not None:
+            try:
+                self._mapped_dest = map_cache(self.dest)
+            except KVTransferError as exc:
+                logger.warning("%s: the decode rank's cache cannot be mapped: %s", self, exc)
+                self.dest = None
+        return self._mapped_dest
 
     @property
     def ready(self) -> bool:
@@ -336,7 +354,7 @@ class Channel:
             self._closed.set()
             group, data = self._group, self._data
             self._group = self._data = None
-        self._mapped = None  # unmapped once a copy still reading it is done
+        self._mapped = self._mapped_dest = None  # unmapped once a copy using it is done
         if not self._connected.is_set():
             self._connect_error = self._connect_error or RuntimeError("the channel was closed")
             self.broken = True

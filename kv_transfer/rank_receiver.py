@@ -11,6 +11,7 @@ pass. One whose header has not come is withdrawn at its deadline.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,23 +20,39 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCache, local_kv_heads
-from kv_transfer.channel import Channel, ChannelEndpoint
+from kv_transfer.channel import Channel, ChannelEndpoint, Posted
 from kv_transfer.errors import KVTransferCancelled, KVTransferError, KVTransferTimeout
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
 from kv_transfer.receiver import RANK_REPORT_GRACE_S
 from kv_transfer.rendezvous import ChannelHost
-from kv_transfer.same_node import copy_blocks, end_message_len, parse_end_message
+from kv_transfer.same_node import (
+    ACK_COPY_ALL,
+    ACK_LATE,
+    ACK_WRITE,
+    SameNodeEnd,
+    copy_blocks,
+    end_message_len,
+    export_cache,
+    parse_end_message,
+)
 from kv_transfer.staging import StagingPool
 from kv_transfer.streams import Incoming, call_at
 from kv_transfer.wire import (
     CONTROL_LEN,
     MAGIC,
     STATUS_CANCELLED,
+    STATUS_OK,
     Trailer,
     WireView,
+    control_message,
     empty_control,
 )
+
+logger = logging.getLogger(__name__)
+# After the ack of a split same-node transfer whose M2 never came: how long past the prefill
+# side's write-by to keep the blocks (it starts no copy after write-by; one copy is milliseconds).
+_SPLIT_WRITE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -97,13 +114,29 @@ class KVRankReceiver:
     """The receiving half of one decode rank. `num_kv_heads` is the model's total KV heads."""
 
     def __init__(
-        self, cache: KVCache, host: ChannelHost, decode_rank: int, num_kv_heads: int
+        self,
+        cache: KVCache,
+        host: ChannelHost,
+        decode_rank: int,
+        num_kv_heads: int,
+        export_now: bool = False,
     ) -> None:
         self.cache = cache
         self.host = host
         self.decode_rank = decode_rank
         self.num_kv_heads = num_kv_heads
         self.staging = StagingPool()
+        # A CPU cache that may pair on its node is exported before serving (the export moves it
+        # into shared memory by copying it, which must not race the model's writes), so that a
+        # same-node prefill rank can write part of a large transfer itself (same_node.py).
+        self._export: bytes | None = None
+        if export_now and cache.device.type == "cpu":
+            try:
+                self._export = export_cache(cache)
+            except Exception as exc:
+                logger.warning(
+                    "the decode cache cannot be shared; same-node copies stay here: %s", exc
+                )
 
     @property
     def endpoint(self) -> ChannelEndpoint:
@@ -123,10 +156,11 @@ class KVRankReceiver:
         handle = RecvHandle(ticket, len(segments))
         for segment in segments:
             pair_key = ticket.pair_key(segment.prefill_rank, self.decode_rank)
-            channel = self.host.accept(pair_key, str(ticket.transfer_id), deadline)
+            channel = self.host.accept(pair_key, str(ticket.transfer_id), deadline, self._export)
             view = WireView.for_ticket(self.cache, ticket.block_ids, segment.dst_heads, ticket)
             lane = _Lane(ticket, channel, view, deadline, self.staging, handle, self._forget)
             lane.src_heads = segment.src_heads
+            lane.export = self._export
             # Any transfer on this channel fits: none reserves more blocks than the cache has.
             lane.same_node_message_len = end_message_len(self.cache.spec.num_blocks)
             # The channel's reader receives it once its header arrives (streams.py); until
@@ -166,6 +200,7 @@ class _Lane(Incoming):
         self.forget = forget
         self.timer: threading.Timer | None = None
         self.src_heads = slice(0, 0)  # the prefill rank's local heads this lane carries
+        self.export: bytes | None = None  # this rank's exported cache (same-node split)
         self.what = f"request {ticket.request_id} (transfer {ticket.transfer_id})"
         self._ended = False
         self._end_lock = threading.Lock()
@@ -237,21 +272,87 @@ class _Lane(Incoming):
     def _receive_same_node(
         self, channel: Channel, message: torch.Tensor, post_next: Callable[[], None]
     ) -> Trailer:
-        """The transfer's one message came whole (same_node.end_message): on OK copy the source
-        blocks out of the prefill rank's cache (mapped once per channel) into this transfer's."""
+        """The transfer's M1 came whole (same_node.end_message). On OK copy the source blocks out
+        of the prefill rank's cache (mapped once per channel) into this transfer's; with a split,
+        ack first, copy blocks [split:] while the prefill side writes [0, split), then take M2."""
         view, what, tid = self.view, self.what, self.transfer_id
-        trailer, copy_by_ns, src_ids = parse_end_message(message, len(view.block_ids))
+        end = parse_end_message(message, len(view.block_ids))
+        written: tuple[Posted, torch.Tensor] | None = None
+        if end.split:  # M2's receive goes before the next header's: the stream stays in order
+            buffer = empty_control(torch.device("cpu"))
+            written = (channel.irecv(buffer, view.tag(tid, 1), control=True), buffer)
         post_next()  # `message` is read: its buffer may take the one after next
-        magic, trailer_tid, status, first_token_id, num_tokens, sent_at_us = trailer
-        if magic != MAGIC or trailer_tid != tid:
-            raise KVTransferError(f"{what}: bad trailer {trailer}")
+        magic, trailer_tid, status, first_token_id, num_tokens, sent_at_us = end.trailer
+        if magic != MAGIC or trailer_tid != tid or (end.split and status != STATUS_OK):
+            raise KVTransferError(f"{what}: bad trailer {end.trailer} (split {end.split})")
         if status == STATUS_CANCELLED:
             raise KVTransferCancelled(f"{what}: the prefill side cancelled mid-transfer")
         # The prefill instance frees the source blocks RANK_REPORT_GRACE_S after the sender's
         # deadline, acked or not: past it they may hold another request's KV.
-        if time.monotonic_ns() > copy_by_ns:
-            raise KVTransferCancelled(f"{what}: the source blocks' hold ended before the copy")
-        copy_blocks(channel.mapped_source(), self.src_heads, src_ids, view)
-        if time.monotonic_ns() > copy_by_ns + RANK_REPORT_GRACE_S * 1e9 / 2:
+        late = time.monotonic_ns() > end.copy_by_ns
+        source = channel.mapped_source()
+        src_ids, dst_ids = end.src_block_ids, view.block_ids
+        if written is None:
+            if late:
+                raise KVTransferCancelled(f"{what}: the source blocks' hold ended before the copy")
+            copy_blocks(source, self.src_heads, src_ids, view.cache.data, view.heads, dst_ids)
+        else:
+            done = self._split_copy(channel, end, late, written)
+            if late:
+                raise KVTransferCancelled(f"{what}: the source blocks' hold ended before the copy")
+            if done < end.split:  # the prefill side reached its write-by: the rest is ours
+                rest = slice(done, end.split)
+                copy_blocks(
+                    source,
+                    self.src_heads,
+                    src_ids[rest],
+                    view.cache.data,
+                    view.heads,
+                    dst_ids[rest],
+                )
+        if time.monotonic_ns() > end.copy_by_ns + RANK_REPORT_GRACE_S * 1e9 / 2:
             raise KVTransferCancelled(f"{what}: the copy outlasted the source blocks' hold")
         return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))
+
+    def _split_copy(
+        self,
+        channel: Channel,
+        end: SameNodeEnd,
+        late: bool,
+        written: tuple[Posted, torch.Tensor],
+    ) -> int:
+        """Ack M1 (the prefill side writes only once acked: from here this reader owns the
+        transfer, so the blocks stay reserved), copy blocks [split:] unless `late`, take M2 and
+        return how many of the first `split` blocks the prefill side wrote. If M2 never comes,
+        the blocks are kept until the prefill side's write-by has passed before raising."""
+        view, what, tid = self.view, self.what, self.transfer_id
+        deadline = time.monotonic() + self.ticket.timeout_s
+        if late:
+            answer = ACK_LATE
+        elif channel.dest is not None and channel.dest == self.export:
+            answer = ACK_WRITE
+        else:  # the channel was published with another cache than the one this lands in
+            answer = ACK_COPY_ALL
+        ack = control_message((tid, answer, 0, 0, 0), torch.device("cpu"))
+        try:
+            channel.wait(channel.isend(ack, view.tag(tid, 0), control=True), deadline, "ack")
+            if not late:
+                mine = slice(end.split, None)
+                copy_blocks(
+                    channel.mapped_source(),
+                    self.src_heads,
+                    end.src_block_ids[mine],
+                    view.cache.data,
+                    view.heads,
+                    view.block_ids[mine],
+                )
+            work, buffer = written
+            channel.wait(work, deadline, f"{what}: the prefill side's copy")
+        except KVTransferError:
+            hold = end.write_by_ns / 1e9 + _SPLIT_WRITE_GRACE_S - time.monotonic()
+            time.sleep(max(0.0, hold))  # the prefill side may still be writing into them
+            raise
+        magic, written_tid, status, done = buffer.tolist()[:4]
+        if magic != MAGIC or written_tid != tid or not 0 <= done <= end.split:
+            raise KVTransferError(f"{what}: bad copy report {buffer.tolist()}")
+        return int(done)

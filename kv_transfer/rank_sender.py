@@ -149,6 +149,7 @@ class KVRankSender:
                 continue
             # Its place in the channel's stream is taken now, in dial order (streams.py).
             lane.outgoing = lane.channel.sends.open(handle._what(lane))
+            lane.dst_heads = segment.dst_heads
             lane.same_node = lane.channel.same_node
             if lane.same_node:  # one message at finish; a cancel: the header alone
                 if status == STATUS_CANCELLED:

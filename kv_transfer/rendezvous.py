@@ -46,8 +46,12 @@ class ChannelHost:
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
 
-    def accept(self, pair_key: str, transfer_key: str, deadline: float) -> Channel:
-        """The channel one transfer will use; (re)connects it in the background if needed."""
+    def accept(
+        self, pair_key: str, transfer_key: str, deadline: float, dest: bytes | None = None
+    ) -> Channel:
+        """The channel one transfer will use; (re)connects it in the background if needed.
+        `dest`: the receiving rank's exported cache (CPU), published with each new channel
+        before the transfer's key: a same-node dialer may then write part of the KV itself."""
         with self._lock:
             channel = self._channels.get(pair_key)
             if channel is not None and self._store.check([f"{pair_key}/broken/{channel.epoch}"]):
@@ -57,6 +61,9 @@ class ChannelHost:
                 rank = 0 if self.endpoint.receiver_is_rank0 else 1
                 channel = Channel(pair_key, epoch, self._store, rank, self.device)
                 self._channels[pair_key] = channel
+                if dest is not None:
+                    channel.dest = dest  # which cache the dialer may write into (rank_receiver)
+                    self._store.set(f"{pair_key}/same_node_dest/{epoch}", dest)  # type: ignore[arg-type]
                 channel.connect_in_background(deadline, self._store)
             self._store.set(f"{pair_key}/t/{transfer_key}", str(channel.epoch))
             return channel
@@ -127,6 +134,13 @@ class ChannelDialer:
             assert channel is not None
             channel.wait_connected(deadline)
             return channel
+        dest = None
+        if source is not None:
+            dest_key = f"{pair_key}/same_node_dest/{epoch}"
+            try:  # published before the transfer's key, when the decode rank exported its cache
+                dest = store.get(dest_key) if store.check([dest_key]) else None
+            except Exception:  # noqa: S110 - the decode side may be gone: connecting says so
+                pass
         with self._lock:
             channel = self._channels.get(channel_key)
             if channel is not None and channel.epoch == epoch and not channel.broken:
@@ -143,7 +157,7 @@ class ChannelDialer:
             rank = 1 if endpoint.receiver_is_rank0 else 0
             channel = Channel(pair_key, epoch, store, rank, self.device)
             if source is not None:
-                channel.use_same_node(source)
+                channel.use_same_node(source, dest)
             self._channels[channel_key] = channel
         if source is not None:  # told before the dial, which the decode side waits for
             store.set(f"{pair_key}/same_node/{epoch}", source)  # type: ignore[arg-type]

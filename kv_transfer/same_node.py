@@ -1,20 +1,32 @@
-"""The same-node transport: the decode rank copies the KV straight out of the prefill rank's
-cache, through memory both processes map, instead of receiving it through a socket.
+"""The same-node transport: the two ranks copy the KV straight between their caches, through
+memory both processes map, instead of sending it through a socket.
 
     prefill rank                                decode rank
-    before serving: export the cache           the channel's first transfer: map it
-      CPU: move it to shared memory (in place,    CPU: the same pages, through
-           once); hand out its descriptor              /proc/<pid>/fd/<fd>
-      GPU: a CUDA IPC handle                      GPU: a CUDA IPC mapping of the same memory
-    per transfer, on the pair's gloo channel (one ordered stream, streams.py), one message:
-      at finish: header, trailer, source ids    OK -> copy source blocks (their heads) into
-                                                  the reserved blocks, one copy
-                                                  (device to device on GPU), then report
+    before serving: export the cache           before serving (CPU): export the cache too
+      CPU: move it to shared memory (in place,    (shared memory), and publish it with each
+           once); hand out its descriptor         new channel (rendezvous.py)
+      GPU: a CUDA IPC handle                      the channel's first transfer: map the
+                                                  prefill's cache (CPU: /proc/<pid>/fd/<fd>;
+                                                  GPU: a CUDA IPC mapping of the same memory)
+    per transfer, on the pair's gloo channel (one ordered stream, streams.py):
+      at finish: M1 = header, trailer, copy-by,  M1 -> copy its share of the source blocks
+        split, write-by, source ids                  (their heads) into the reserved blocks
+      split > 0 (CPU, both caches exported):       split > 0: ack M1 first, then copy
+        wait for the ack, copy the first `split`   blocks [split:], then wait for M2
+        blocks into the decode's reserved ones,  M2 says how many of the first `split` the
+        then M2 = how many it wrote                  prefill wrote; copy what it did not
+                                                  -> report landed
 The source blocks stay referenced by the prefill instance until the decode side acks (KVSender),
-so they cannot change while the copy reads them. Control messages are CPU tensors on gloo even
-on GPU: NCCL refuses two ranks on one device, which one GPU shared by a prefill and a decode
-process is. Which transport a pair uses: tickets carry KVTransferConfig.transport; "auto" picks
-this one when the decode rank's endpoint names this node.
+so they cannot change while a copy reads them. The split puts both processes' cores on a large
+copy: on CPU a memcpy is the whole cost, and the network path also spends both sides' cores (a
+kernel copy on each). The prefill side writes into the decode's blocks only after the decode's
+reader acked M1: from then on the decode side owns the transfer (no withdrawal at the deadline),
+and it releases the blocks only after M2 or, if M2 never comes, after `write-by` (the prefill
+starts no copy past it). On GPU the copy is one device-to-device copy either way: no split.
+Control messages are CPU tensors on gloo even on GPU: NCCL refuses two ranks on one device,
+which one GPU shared by a prefill and a decode process is. Which transport a pair uses: tickets
+carry KVTransferConfig.transport; "auto" picks this one when the decode rank's endpoint names
+this node.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import pickle
 import socket
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -111,12 +124,18 @@ def map_cache(handle: bytes) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
-# The same-node transport's one message per transfer, sent when the prompt is done (int64):
-#   header (CONTROL_LEN) | trailer (CONTROL_LEN) | copy-by (ns, CLOCK_MONOTONIC) | source block ids
-# The decode side's reader posts a receive this long for the most ids a transfer can carry (gloo
-# takes a shorter message into a longer receive: a header alone, for a cancel), so a transfer
-# needs no second round trip after its header. Control always goes over gloo, even on GPU.
-_END_FIXED = 2 * CONTROL_LEN + 1
+# The same-node transport's first message per transfer, sent when the prompt is done (int64):
+#   header (CONTROL_LEN) | trailer (CONTROL_LEN) | copy-by (ns) | split | write-by (ns) | ids
+# (times on CLOCK_MONOTONIC, one clock on one node). `split`: how many leading blocks the prefill
+# side writes itself after the decode side's ack (0: the decode side copies them all, no ack and
+# no M2). The decode side's reader posts a receive this long for the most ids a transfer can
+# carry (gloo takes a shorter message into a longer receive: a header alone, for a cancel), so a
+# transfer needs no second round trip after its header. Control always goes over gloo.
+_END_FIXED = 2 * CONTROL_LEN + 3
+# The decode side's ack of a split M1 (its status field): write your share; write nothing, the
+# source blocks' hold ended (the transfer is cancelled); write nothing, this side copies them all
+# (the channel's published cache is not the one this transfer lands in).
+ACK_WRITE, ACK_LATE, ACK_COPY_ALL = 0, 1, 2
 
 
 def end_message_len(max_block_ids: int) -> int:
@@ -124,23 +143,44 @@ def end_message_len(max_block_ids: int) -> int:
     return _END_FIXED + max_block_ids
 
 
+@dataclass(frozen=True)
+class SameNodeEnd:
+    """A parsed M1 (see `end_message`)."""
+
+    trailer: list[int]
+    copy_by_ns: int  # the source blocks are held until then (KVSender frees them a grace later)
+    split: int  # the prefill side writes blocks [0, split) itself, after the ack
+    write_by_ns: int  # ... and starts no copy after this
+    src_block_ids: list[int]
+
+
 def end_message(
-    header: torch.Tensor, trailer: torch.Tensor, copy_by_ns: int, src_block_ids: Sequence[int]
+    header: torch.Tensor,
+    trailer: torch.Tensor,
+    copy_by_ns: int,
+    src_block_ids: Sequence[int],
+    split: int = 0,
+    write_by_ns: int = 0,
 ) -> torch.Tensor:
-    """The one message that ends a same-node transfer: its header, trailer, until when the
-    source blocks are held (see KVSender: they are freed a grace period after the deadline),
-    and where to copy from."""
-    tail = torch.tensor([copy_by_ns, *src_block_ids], dtype=torch.int64)
+    """M1, the message that ends a same-node transfer's prefill: its header, trailer, until
+    when the source blocks are held (see KVSender: they are freed a grace period after the
+    deadline), how many leading blocks the prefill side writes itself and until when it may
+    start to, and where to copy from."""
+    tail = torch.tensor([copy_by_ns, split, write_by_ns, *src_block_ids], dtype=torch.int64)
     return torch.cat([header.cpu(), trailer.cpu(), tail])
 
 
-def parse_end_message(
-    message: torch.Tensor, num_block_ids: int
-) -> tuple[list[int], int, list[int]]:
-    """(trailer values, copy-by ns, source block ids) of a message whose header was checked."""
+def parse_end_message(message: torch.Tensor, num_block_ids: int) -> SameNodeEnd:
+    """M1's fields, for a message whose header was checked."""
     values = message[: _END_FIXED + num_block_ids].tolist()
-    trailer = values[CONTROL_LEN : 2 * CONTROL_LEN]
-    return trailer, values[2 * CONTROL_LEN], values[_END_FIXED:]
+    fixed = 2 * CONTROL_LEN
+    return SameNodeEnd(
+        trailer=values[CONTROL_LEN:fixed],
+        copy_by_ns=values[fixed],
+        split=values[fixed + 1],
+        write_by_ns=values[fixed + 2],
+        src_block_ids=values[_END_FIXED:],
+    )
 
 
 def paired_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -155,29 +195,41 @@ def paired_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, 
 
 
 def copy_blocks(
-    source: torch.Tensor, src_heads: slice, src_block_ids: list[int], view: WireView
+    source: torch.Tensor,
+    src_heads: slice,
+    src_block_ids: Sequence[int],
+    dest: torch.Tensor,
+    dst_heads: slice,
+    dst_block_ids: Sequence[int],
 ) -> None:
-    """Copy the source blocks' `src_heads` into `view`'s blocks and heads, in one pass: a
-    strided copy per stretch of ids that run on together on both sides (one when both are
-    runs). Even with every block its own stretch this beats a gather and a scatter, which go
-    through a temporary: 14 against 44 ms for 512 scattered blocks of the benchmark's shape on
-    one core, where one contiguous copy of the same bytes takes 11. On a GPU, where each copy
-    is a kernel launch, many stretches take one gather and one scatter instead."""
-    dst_data = view.cache.data
-    if source.dtype != dst_data.dtype or source.shape[4:] != dst_data.shape[4:]:
+    """Copy the source blocks' `src_heads` into `dest`'s blocks and heads (both whole cache
+    tensors, [L, 2, heads, blocks, ...]), in one pass: a strided copy per stretch of ids that run
+    on together on both sides (one when both are runs). Even with every block its own stretch
+    this beats a gather and a scatter, which go through a temporary: 14 against 44 ms for 512
+    scattered blocks of the benchmark's shape on one core, where one contiguous copy of the same
+    bytes takes 11. On a GPU, where each copy is a kernel launch, many stretches take one gather
+    and one scatter instead."""
+    if source.dtype != dest.dtype or source.shape[4:] != dest.shape[4:]:
         raise KVTransferError(
             f"the prefill rank's cache holds {source.dtype} blocks {tuple(source.shape[4:])} and "
-            f"this one {dst_data.dtype} {tuple(dst_data.shape[4:])}: set the same kv_cache.dtype"
+            f"the decode rank's {dest.dtype} {tuple(dest.shape[4:])}: set the same kv_cache.dtype"
         )
     src = source[:, :, src_heads]  # [L, 2, heads, blocks, block_size, head_dim]
-    dst = view.cache.data[:, :, view.heads]
-    runs = paired_runs(src_block_ids, list(view.block_ids))
+    dst = dest[:, :, dst_heads]
+    runs = paired_runs(list(src_block_ids), list(dst_block_ids))
     if source.is_cuda and len(runs) > _MAX_CUDA_RUN_COPIES:
         src_index = torch.tensor(src_block_ids, dtype=torch.long, device=source.device)
-        dst_index = torch.tensor(view.block_ids, dtype=torch.long, device=source.device)
+        dst_index = torch.tensor(dst_block_ids, dtype=torch.long, device=source.device)
         dst.index_copy_(3, dst_index, src.index_select(3, src_index))
     else:
         for src_start, dst_start, length in runs:
             dst.narrow(3, dst_start, length).copy_(src.narrow(3, src_start, length))
     if source.is_cuda:  # the blocks are whole before the decode side reports them landed
         torch.cuda.current_stream(source.device).synchronize()
+
+
+def copy_into_view(
+    source: torch.Tensor, src_heads: slice, src_block_ids: Sequence[int], view: WireView
+) -> None:
+    """The decode side's copy: the source blocks into `view`'s blocks and heads."""
+    copy_blocks(source, src_heads, src_block_ids, view.cache.data, view.heads, view.block_ids)

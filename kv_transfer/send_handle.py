@@ -5,10 +5,13 @@ see that module for the whole flow and why messages are posted from a thread on 
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,10 +19,17 @@ from kv_transfer.channel import Channel, ChannelEndpoint
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
 from kv_transfer.messages import KVTicket
 from kv_transfer.rendezvous import ChannelDialer
-from kv_transfer.same_node import end_message
+from kv_transfer.same_node import ACK_WRITE, copy_blocks, end_message
 from kv_transfer.staging import StagingPool
 from kv_transfer.streams import Outgoing
-from kv_transfer.wire import STATUS_CANCELLED, STATUS_OK, WireView, control_message
+from kv_transfer.wire import (
+    MAGIC,
+    STATUS_CANCELLED,
+    STATUS_OK,
+    WireView,
+    control_message,
+    empty_control,
+)
 
 
 @dataclass
@@ -34,9 +44,59 @@ class SendLane:
     # read (a tensor must outlive its send) and whether each is a staging buffer to give back.
     outgoing: Outgoing | None = None
     same_node: bool = False  # the decode rank copies the KV itself (same_node.py)
+    dst_heads: slice = field(
+        default_factory=lambda: slice(0, 0)
+    )  # the decode rank's local heads this lane fills
+    # Same-node split (same_node.py): the leading blocks this side writes itself once the decode
+    # side acks, the ack's buffer, and when this side stops starting copies.
+    split: int = 0
+    ack: torch.Tensor | None = None
+    write_by_ns: int = 0
+    written: int = 0  # how many of them it wrote
 
 
+logger = logging.getLogger(__name__)
 _WAIT_ALL = None  # the poster's last item: every message is posted, wait for them
+# The same-node split (same_node.py): from this many bytes a lane, the prefill side copies the
+# first half of the blocks itself (smaller ones: the ack's round trip costs more than it saves);
+# it starts no copy later than the window after M1, and copies this much between checks.
+_SPLIT_MIN_BYTES = 4 << 20
+SPLIT_MIN_BYTES_ENV = "PDSERVE_SAME_NODE_SPLIT_MIN_BYTES"  # overrides it (tests: tiny models)
+_SPLIT_WRITE_WINDOW_S = 1.0
+_SPLIT_CHUNK_BYTES = 16 << 20
+
+
+class _Posters:
+    """Daemon threads that run transfers' posters (SendHandle._poster), kept for the next one:
+    starting a thread per transfer cost 0.1-0.5 ms on a busy core, in front of every transfer's
+    first message. Each job gets a thread of its own (an idle one, or a new one when none is
+    idle): a poster blocks until its transfer ends, so none may wait behind another."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def run(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+        with self._lock:
+            if self._idle > 0:  # that thread is on its way to take a job from the queue
+                self._idle -= 1
+                return
+        threading.Thread(target=self._work, name="kv-send", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # a poster ends its own handle; nothing may end this thread
+                logger.exception("a transfer's send thread failed")
+            with self._lock:
+                self._idle += 1
+
+
+_POSTERS = _Posters()
 
 
 class SendHandle:
@@ -60,12 +120,10 @@ class SendHandle:
         self.error: KVTransferError | None = None
         self._post_inline = post_inline
         self._outbox: queue.SimpleQueue[
-            tuple[SendLane, torch.Tensor, int, str, bool, bool, bool] | None
+            tuple[SendLane, torch.Tensor, int, str, bool, bool, bool, torch.Tensor | None] | None
         ]
         self._outbox = queue.SimpleQueue()
-        threading.Thread(
-            target=self._poster, name=f"kv-send-{ticket.request_id}", daemon=True
-        ).start()
+        _POSTERS.run(self._poster)
 
     def _what(self, lane: SendLane) -> str:
         return f"request {self.ticket.request_id} (transfer {self.ticket.transfer_id}) to {lane.channel}"
@@ -94,13 +152,15 @@ class SendHandle:
         staged: bool = False,
         last: bool = False,
         control: bool = False,
+        reply: torch.Tensor | None = None,
     ) -> None:
         """Queue one message of the lane's transfer. `control`: a header or trailer (a CPU
-        tensor), which goes on the channel's control group, never the KV's (channel.py)."""
+        tensor), which goes on the channel's control group, never the KV's (channel.py).
+        `reply`: a control message's buffer to receive the peer's answer into (streams.py)."""
         if self._post_inline:
-            self._post_now(lane, tensor, index, what, staged, last, control)
+            self._post_now(lane, tensor, index, what, staged, last, control, reply)
         else:
-            self._outbox.put((lane, tensor, index, what, staged, last, control))
+            self._outbox.put((lane, tensor, index, what, staged, last, control, reply))
 
     def _post_now(
         self,
@@ -111,12 +171,13 @@ class SendHandle:
         staged: bool,
         last: bool,
         control: bool,
+        reply: torch.Tensor | None = None,
     ) -> None:
         channel, outgoing = lane.channel, lane.outgoing  # read once: the lane may fail meanwhile
         if channel is None or outgoing is None:
             return
         tag = lane.view.tag(self.ticket.transfer_id, index)
-        channel.sends.push(outgoing, tensor, tag, what, staged, last, control)
+        channel.sends.push(outgoing, tensor, tag, what, staged, last, control, reply)
 
     def _post_payload_until(self, lane: SendLane, stop: int) -> None:
         while lane.next_index < stop:
@@ -202,6 +263,7 @@ class SendHandle:
                     self._fail_all(KVTransferTimeout("not finished within the deadline"))
                     return
                 if item is _WAIT_ALL:
+                    self._split_writes()
                     self._wait_all()
                     return
                 self._post_now(*item)
@@ -242,19 +304,92 @@ class SendHandle:
     def _post_same_node_end(
         self, lane: SendLane, status: int, first_token_id: int | None, sent_at_us: int
     ) -> None:
-        """The same-node transport's one message (same_node.end_message): header, trailer, until
-        when the source blocks are held (this handle's deadline; the instance frees them a grace
-        period after it) and the source block ids."""
+        """The same-node transport's M1 (same_node.end_message): header, trailer, until when the
+        source blocks are held (this handle's deadline; the instance frees them a grace period
+        after it), the split and the source block ids. With a split, the ack's receive goes
+        right behind M1, and the poster thread writes the first blocks and posts M2."""
         tid = self.ticket.transfer_id
         first = -1 if first_token_id is None else first_token_id
         trailer = control_message(
             (tid, status, first, self.ticket.num_tokens, sent_at_us), torch.device("cpu")
         )
         copy_by_ns = int(self.deadline * 1e9)  # CLOCK_MONOTONIC: one clock on one node
+        channel, view = lane.channel, lane.view
+        if (
+            status == STATUS_OK
+            and channel is not None
+            and channel.dest is not None
+            and view.cache.device.type == "cpu"
+            and view.payload_bytes >= int(os.environ.get(SPLIT_MIN_BYTES_ENV) or _SPLIT_MIN_BYTES)
+            and len(view.block_ids) >= 2  # a share for each side
+        ):
+            lane.split = len(view.block_ids) // 2
+            lane.write_by_ns = time.monotonic_ns() + int(_SPLIT_WRITE_WINDOW_S * 1e9)
+            lane.ack = empty_control(torch.device("cpu"))
         message = end_message(
-            lane.view.header(tid, status), trailer, copy_by_ns, lane.view.block_ids
+            view.header(tid, status),
+            trailer,
+            copy_by_ns,
+            view.block_ids,
+            lane.split,
+            lane.write_by_ns,
         )
-        self._post(lane, message, 0, "same-node message", last=True, control=True)
+        self._post(
+            lane,
+            message,
+            0,
+            "same-node message",
+            last=not lane.split,
+            control=True,
+            reply=lane.ack,
+        )
+
+    def _split_writes(self) -> None:
+        """For each split lane: wait for the decode side's ack, write the first `split` blocks
+        into its cache (while before write-by), then post M2 with how many it wrote."""
+        tid = self.ticket.transfer_id
+        for lane in self._lanes:
+            channel, outgoing, ack = lane.channel, lane.outgoing, lane.ack
+            if not lane.split or channel is None or outgoing is None or ack is None:
+                continue
+            try:
+                channel.wait(outgoing.wait_reply(self.deadline), self.deadline, "ack")
+            except KVTransferError as exc:
+                self._fail(lane, exc)
+                continue
+            magic, ack_tid, status = ack.tolist()[:3]
+            if magic != MAGIC or ack_tid != tid:
+                self._fail(lane, KVTransferError(f"{self._what(lane)}: bad ack {ack.tolist()}"))
+                continue
+            done = self._write_split(lane, channel) if status == ACK_WRITE else 0
+            lane.written = done
+            report = control_message((tid, STATUS_OK, done, 0, 0), torch.device("cpu"))
+            self._post_now(lane, report, 1, "copy report", False, True, True)
+
+    def _write_split(self, lane: SendLane, channel: Channel) -> int:
+        """Copy blocks [0, split) into the decode rank's cache, in order, a chunk at a time,
+        starting none past write-by; how many were written."""
+        dest = channel.mapped_dest()
+        if dest is None:
+            return 0
+        view, dst_ids = lane.view, self.ticket.block_ids
+        chunk = max(1, _SPLIT_CHUNK_BYTES * len(view.block_ids) // max(1, view.payload_bytes))
+        done = 0
+        while done < lane.split and time.monotonic_ns() < lane.write_by_ns:
+            end = min(lane.split, done + chunk)
+            try:
+                copy_blocks(
+                    view.cache.data,
+                    view.heads,
+                    view.block_ids[done:end],
+                    dest,
+                    lane.dst_heads,
+                    dst_ids[done:end],
+                )
+            except KVTransferError:  # a mismatch: the decode side's copy reports it
+                break
+            done = end
+        return done
 
     def _wait_all(self) -> None:
         try:
@@ -287,6 +422,11 @@ class SendHandle:
 
     def done(self) -> bool:
         return self._finished.is_set()
+
+    def blocks_written(self) -> list[int]:
+        """Per lane, how many blocks this side wrote into the decode rank's cache itself (the
+        same-node split; 0 where the decode side copied them all)."""
+        return [lane.written for lane in self._lanes]
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every send finished; raises the first KVTransferError (or cancellation).

@@ -5,7 +5,8 @@ never carry two transfers' messages interleaved, and the receiving side must nev
 transfer's payload receives before it knows which transfer comes next. Each channel carries:
 
     header (int64[6], names the transfer) [payload ... trailer]   header [payload ...] ...
-    (same-node channels: one message per transfer, header first; see same_node.py)
+    (same-node channels: one message per transfer, header first, or two when the prefill side
+    copies part of the KV itself, with the decode side's ack between them; see same_node.py)
 
     prefill (SendStream)                          decode (RecvStream, one reader thread)
     open(transfer) in dial order                  expect(transfer) when the ticket is made
@@ -49,13 +50,33 @@ class Outgoing:
     """One transfer's messages on one channel, in order; `posted` holds what the backend has."""
 
     what: str
-    # (tensor, tag, what, staged, control): control messages go on the control group (channel.py)
-    pending: deque[tuple[torch.Tensor, int, str, bool, bool]] = field(default_factory=deque)
+    # (tensor, tag, what, staged, control, reply): control messages go on the control group
+    # (channel.py); `reply`, when set, is the buffer of a control receive posted right behind
+    # the message, so replies are posted in the stream's order too (same_node.py's ack)
+    pending: deque[tuple[torch.Tensor, int, str, bool, bool, torch.Tensor | None]] = field(
+        default_factory=deque
+    )
     posted: list[tuple[Posted, torch.Tensor, str, bool]] = field(default_factory=list)
     closed: bool = False  # the last message was pushed
     started: bool = False  # a message reached the backend: the stream now depends on the rest
     error: KVTransferError | None = None
     all_posted: threading.Event = field(default_factory=threading.Event)
+    reply: Posted | None = None  # the receive posted for a message's reply
+    replied: threading.Event = field(default_factory=threading.Event)  # reply posted, or error
+
+    def fail(self, error: KVTransferError) -> None:
+        self.error = self.error or error
+        self.all_posted.set()
+        self.replied.set()
+
+    def wait_reply(self, deadline: float) -> Posted:
+        """The reply's posted receive, once the message before it reached the backend."""
+        if not self.replied.wait(max(0.0, deadline - time.monotonic())):
+            raise KVTransferError(f"{self.what}: still queued behind earlier transfers")
+        if self.error is not None:
+            raise self.error
+        assert self.reply is not None
+        return self.reply
 
 
 class SendStream:
@@ -72,8 +93,7 @@ class SendStream:
         outgoing = Outgoing(what)
         with self._lock:
             if self.channel.broken:
-                outgoing.error = KVTransferError(f"{self.channel} is broken")
-                outgoing.all_posted.set()
+                outgoing.fail(KVTransferError(f"{self.channel} is broken"))
             else:
                 self._order.append(outgoing)
         return outgoing
@@ -87,11 +107,12 @@ class SendStream:
         staged: bool,
         last: bool,
         control: bool = False,
+        reply: torch.Tensor | None = None,
     ) -> None:
         with self._lock:
             if outgoing.error is not None or outgoing.closed:
                 return
-            outgoing.pending.append((tensor, tag, what, staged, control))
+            outgoing.pending.append((tensor, tag, what, staged, control, reply))
             outgoing.closed = last
             broke = self._drain()
         if broke:
@@ -105,10 +126,11 @@ class SendStream:
             if outgoing in self._order and not outgoing.started:
                 outgoing.pending.clear()
                 outgoing.pending.append(
-                    (cancel_header, HEADER_TAG, "cancelled header", False, True)
+                    (cancel_header, HEADER_TAG, "cancelled header", False, True, None)
                 )
                 outgoing.closed = True
                 outgoing.error = KVTransferError(f"{outgoing.what}: abandoned")
+                outgoing.replied.set()
                 broke = self._drain()
             else:
                 broke = outgoing in self._order  # begun and not whole: the stream is torn
@@ -121,16 +143,19 @@ class SendStream:
         while self._order:
             head = self._order[0]
             while head.pending:
-                tensor, tag, what, staged, control = head.pending.popleft()
+                tensor, tag, what, staged, control, reply = head.pending.popleft()
                 try:
                     work = self.channel.isend(tensor, tag, control)
+                    if reply is not None:
+                        head.reply = self.channel.irecv(reply, tag, control=True)
                 except Exception as exc:  # the peer is gone or the group was dropped
-                    head.error = KVTransferError(f"{head.what}: posting {what} failed: {exc}")
-                    head.all_posted.set()
+                    head.fail(KVTransferError(f"{head.what}: posting {what} failed: {exc}"))
                     self._order.popleft()
                     return True
                 head.started = True
                 head.posted.append((work, tensor, what, staged))
+                if reply is not None:
+                    head.replied.set()
             if not head.closed:
                 return False
             head.all_posted.set()
@@ -141,8 +166,7 @@ class SendStream:
         with self._lock:
             queued, self._order = self._order, deque()
         for outgoing in queued:
-            outgoing.error = outgoing.error or KVTransferError(f"{outgoing.what}: {error}")
-            outgoing.all_posted.set()
+            outgoing.fail(KVTransferError(f"{outgoing.what}: {error}"))
 
 
 class Incoming:

@@ -76,7 +76,7 @@ class KVRankSides:
             self.sending = PrefillRank(runner, transport)
             self._sides.append(self.sending)
         if receives:
-            self.receiving = DecodeRank(runner, host)
+            self.receiving = DecodeRank(runner, host, transport)
             self._sides.append(self.receiving)
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads
+from kv_transfer import send_handle
 from kv_transfer.channel import Channel
 from kv_transfer.rank_receiver import KVRankReceiver, RecvHandle
 from kv_transfer.rank_sender import KVRankSender, SendHandle
@@ -59,16 +60,21 @@ def check_received(
     rank: int,
     src_block_ids: list[int],
     dst_block_ids: list[int],
+    only_dst: bool = False,
 ) -> str | None:
-    """None if the destination blocks hold the source bytes exactly and all else is still zero."""
+    """None if the destination blocks hold the source bytes exactly and all else is still zero
+    (`only_dst`: the destination blocks alone, in a cache other transfers land in too)."""
     heads = local_kv_heads(num_kv_heads, tp_size, rank)
     expected = torch.zeros_like(cache.data)
     source = full_kv(seed, num_kv_heads)[:, :, heads.start : heads.stop]
     expected[:, :, :, dst_block_ids] = source[:, :, :, src_block_ids]
-    if torch.equal(cache.data.view(torch.int32), expected.view(torch.int32)):
+    data = cache.data
+    if only_dst:
+        data, expected = data[:, :, :, dst_block_ids], expected[:, :, :, dst_block_ids]
+    if torch.equal(data.view(torch.int32), expected.view(torch.int32)):
         return None
-    wrong = (cache.data != expected).nonzero()[:5].tolist()
-    return f"rank {rank}: {int((cache.data != expected).sum())} wrong values, first at {wrong}"
+    wrong = (data != expected).nonzero()[:5].tolist()
+    return f"rank {rank}: {int((data != expected).sum())} wrong values, first at {wrong}"
 
 
 @dataclass
@@ -126,6 +132,17 @@ class _WorkerState:
         self.dialer = ChannelDialer()
         self.handles: dict[str, tuple[Any, ...]] = {}
         self.senders: dict[tuple[int, int, int], KVRankSender] = {}
+        # Same-node split mode (split_mode): each decode rank shape keeps one exported cache and
+        # receiver, as a serving decode rank has, so a same-node sender may write into it.
+        self.split = False
+        self.receivers: dict[tuple[int, int, int], KVRankReceiver] = {}
+
+    def split_mode(self, min_bytes: int, write_window_s: float) -> None:
+        """Let same-node senders here write their share of transfers from `min_bytes` a lane
+        (this suite's blocks are tiny), within `write_window_s` of M1; receivers here export."""
+        send_handle._SPLIT_MIN_BYTES = min_bytes
+        send_handle._SPLIT_WRITE_WINDOW_S = write_window_s
+        self.split = True
 
     def endpoint(self) -> Any:
         if self.host is None:
@@ -133,8 +150,19 @@ class _WorkerState:
         return self.host.endpoint
 
     def recv(self, name: str, ticket: Any, rank: int, num_kv_heads: int) -> None:
-        cache = KVCache(rank_spec(num_kv_heads, ticket.decode_tp_size, rank))
         assert self.host is not None
+        if self.split:
+            key = (num_kv_heads, ticket.decode_tp_size, rank)
+            if key not in self.receivers:
+                cache = KVCache(rank_spec(num_kv_heads, ticket.decode_tp_size, rank))
+                self.receivers[key] = KVRankReceiver(
+                    cache, self.host, rank, num_kv_heads, export_now=True
+                )
+            receiver = self.receivers[key]
+            receiver.cache.data[:, :, :, list(ticket.block_ids)] = 0  # what an earlier one left
+            self.handles[name] = (receiver.receive(ticket), receiver.cache)
+            return
+        cache = KVCache(rank_spec(num_kv_heads, ticket.decode_tp_size, rank))
         handle = KVRankReceiver(cache, self.host, rank, num_kv_heads).receive(ticket)
         self.handles[name] = (handle, cache)
 
@@ -200,11 +228,12 @@ class _WorkerState:
                 stamped = received.first_token_at
                 result["stamped_s_ago"] = None if stamped is None else time.time() - stamped
                 if check is not None:
-                    result["mismatch"] = check_received(cache, *check)
+                    result["mismatch"] = check_received(cache, *check, only_dst=self.split)
                 return result
             assert isinstance(handle, SendHandle)
             handle.wait(COMMAND_TIMEOUT_S)
-            return {"ok": True}
+            # how many blocks this side wrote into each lane's decode cache (same-node split)
+            return {"ok": True, "written": handle.blocks_written()}
         except Exception as exc:
             return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]}
 

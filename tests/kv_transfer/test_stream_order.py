@@ -21,24 +21,31 @@ pytestmark = pytest.mark.slow
 NUM_KV_HEADS = 2
 _ids = itertools.count(1)
 _transport = "network"  # the pair fixture's transport
+_writes_half = False  # the pair fixture's prefill side writes half of each transfer itself
 
 
-@pytest.fixture(scope="module", params=["network", "network-split", "same_node"])
+@pytest.fixture(scope="module", params=["network", "network-split", "same_node", "same_node-split"])
 def pair(
     request: pytest.FixtureRequest, monkeypatch_module: pytest.MonkeyPatch
 ) -> Iterator[tuple[Worker, Worker]]:
     """One prefill rank and one decode rank: every transfer shares their one channel, over
     either transport. "network-split": headers and trailers on one gloo group, the KV on a second,
-    as a CUDA channel splits them between gloo and NCCL (two streams, each in post order)."""
+    as a CUDA channel splits them between gloo and NCCL (two streams, each in post order).
+    "same_node-split": the prefill side writes the first half of every transfer's blocks into
+    the decode rank's cache itself, between the decode side's ack and its copy report."""
     assert ordered_matching(), "the suite runs kv_transfer with ordered matching on"
-    global _transport
+    global _transport, _writes_half
     _transport = request.param.removesuffix("-split")
-    if request.param.endswith("-split"):  # the worker processes inherit it when spawned
+    _writes_half = request.param == "same_node-split"
+    if request.param == "network-split":  # the worker processes inherit it when spawned
         monkeypatch_module.setenv(SPLIT_GROUPS_ENV, "1")
     prefill, decode = start_workers(1)[0], start_workers(1)[0]
     monkeypatch_module.delenv(SPLIT_GROUPS_ENV, raising=False)
     try:
-        assert decode.call("split_channels") == request.param.endswith("-split")
+        assert decode.call("split_channels") == (request.param == "network-split")
+        if _writes_half:
+            for worker in (prefill, decode):
+                worker.call("split_mode", 0, 30.0)
         yield prefill, decode
     finally:
         prefill.stop()
@@ -79,7 +86,8 @@ def send(prefill: Worker, ticket: KVTicket, src: list[int], layers: int | None =
 
 def assert_landed(prefill: Worker, decode: Worker, ticket: KVTicket, src: list[int]) -> None:
     name, seed = ticket.request_id, ticket.transfer_id
-    assert prefill.call("wait", name, None) == {"ok": True}
+    written = len(ticket.block_ids) // 2 if _writes_half else 0
+    assert prefill.call("wait", name, None) == {"ok": True, "written": [written]}
     check = (seed, NUM_KV_HEADS, 1, 0, src, list(ticket.block_ids))
     result = decode.call("wait", name, check)
     result.pop("stamped_s_ago")

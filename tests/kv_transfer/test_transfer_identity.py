@@ -98,10 +98,13 @@ def check_transfer(
     num_kv_heads: int,
     seed: int,
     src_block_ids: list[int],
+    written: int = 0,
 ) -> None:
+    """`written`: how many blocks each prefill lane wrote into the decode cache itself."""
     name = ticket.request_id
     for rank in range(ticket.prefill_tp_size):
-        assert prefill[rank].call("wait", name, None) == {"ok": True}
+        result = prefill[rank].call("wait", name, None)
+        assert result["ok"] is True and set(result["written"]) <= {written}, result
     for rank in range(ticket.decode_tp_size):
         check = (
             seed,

@@ -17,6 +17,7 @@ import pytest
 from engine import LLM, EngineConfig, SamplingParams
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.receiver import RANK_REPORT_GRACE_S
+from kv_transfer.send_handle import SPLIT_MIN_BYTES_ENV
 from tests.engine.test_llm import hf_greedy, make_prompts
 from tests.workers.cluster import (
     Cluster,
@@ -53,7 +54,9 @@ def reference(model_dir: str, prompts: list[list[int]], params: object) -> list[
 
 @pytest.fixture(scope="module", params=["same_node", "network"])
 def cluster(tiny_model, request):
-    """The layout once per KV transport (both in this suite's NCCL-like ordered matching)."""
+    """The layout once per KV transport (both in this suite's NCCL-like ordered matching).
+    Same-node: every transfer splits its copy (the prefill rank writes half of the blocks into
+    the decode rank's cache), as large ones do; this model's transfers are far under the size."""
     model_dir = tiny_model("llama")
     transport = request.param
     # Chunks of 16 under a budget of 16: one chunk per step, so a long prompt takes many steps
@@ -87,7 +90,10 @@ def cluster(tiny_model, request):
     ]
     cluster = Cluster()
     try:
-        cluster.start(specs)
+        with pytest.MonkeyPatch.context() as patch:  # the worker processes inherit it
+            if transport == "same_node":
+                patch.setenv(SPLIT_MIN_BYTES_ENV, "0")
+            cluster.start(specs)
         cluster.model_dir = model_dir  # type: ignore[attr-defined]
         cluster.transport = transport  # type: ignore[attr-defined]
         cluster.start_free = {i: free_blocks(cluster, i) for i in cluster.workers}  # type: ignore[attr-defined]
@@ -163,6 +169,13 @@ def test_greedy_outputs_equal_llm_and_transformers(cluster) -> None:
     assert len(prefill_pids) == PREFILL_TP
     exported = [bool(shared_memory_of(pid)) for pid in prefill_pids]
     assert exported == [cluster.transport == "same_node"] * PREFILL_TP
+    # ... and each decode rank's, which the prefill ranks wrote their share into
+    decode_pids = [
+        pid for d in ("decode-0", "decode-1") for pid in cluster.workers[d].call(ProcessIds())
+    ]
+    assert [bool(shared_memory_of(pid)) for pid in decode_pids] == [
+        cluster.transport == "same_node"
+    ] * len(decode_pids)
 
 
 def test_decode_instance_at_tp2_equals_llm(cluster) -> None:
