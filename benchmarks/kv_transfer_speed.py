@@ -23,9 +23,11 @@ benchmarks/block_runs.py measures how often each arises under load with BlockPoo
               cores from what the KV path's copies (head slices, scattered blocks) cost.
 
 First the transports: same_node_over_network = network time / same-node time (kv_transfer/
-same_node.py), worst over p,d in {(1,1),(2,2)} and two layouts, raw sends interleaved (also one
-per rank pair of the plan at once: network_over_raw_topology_same_run). Prefill ranks are pinned
-to one half of the cores, decode ranks to the other, where there are two or more.
+same_node.py), worst over p,d in {(1,1),(2,2)} and two layouts, raw sends interleaved
+(network_over_raw_same_run per layout; also one raw send per rank pair of the plan at once:
+network_over_raw_topology_same_run). Prefill ranks are pinned to one half of the cores, decode
+ranks to the other, where there are two or more. Decode ranks export their caches as serving ones
+do, so a same-node prefill rank writes its share of a large transfer (same_node.py's split).
 
 Run: python -m benchmarks.kv_transfer_speed [--quick] [--out kv.json] (last line: one JSON object)
 """
@@ -335,13 +337,29 @@ def main() -> None:
             str(t): min(c["same_node_over_network"] for c in same_node_cases if c["tokens"] == t)
             for t in args.tokens
         },
+        # per block layout and token count, the worst over p,d: raw time / network time (a
+        # scattered layout pays a gather and a scatter copy that one raw send never does)
         "network_over_raw_same_run": {
-            str(t): min(c["network_over_raw"] for c in same_node_cases if c["tokens"] == t)
-            for t in args.tokens
+            layout: {
+                str(t): min(
+                    c["network_over_raw"]
+                    for c in same_node_cases
+                    if c["tokens"] == t and c["blocks"] == layout
+                )
+                for t in args.tokens
+            }
+            for layout in ("contiguous", "scattered")
         },
         "network_over_raw_topology_same_run": {
-            str(t): min(c["network_over_raw_topology"] for c in same_node_cases if c["tokens"] == t)
-            for t in args.tokens
+            layout: {
+                str(t): min(
+                    c["network_over_raw_topology"]
+                    for c in same_node_cases
+                    if c["tokens"] == t and c["blocks"] == layout
+                )
+                for t in args.tokens
+            }
+            for layout in ("contiguous", "scattered")
         },
         "pinned_cpus": pinned,
         "same_node_cases": same_node_cases,

@@ -5,12 +5,10 @@ see that module for the whole flow and why messages are posted from a thread on 
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +16,7 @@ import torch
 from kv_transfer.channel import Channel, ChannelEndpoint
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
 from kv_transfer.messages import KVTicket
+from kv_transfer.posters import POSTERS
 from kv_transfer.rendezvous import ChannelDialer
 from kv_transfer.same_node import ACK_WRITE, copy_blocks, end_message
 from kv_transfer.staging import StagingPool
@@ -44,9 +43,7 @@ class SendLane:
     # read (a tensor must outlive its send) and whether each is a staging buffer to give back.
     outgoing: Outgoing | None = None
     same_node: bool = False  # the decode rank copies the KV itself (same_node.py)
-    dst_heads: slice = field(
-        default_factory=lambda: slice(0, 0)
-    )  # the decode rank's local heads this lane fills
+    dst_heads: slice = field(default_factory=lambda: slice(0, 0))  # the decode rank's heads
     # Same-node split (same_node.py): the leading blocks this side writes itself once the decode
     # side acks, the ack's buffer, and when this side stops starting copies.
     split: int = 0
@@ -55,7 +52,6 @@ class SendLane:
     written: int = 0  # how many of them it wrote
 
 
-logger = logging.getLogger(__name__)
 _WAIT_ALL = None  # the poster's last item: every message is posted, wait for them
 # The same-node split (same_node.py): from this many bytes a lane, the prefill side copies the
 # first half of the blocks itself (smaller ones: the ack's round trip costs more than it saves);
@@ -64,39 +60,6 @@ _SPLIT_MIN_BYTES = 4 << 20
 SPLIT_MIN_BYTES_ENV = "PDSERVE_SAME_NODE_SPLIT_MIN_BYTES"  # overrides it (tests: tiny models)
 _SPLIT_WRITE_WINDOW_S = 1.0
 _SPLIT_CHUNK_BYTES = 16 << 20
-
-
-class _Posters:
-    """Daemon threads that run transfers' posters (SendHandle._poster), kept for the next one:
-    starting a thread per transfer cost 0.1-0.5 ms on a busy core, in front of every transfer's
-    first message. Each job gets a thread of its own (an idle one, or a new one when none is
-    idle): a poster blocks until its transfer ends, so none may wait behind another."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def run(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-        with self._lock:
-            if self._idle > 0:  # that thread is on its way to take a job from the queue
-                self._idle -= 1
-                return
-        threading.Thread(target=self._work, name="kv-send", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                job()
-            except Exception:  # a poster ends its own handle; nothing may end this thread
-                logger.exception("a transfer's send thread failed")
-            with self._lock:
-                self._idle += 1
-
-
-_POSTERS = _Posters()
 
 
 class SendHandle:
@@ -123,7 +86,7 @@ class SendHandle:
             tuple[SendLane, torch.Tensor, int, str, bool, bool, bool, torch.Tensor | None] | None
         ]
         self._outbox = queue.SimpleQueue()
-        _POSTERS.run(self._poster)
+        POSTERS.run(self._poster)
 
     def _what(self, lane: SendLane) -> str:
         return f"request {self.ticket.request_id} (transfer {self.ticket.transfer_id}) to {lane.channel}"
