@@ -18,6 +18,7 @@ import ray
 from deploy.cli.client import fetch_metrics, format_status, parse_metrics
 from deploy.runtime.ray.cluster import RayCluster, WorkerStatus
 from deploy.runtime.ray.node import process_is_running
+from kv_transfer.send_handle import SPLIT_MIN_BYTES_ENV
 from tests.deploy.ray_support import (
     hf_greedy,
     kill_the_busiest,
@@ -68,7 +69,11 @@ def cluster(model_dir: str) -> Iterator[RayCluster]:
     ray_cluster = RayCluster(spec)
     progress: list[str] = []
     try:
-        ray_cluster.start(progress=progress.append)
+        # Every same-node transfer splits its copy, as large ones do (this model's are small):
+        # Ray's processes inherit the variable from the node this starts.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(SPLIT_MIN_BYTES_ENV, "0")
+            ray_cluster.start(progress=progress.append)
         assert progress[0] == "starting Ray" and progress[-1].startswith("ready on 127.0.0.1:")
         yield ray_cluster
     finally:
@@ -83,10 +88,10 @@ def test_32_concurrent_streams_equal_transformers(cluster: RayCluster, reference
     assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(PROMPTS)
     assert [r.token_ids for r in results] == reference["short"]
     # The KV moved through the same-node transport (the default on one node): each prefill
-    # rank actor shared its cache through /dev/shm. Every pool is back to its size.
+    # rank actor shared its cache through /dev/shm, and each decode actor its own, which the
+    # prefill ranks wrote their share into. Every pool is back to its size.
     status = cluster.status()
-    prefill = next(w for w in status.workers if w.role == Role.PREFILL)
-    assert all(shared_memory_of(pid) for pid in prefill.pids)
+    assert all(shared_memory_of(pid) for worker in status.workers for pid in worker.pids)
     deadline = time.monotonic() + 15.0
     while time.monotonic() < deadline:
         loads = [w.load for w in cluster.status().workers]
