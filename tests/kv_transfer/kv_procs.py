@@ -136,6 +136,7 @@ class _WorkerState:
         # receiver, as a serving decode rank has, so a same-node sender may write into it.
         self.split = False
         self.receivers: dict[tuple[int, int, int], KVRankReceiver] = {}
+        self.ended: dict[str, float | None] = {}  # receives waited for: when each ended
 
     def split_mode(self, min_bytes: int, write_window_s: float) -> None:
         """Let same-node senders here write their share of transfers from `min_bytes` a lane
@@ -197,6 +198,27 @@ class _WorkerState:
             handle.finish(first_token_id)
         self.handles[name] = (handle, cache)
 
+    def split_then_vanish(
+        self, name: str, ticket: Any, rank: int, num_kv_heads: int, src_block_ids: list[int]
+    ) -> float:
+        """A prefill rank that sends a split M1, takes the decode side's ack and then drops the
+        channel without writing its share or reporting (as one that dies mid-split would).
+        Returns when it sent M1 (time.monotonic)."""
+        key = (num_kv_heads, ticket.prefill_tp_size, rank)
+        if key not in self.senders:
+            cache = KVCache(rank_spec(num_kv_heads, ticket.prefill_tp_size, rank))
+            self.senders[key] = KVRankSender(cache, self.dialer, rank, num_kv_heads)
+        handle = self.senders[key].start(ticket, src_block_ids)
+        lane = handle._lanes[0]
+        sent_at = time.monotonic()
+        handle._post_same_node_end(lane, 0, 0, 0)  # M1 (status OK) with its split
+        assert lane.split > 0 and lane.channel is not None and lane.outgoing is not None
+        deadline = time.monotonic() + 10.0
+        lane.channel.wait(lane.outgoing.wait_reply(deadline), deadline, "ack")
+        lane.channel.close()
+        self.handles[name] = (handle, None)
+        return sent_at
+
     def split_channels(self) -> bool:
         """Whether channels made here put control and KV on two groups (SPLIT_GROUPS_ENV)."""
         probe = Channel("probe", 0, torch.distributed.HashStore(), 0, torch.device("cpu"))
@@ -236,6 +258,13 @@ class _WorkerState:
             return {"ok": True, "written": handle.blocks_written()}
         except Exception as exc:
             return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]}
+        finally:
+            if isinstance(handle, RecvHandle):
+                self.ended[name] = handle.finished_at
+
+    def ended_at(self, name: str) -> float | None:
+        """When a waited receive ended on this rank (time.monotonic, one clock per machine)."""
+        return self.ended.get(name)
 
 
 def _worker_main(

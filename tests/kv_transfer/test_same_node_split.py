@@ -7,6 +7,7 @@ prefill/decode TP pair and block layout, and when the prefill side's write windo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -82,3 +83,23 @@ def test_one_block_transfers_between_split_ones_keep_the_stream_in_step(
         seed = ticket.transfer_id
         post_transfer(prefill, decode, ticket, 2, seed, src_block_ids)
         check_transfer(prefill, decode, ticket, 2, seed, src_block_ids, len(dst_block_ids) // 2)
+
+
+def test_a_prefill_side_gone_after_the_ack_keeps_the_blocks_until_its_write_by() -> None:
+    """Acked, the prefill side may be writing into the reserved blocks: when its report never
+    comes, the decode side ends the transfer only after the prefill side's write-by (plus a
+    grace), so the blocks cannot go to another request while a late write could land."""
+    write_window_s = 3.0
+    prefill, decode = split_workers(write_window_s)
+    try:
+        ticket = make_ticket(decode, 1, 1, [4, 5, 6, 7], False, "vanish", transport="same_node")
+        ticket = replace(ticket, timeout_s=1.0)  # the report's wait ends well before write-by
+        decode[0].call("recv", "vanish", ticket, 0, 2)
+        sent_at = prefill[0].call("split_then_vanish", "vanish", ticket, 0, 2, [0, 1, 2, 3])
+        result = decode[0].call("wait", "vanish", None)
+        assert (result["ok"], result["error"]) == (False, "KVTransferTimeout"), result
+        ended_at = decode[0].call("ended_at", "vanish")
+        assert ended_at - sent_at >= write_window_s, (ended_at - sent_at, result)
+    finally:
+        for worker in prefill + decode:
+            worker.stop()
