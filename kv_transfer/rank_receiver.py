@@ -30,6 +30,7 @@ from kv_transfer.same_node import (
     ACK_COPY_ALL,
     ACK_LATE,
     ACK_WRITE,
+    SPLIT_WRITE_WINDOW_S,
     SameNodeEnd,
     copy_blocks,
     end_message_len,
@@ -50,8 +51,8 @@ from kv_transfer.wire import (
 )
 
 logger = logging.getLogger(__name__)
-# After the ack of a split same-node transfer whose M2 never came: how long past the prefill
-# side's write-by to keep the blocks (it starts no copy after write-by; one copy is milliseconds).
+# After the ack of a split same-node transfer whose M2 never came: how long past the write-by the
+# ack named to keep the blocks (the prefill side starts no copy after it; one is milliseconds).
 _SPLIT_WRITE_GRACE_S = 1.0
 
 
@@ -301,6 +302,8 @@ class _Lane(Incoming):
             if late:
                 raise KVTransferCancelled(f"{what}: the source blocks' hold ended before the copy")
             if done < end.split:  # the prefill side reached its write-by: the rest is ours
+                if time.monotonic_ns() > end.copy_by_ns:  # the ack's trip and M2 took time
+                    raise KVTransferCancelled(f"{what}: the source blocks' hold ended")
                 rest = slice(done, end.split)
                 copy_blocks(
                     source,
@@ -323,17 +326,22 @@ class _Lane(Incoming):
     ) -> int:
         """Ack M1 (the prefill side writes only once acked: from here this reader owns the
         transfer, so the blocks stay reserved), copy blocks [split:] unless `late`, take M2 and
-        return how many of the first `split` blocks the prefill side wrote. If M2 never comes,
-        the blocks are kept until the prefill side's write-by has passed before raising."""
+        return how many of the first `split` blocks the prefill side wrote. If anything fails
+        after an ack that let the prefill side write, the blocks are kept until the write-by the
+        ack named has passed (plus a grace) before raising."""
         view, what, tid = self.view, self.what, self.transfer_id
         deadline = time.monotonic() + self.ticket.timeout_s
+        write_by_ns = 0
         if late:
             answer = ACK_LATE
         elif channel.dest is not None and channel.dest == self.export:
             answer = ACK_WRITE
+            # from now (however long M1 queued), and never past the source blocks' hold
+            window_end = time.monotonic_ns() + int(SPLIT_WRITE_WINDOW_S * 1e9)
+            write_by_ns = min(window_end, end.copy_by_ns)
         else:  # the channel was published with another cache than the one this lands in
             answer = ACK_COPY_ALL
-        ack = control_message((tid, answer, 0, 0, 0), torch.device("cpu"))
+        ack = control_message((tid, answer, write_by_ns, 0, 0), torch.device("cpu"))
         try:
             channel.wait(channel.isend(ack, view.tag(tid, 0), control=True), deadline, "ack")
             if not late:
@@ -348,9 +356,10 @@ class _Lane(Incoming):
                 )
             work, buffer = written
             channel.wait(work, deadline, f"{what}: the prefill side's copy")
-        except KVTransferError:
-            hold = end.write_by_ns / 1e9 + _SPLIT_WRITE_GRACE_S - time.monotonic()
-            time.sleep(max(0.0, hold))  # the prefill side may still be writing into them
+        except BaseException:  # a bug too: never free blocks the prefill side may write
+            if answer == ACK_WRITE:
+                hold = write_by_ns / 1e9 + _SPLIT_WRITE_GRACE_S - time.monotonic()
+                time.sleep(max(0.0, hold))  # the prefill side may still be writing into them
             raise
         magic, written_tid, status, done = buffer.tolist()[:4]
         if magic != MAGIC or written_tid != tid or not 0 <= done <= end.split:

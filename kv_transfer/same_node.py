@@ -10,19 +10,20 @@ memory both processes map, instead of sending it through a socket.
                                                   GPU: a CUDA IPC mapping of the same memory)
     per transfer, on the pair's gloo channel (one ordered stream, streams.py):
       at finish: M1 = header, trailer, copy-by,  M1 -> copy its share of the source blocks
-        split, write-by, source ids                  (their heads) into the reserved blocks
-      split > 0 (CPU, both caches exported):       split > 0: ack M1 first, then copy
-        wait for the ack, copy the first `split`   blocks [split:], then wait for M2
-        blocks into the decode's reserved ones,  M2 says how many of the first `split` the
-        then M2 = how many it wrote                  prefill wrote; copy what it did not
-                                                  -> report landed
+        split, source ids                            (their heads) into the reserved blocks
+      split > 0 (CPU, both caches exported):       split > 0: ack M1 first (with a write-by),
+        wait for the ack, copy the first `split`   then copy blocks [split:], then wait for M2
+        blocks into the decode's reserved ones   M2 says how many of the first `split` the
+        (none started past write-by), then M2        prefill wrote; copy what it did not
+        = how many it wrote                       -> report landed
 The source blocks stay referenced by the prefill instance until the decode side acks (KVSender),
 so they cannot change while a copy reads them. The split puts both processes' cores on a large
 copy: on CPU a memcpy is the whole cost, and the network path also spends both sides' cores (a
 kernel copy on each). The prefill side writes into the decode's blocks only after the decode's
 reader acked M1: from then on the decode side owns the transfer (no withdrawal at the deadline),
-and it releases the blocks only after M2 or, if M2 never comes, after `write-by` (the prefill
-starts no copy past it). On GPU the copy is one device-to-device copy either way: no split.
+and it releases the blocks only after M2 or, if M2 never comes, after the write-by its ack named
+(the prefill side starts no copy past it; it is never past copy-by, so the source blocks are
+still held while the prefill side reads them). On GPU the copy is one device-to-device copy either way: no split.
 Control messages are CPU tensors on gloo even on GPU: NCCL refuses two ranks on one device,
 which one GPU shared by a prefill and a decode process is. Which transport a pair uses: tickets
 carry KVTransferConfig.transport; "auto" picks this one when the decode rank's endpoint names
@@ -47,13 +48,19 @@ from kv_transfer.wire import CONTROL_LEN, WireView
 
 
 def _node_id() -> str:
-    """This machine: its host name and boot id (two containers may share a host name)."""
+    """This machine as the processes here see it: its host name, boot id (two containers may
+    share a host name) and PID namespace (two containers on host networking share both, but not
+    /proc/<pid>, through which a CPU cache is mapped)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             boot_id = boot.read().strip()
     except OSError:
         boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
+    try:
+        pid_namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_namespace = ""
+    return f"{socket.gethostname()}/{boot_id}/{pid_namespace}"
 
 
 NODE_ID = _node_id()
@@ -84,7 +91,9 @@ def export_cache(cache: KVCache) -> bytes:
     data.share_memory_()
     fd, size = data.untyped_storage()._share_fd_cpu_()
     layout = (data.dtype, tuple(data.shape), data.stride(), data.storage_offset())
-    return pickle.dumps(("cpu", token, (os.getpid(), fd, size), layout))
+    stat = os.fstat(fd)  # the peer checks that /proc/<pid>/fd/<fd> opens this very file
+    file_id = (stat.st_dev, stat.st_ino)
+    return pickle.dumps(("cpu", token, (os.getpid(), fd, size, file_id), layout))
 
 
 # Where torch's CUDA IPC rebuild arguments name the exporter's device index (reduce_tensor).
@@ -112,11 +121,18 @@ def map_cache(handle: bytes) -> torch.Tensor:
         args = list(args)
         args[_CUDA_DEVICE_ARG] = _local_device_index(gpu)
         return rebuild(*args)
-    (pid, fd, size), (dtype, shape, stride, offset) = rest
+    (pid, fd, size, file_id), (dtype, shape, stride, offset) = rest
     try:
         opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
     except OSError as exc:
-        raise KVTransferError(f"the prefill rank's cache cannot be mapped: {exc}") from exc
+        raise KVTransferError(f"the peer rank's cache cannot be mapped: {exc}") from exc
+    stat = os.fstat(opened)
+    if (stat.st_dev, stat.st_ino) != tuple(file_id):  # another process's file under that pid
+        os.close(opened)
+        raise KVTransferError(
+            f"/proc/{pid}/fd/{fd} is not the peer rank's cache here (the two processes do not "
+            "share a PID namespace); set kv_transfer.transport: network for this pair"
+        )
     try:
         storage = torch.UntypedStorage._new_shared_fd_cpu(opened, size)  # type: ignore[attr-defined]
     finally:
@@ -125,17 +141,20 @@ def map_cache(handle: bytes) -> torch.Tensor:
 
 
 # The same-node transport's first message per transfer, sent when the prompt is done (int64):
-#   header (CONTROL_LEN) | trailer (CONTROL_LEN) | copy-by (ns) | split | write-by (ns) | ids
+#   header (CONTROL_LEN) | trailer (CONTROL_LEN) | copy-by (ns) | split | ids
 # (times on CLOCK_MONOTONIC, one clock on one node). `split`: how many leading blocks the prefill
 # side writes itself after the decode side's ack (0: the decode side copies them all, no ack and
 # no M2). The decode side's reader posts a receive this long for the most ids a transfer can
 # carry (gloo takes a shorter message into a longer receive: a header alone, for a cancel), so a
 # transfer needs no second round trip after its header. Control always goes over gloo.
-_END_FIXED = 2 * CONTROL_LEN + 3
-# The decode side's ack of a split M1 (its status field): write your share; write nothing, the
-# source blocks' hold ended (the transfer is cancelled); write nothing, this side copies them all
-# (the channel's published cache is not the one this transfer lands in).
+_END_FIXED = 2 * CONTROL_LEN + 2
+# The decode side's ack of a split M1, a control message (transfer id, answer, write-by ns): write
+# your share, starting no copy past write-by; write nothing, the source blocks' hold ended (the
+# transfer is cancelled); write nothing, this side copies them all (the channel's published cache
+# is not the one this transfer lands in).
 ACK_WRITE, ACK_LATE, ACK_COPY_ALL = 0, 1, 2
+# Write-by is this long after the ack (and never past copy-by): one copy takes milliseconds.
+SPLIT_WRITE_WINDOW_S = 1.0
 
 
 def end_message_len(max_block_ids: int) -> int:
@@ -150,7 +169,6 @@ class SameNodeEnd:
     trailer: list[int]
     copy_by_ns: int  # the source blocks are held until then (KVSender frees them a grace later)
     split: int  # the prefill side writes blocks [0, split) itself, after the ack
-    write_by_ns: int  # ... and starts no copy after this
     src_block_ids: list[int]
 
 
@@ -160,13 +178,11 @@ def end_message(
     copy_by_ns: int,
     src_block_ids: Sequence[int],
     split: int = 0,
-    write_by_ns: int = 0,
 ) -> torch.Tensor:
     """M1, the message that ends a same-node transfer's prefill: its header, trailer, until
     when the source blocks are held (see KVSender: they are freed a grace period after the
-    deadline), how many leading blocks the prefill side writes itself and until when it may
-    start to, and where to copy from."""
-    tail = torch.tensor([copy_by_ns, split, write_by_ns, *src_block_ids], dtype=torch.int64)
+    deadline), how many leading blocks the prefill side writes itself, and where to copy from."""
+    tail = torch.tensor([copy_by_ns, split, *src_block_ids], dtype=torch.int64)
     return torch.cat([header.cpu(), trailer.cpu(), tail])
 
 
@@ -178,7 +194,6 @@ def parse_end_message(message: torch.Tensor, num_block_ids: int) -> SameNodeEnd:
         trailer=values[CONTROL_LEN:fixed],
         copy_by_ns=values[fixed],
         split=values[fixed + 1],
-        write_by_ns=values[fixed + 2],
         src_block_ids=values[_END_FIXED:],
     )
 

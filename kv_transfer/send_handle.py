@@ -17,6 +17,7 @@ from kv_transfer.channel import Channel, ChannelEndpoint
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
 from kv_transfer.messages import KVTicket
 from kv_transfer.posters import POSTERS
+from kv_transfer.receiver import RANK_REPORT_GRACE_S
 from kv_transfer.rendezvous import ChannelDialer
 from kv_transfer.same_node import ACK_WRITE, copy_blocks, end_message
 from kv_transfer.staging import StagingPool
@@ -45,7 +46,7 @@ class SendLane:
     same_node: bool = False  # the decode rank copies the KV itself (same_node.py)
     dst_heads: slice = field(default_factory=lambda: slice(0, 0))  # the decode rank's heads
     # Same-node split (same_node.py): the leading blocks this side writes itself once the decode
-    # side acks, the ack's buffer, and when this side stops starting copies.
+    # side acks, the ack's buffer, and when this side stops starting copies (the ack says).
     split: int = 0
     ack: torch.Tensor | None = None
     write_by_ns: int = 0
@@ -54,11 +55,10 @@ class SendLane:
 
 _WAIT_ALL = None  # the poster's last item: every message is posted, wait for them
 # The same-node split (same_node.py): from this many bytes a lane, the prefill side copies the
-# first half of the blocks itself (smaller ones: the ack's round trip costs more than it saves);
-# it starts no copy later than the window after M1, and copies this much between checks.
+# first half of the blocks itself (smaller ones: the ack's round trip costs more than it saves),
+# this much between two looks at the write-by the decode side's ack named.
 _SPLIT_MIN_BYTES = 4 << 20
 SPLIT_MIN_BYTES_ENV = "PDSERVE_SAME_NODE_SPLIT_MIN_BYTES"  # overrides it (tests: tiny models)
-_SPLIT_WRITE_WINDOW_S = 1.0
 _SPLIT_CHUNK_BYTES = 16 << 20
 
 
@@ -76,6 +76,8 @@ class SendHandle:
         self.ticket = ticket
         self._staging = staging
         self.deadline = time.monotonic() + ticket.timeout_s
+        # A split same-node lane's waits: its ack and report may come a grace past the deadline
+        self._split_deadline = self.deadline + RANK_REPORT_GRACE_S / 2
         self._lanes = lanes
         self._dialer = dialer
         self._finished = threading.Event()
@@ -287,15 +289,9 @@ class SendHandle:
             and len(view.block_ids) >= 2  # a share for each side
         ):
             lane.split = len(view.block_ids) // 2
-            lane.write_by_ns = time.monotonic_ns() + int(_SPLIT_WRITE_WINDOW_S * 1e9)
             lane.ack = empty_control(torch.device("cpu"))
         message = end_message(
-            view.header(tid, status),
-            trailer,
-            copy_by_ns,
-            view.block_ids,
-            lane.split,
-            lane.write_by_ns,
+            view.header(tid, status), trailer, copy_by_ns, view.block_ids, lane.split
         )
         self._post(
             lane,
@@ -309,18 +305,21 @@ class SendHandle:
 
     def _split_writes(self) -> None:
         """For each split lane: wait for the decode side's ack, write the first `split` blocks
-        into its cache (while before write-by), then post M2 with how many it wrote."""
+        into its cache (starting none past the write-by the ack names), then post M2 with how
+        many it wrote. The waits run a grace past the deadline: the decode side still copies
+        then, and a late one answers ACK_LATE, which keeps the stream (and channel) whole."""
         tid = self.ticket.transfer_id
         for lane in self._lanes:
             channel, outgoing, ack = lane.channel, lane.outgoing, lane.ack
             if not lane.split or channel is None or outgoing is None or ack is None:
                 continue
             try:
-                channel.wait(outgoing.wait_reply(self.deadline), self.deadline, "ack")
+                reply = outgoing.wait_reply(self._split_deadline)
+                channel.wait(reply, self._split_deadline, "ack")
             except KVTransferError as exc:
                 self._fail(lane, exc)
                 continue
-            magic, ack_tid, status = ack.tolist()[:3]
+            magic, ack_tid, status, lane.write_by_ns = ack.tolist()[:4]
             if magic != MAGIC or ack_tid != tid:
                 self._fail(lane, KVTransferError(f"{self._what(lane)}: bad ack {ack.tolist()}"))
                 continue
@@ -349,7 +348,7 @@ class SendHandle:
                     lane.dst_heads,
                     dst_ids[done:end],
                 )
-            except KVTransferError:  # a mismatch: the decode side's copy reports it
+            except Exception:  # a mismatch: the decode side's copy of the rest reports it
                 break
             done = end
         return done
@@ -361,7 +360,8 @@ class SendHandle:
                 if lane.channel is None or outgoing is None:
                     continue
                 # Transfers opened earlier on the channel go first (one ordered stream).
-                remaining = max(0.0, self.deadline - time.monotonic())
+                deadline = self._split_deadline if lane.split else self.deadline
+                remaining = max(0.0, deadline - time.monotonic())
                 if not outgoing.all_posted.wait(remaining):
                     message = "still queued behind earlier transfers at the deadline"
                     self._fail(lane, KVTransferTimeout(f"{self._what(lane)}: {message}"))
@@ -373,7 +373,7 @@ class SendHandle:
                     if lane.channel is None:
                         break
                     try:
-                        lane.channel.wait(work, self.deadline, f"{self._what(lane)} {what}")
+                        lane.channel.wait(work, deadline, f"{self._what(lane)} {what}")
                     except KVTransferError as exc:
                         self._fail(lane, exc)
                     else:

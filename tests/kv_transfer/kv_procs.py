@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.kv_cache import KVCache, KVCacheSpec, local_kv_heads
-from kv_transfer import send_handle
+from kv_transfer import rank_receiver, send_handle
 from kv_transfer.channel import Channel
 from kv_transfer.rank_receiver import KVRankReceiver, RecvHandle
 from kv_transfer.rank_sender import KVRankSender, SendHandle
@@ -140,9 +140,10 @@ class _WorkerState:
 
     def split_mode(self, min_bytes: int, write_window_s: float) -> None:
         """Let same-node senders here write their share of transfers from `min_bytes` a lane
-        (this suite's blocks are tiny), within `write_window_s` of M1; receivers here export."""
+        (this suite's blocks are tiny); receivers here export, and give them `write_window_s`
+        from their ack to start their copies."""
         send_handle._SPLIT_MIN_BYTES = min_bytes
-        send_handle._SPLIT_WRITE_WINDOW_S = write_window_s
+        rank_receiver.SPLIT_WRITE_WINDOW_S = write_window_s  # a decode side's ack names it
         self.split = True
 
     def endpoint(self) -> Any:

@@ -5,6 +5,7 @@ never to the earlier one's; and a channel keeps its mapping only for its own lif
 from __future__ import annotations
 
 import gc
+import pickle
 
 import pytest
 import torch
@@ -68,3 +69,18 @@ def test_a_rank_that_may_pair_on_its_node_exports_before_it_serves() -> None:
     assert not late.data.is_shared()
     early.data.fill_(5.0)  # the model's writes after the export land in the shared pages
     assert map_cache(export_cache(early)).eq(5.0).all()
+
+
+def test_a_handle_whose_descriptor_opens_another_file_is_refused() -> None:
+    """Two containers on host networking share a host name and boot id but not /proc/<pid>:
+    the pid and descriptor in a handle may name another process's file there. The handle
+    carries the file's identity, checked before anything is mapped (and written)."""
+    cache = filled(4.0)
+    other = filled(5.0)
+    handle, other_handle = export_cache(cache), export_cache(other)
+    kind, token, (pid, fd, size, _), layout = pickle.loads(handle)
+    *_, (_, _, _, other_file), _ = pickle.loads(other_handle)
+    forged = pickle.dumps((kind, token, (pid, fd, size, other_file), layout))
+    with pytest.raises(KVTransferError, match="not the peer rank's cache"):
+        map_cache(forged)
+    assert torch.equal(map_cache(handle), cache.data)  # the real one still maps

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from kv_transfer.rank_receiver import _SPLIT_WRITE_GRACE_S
 from tests.kv_transfer.kv_procs import Worker, free_port, start_workers
 from tests.kv_transfer.test_transfer_identity import (
     LAYOUTS,
@@ -86,20 +87,20 @@ def test_one_block_transfers_between_split_ones_keep_the_stream_in_step(
 
 
 def test_a_prefill_side_gone_after_the_ack_keeps_the_blocks_until_its_write_by() -> None:
-    """Acked, the prefill side may be writing into the reserved blocks: when its report never
-    comes, the decode side ends the transfer only after the prefill side's write-by (plus a
-    grace), so the blocks cannot go to another request while a late write could land."""
-    write_window_s = 3.0
-    prefill, decode = split_workers(write_window_s)
+    """Acked, the prefill side may be writing into the reserved blocks until the write-by the ack
+    named (never past its own deadline, copy-by): when its report never comes, the decode side
+    ends the transfer only a grace after that, so the blocks cannot go to another request while
+    a late write could land. Without the hold it would end at its wait's deadline."""
+    prefill, decode = split_workers(30.0)
     try:
         ticket = make_ticket(decode, 1, 1, [4, 5, 6, 7], False, "vanish", transport="same_node")
-        ticket = replace(ticket, timeout_s=1.0)  # the report's wait ends well before write-by
+        ticket = replace(ticket, timeout_s=1.0)  # write-by: the sender's deadline, 1 s on
         decode[0].call("recv", "vanish", ticket, 0, 2)
         sent_at = prefill[0].call("split_then_vanish", "vanish", ticket, 0, 2, [0, 1, 2, 3])
         result = decode[0].call("wait", "vanish", None)
         assert (result["ok"], result["error"]) == (False, "KVTransferTimeout"), result
-        ended_at = decode[0].call("ended_at", "vanish")
-        assert ended_at - sent_at >= write_window_s, (ended_at - sent_at, result)
+        held_s = decode[0].call("ended_at", "vanish") - sent_at
+        assert held_s >= ticket.timeout_s + _SPLIT_WRITE_GRACE_S - 0.1, (held_s, result)
     finally:
         for worker in prefill + decode:
             worker.stop()
