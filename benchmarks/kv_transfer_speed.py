@@ -10,7 +10,7 @@ five block layouts (every rank is its own process, gloo on CPU):
     scattered-source  the prefill blocks are scattered, the decode blocks one run (the prefill
                       side gathers, the decode side receives in place)
     scattered         both scattered, more runs than a transfer splits into (gather and scatter)
-benchmarks/block_runs.py measures how often each arises under load with BlockPool.allocate_run.
+(benchmarks/block_runs.py: how often each arises under load with BlockPool.allocate_run.)
 
     kv_gbps   request KV bytes / (first prefill rank starts -> last decode rank has it landed)
     raw_gbps  the same bytes as one contiguous tensor over one channel of the same backend,
@@ -21,13 +21,11 @@ benchmarks/block_runs.py measures how often each arises under load with BlockPoo
     raw_topology_ms, ratio_to_topology   the same bytes as one contiguous tensor per rank
               pair of the p -> d plan, all at once: separates what the fan-out costs on these
               cores from what the KV path's copies (head slices, scattered blocks) cost.
-
-First the transports: same_node_over_network = network time / same-node time (kv_transfer/
-same_node.py), worst over p,d in {(1,1),(2,2)} and two layouts, raw sends interleaved
-(network_over_raw_same_run per layout; also one raw send per rank pair of the plan at once:
-network_over_raw_topology_same_run). Prefill ranks are pinned to one half of the cores, decode
-ranks to the other, where there are two or more. Decode ranks export their caches as serving ones
-do, so a same-node prefill rank writes its share of a large transfer (same_node.py's split).
+First the transports: same_node_over_network = network time / same-node time (same_node.py;
+decode ranks export their caches as serving ones do, so both sides copy a share), worst over p,d
+in {(1,1),(2,2)} and two layouts, raw sends interleaved (network_over_raw_same_run per layout;
+network_over_raw_topology_same_run: one raw send per rank pair of the plan at once). Prefill
+ranks are pinned to one half of the cores, decode ranks to the other, where there are two.
 
 Run: python -m benchmarks.kv_transfer_speed [--quick] [--out kv.json] (last line: one JSON object)
 """

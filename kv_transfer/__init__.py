@@ -27,6 +27,5 @@ Rank level (every TP rank, over its KVCache; channels are made on demand per ran
 Re-sharding between TP sizes: plan.py. The wire format and its two modes: wire.py. Each channel
 carries one ordered stream of transfers, so nothing relies on tags (NCCL has none): streams.py.
 Channels: channel.py, their rendezvous: rendezvous.py. Within a node the KV skips the socket:
-same_node.py (shared memory on CPU, where both sides copy a share of a large transfer; CUDA IPC
-on GPU).
+same_node.py (shared memory on CPU, both sides copying a share; CUDA IPC on GPU).
 """
