@@ -278,6 +278,16 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def worst_per_layout(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, float]]:
+    """Per block layout and token count, the worst `key` over p,d."""
+    worst: dict[str, dict[str, float]] = {}
+    for row in rows:
+        by_tokens = worst.setdefault(row["blocks"], {})
+        tokens = str(row["tokens"])
+        by_tokens[tokens] = min(by_tokens.get(tokens, row[key]), row[key])
+    return worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -337,28 +347,10 @@ def main() -> None:
         },
         # per block layout and token count, the worst over p,d: raw time / network time (a
         # scattered layout pays a gather and a scatter copy that one raw send never does)
-        "network_over_raw_same_run": {
-            layout: {
-                str(t): min(
-                    c["network_over_raw"]
-                    for c in same_node_cases
-                    if c["tokens"] == t and c["blocks"] == layout
-                )
-                for t in args.tokens
-            }
-            for layout in ("contiguous", "scattered")
-        },
-        "network_over_raw_topology_same_run": {
-            layout: {
-                str(t): min(
-                    c["network_over_raw_topology"]
-                    for c in same_node_cases
-                    if c["tokens"] == t and c["blocks"] == layout
-                )
-                for t in args.tokens
-            }
-            for layout in ("contiguous", "scattered")
-        },
+        "network_over_raw_same_run": worst_per_layout(same_node_cases, "network_over_raw"),
+        "network_over_raw_topology_same_run": worst_per_layout(
+            same_node_cases, "network_over_raw_topology"
+        ),
         "pinned_cpus": pinned,
         "same_node_cases": same_node_cases,
         "cases": cases,

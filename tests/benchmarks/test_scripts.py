@@ -66,6 +66,11 @@ def test_kv_transfer_benchmark_reports_every_case(tmp_path: Path) -> None:
         assert case["tokens"] == 64 and case["kv_gbps"] > 0 and case["raw_gbps"] > 0
         assert case["ratio"] == pytest.approx(case["raw_ms"] / case["kv_ms"], rel=0.02)
     assert result["summary"]["default/contiguous"]["max_overhead_ms_at_64"] is not None
+    # the transports, worst over p,d: same-node against the network path, and the network path
+    # against a raw send per block layout
+    assert result["same_node_over_network"]["64"] > 0
+    for layout in ("contiguous", "scattered"):
+        assert result["network_over_raw_same_run"][layout]["64"] > 0
 
 
 def test_kv_routing_benchmark_reports_hits_per_policy(tmp_path: Path) -> None:
