@@ -291,28 +291,17 @@ class _Lane(Incoming):
         # The prefill instance frees the source blocks RANK_REPORT_GRACE_S after the sender's
         # deadline, acked or not: past it they may hold another request's KV.
         late = time.monotonic_ns() > end.copy_by_ns
-        source = channel.mapped_source()
-        src_ids, dst_ids = end.src_block_ids, view.block_ids
+        channel.mapped_source()  # mapped (once) before any ack: a failure ends it without a hold
+        # With a split, the prefill side wrote blocks [0, done) and this side copied [split:].
+        done = 0 if written is None else self._split_copy(channel, end, late, written)
+        if late:
+            raise KVTransferCancelled(f"{what}: the source blocks' hold ended before the copy")
         if written is None:
-            if late:
-                raise KVTransferCancelled(f"{what}: the source blocks' hold ended before the copy")
-            copy_blocks(source, self.src_heads, src_ids, view.cache.data, view.heads, dst_ids)
-        else:
-            done = self._split_copy(channel, end, late, written)
-            if late:
-                raise KVTransferCancelled(f"{what}: the source blocks' hold ended before the copy")
-            if done < end.split:  # the prefill side reached its write-by: the rest is ours
-                if time.monotonic_ns() > end.copy_by_ns:  # the ack's trip and M2 took time
-                    raise KVTransferCancelled(f"{what}: the source blocks' hold ended")
-                rest = slice(done, end.split)
-                copy_blocks(
-                    source,
-                    self.src_heads,
-                    src_ids[rest],
-                    view.cache.data,
-                    view.heads,
-                    dst_ids[rest],
-                )
+            self._copy(channel, end, slice(None))
+        elif done < end.split:  # the prefill side reached its write-by: the rest is ours
+            if time.monotonic_ns() > end.copy_by_ns:  # the ack's trip and M2 took time
+                raise KVTransferCancelled(f"{what}: the source blocks' hold ended")
+            self._copy(channel, end, slice(done, end.split))
         if time.monotonic_ns() > end.copy_by_ns + RANK_REPORT_GRACE_S * 1e9 / 2:
             raise KVTransferCancelled(f"{what}: the copy outlasted the source blocks' hold")
         return Trailer(int(first_token_id), int(num_tokens), int(sent_at_us))
@@ -345,15 +334,7 @@ class _Lane(Incoming):
         try:
             channel.wait(channel.isend(ack, view.tag(tid, 0), control=True), deadline, "ack")
             if not late:
-                mine = slice(end.split, None)
-                copy_blocks(
-                    channel.mapped_source(),
-                    self.src_heads,
-                    end.src_block_ids[mine],
-                    view.cache.data,
-                    view.heads,
-                    view.block_ids[mine],
-                )
+                self._copy(channel, end, slice(end.split, None))
             work, buffer = written
             channel.wait(work, deadline, f"{what}: the prefill side's copy")
         except BaseException:  # a bug too: never free blocks the prefill side may write
@@ -365,3 +346,16 @@ class _Lane(Incoming):
         if magic != MAGIC or written_tid != tid or not 0 <= done <= end.split:
             raise KVTransferError(f"{what}: bad copy report {buffer.tolist()}")
         return int(done)
+
+    def _copy(self, channel: Channel, end: SameNodeEnd, part: slice) -> None:
+        """Copy `part` of the transfer's blocks out of the prefill rank's cache (mapped once per
+        channel) into this transfer's blocks and heads."""
+        view = self.view
+        copy_blocks(
+            channel.mapped_source(),
+            self.src_heads,
+            end.src_block_ids[part],
+            view.cache.data,
+            view.heads,
+            view.block_ids[part],
+        )
