@@ -3,19 +3,16 @@ speed a chatbot calibration on the 2-core machine measured (1.45x the profile): 
 local requests miss their TPOT SLO and the split predicts them safe, not before (not on local
 requests that only came near their SLOs, nor on local TTFT misses, which a split worsens); it comes back when the
 rate falls, when the split cannot keep up, or when the split's own requests did worse than the
-local ones did (and refuses to split again for a while); and a placer with the search on
-prefills on one instance and decodes on the other while split."""
+local ones did (and refuses to split again for a while). The placer with it: test_layout_placer.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from engine.slo import RequestSLO
-from router.adaptive import AdaptivePlacer, Placement, layout_model
+from router.adaptive import layout_model
 from router.adaptive.latency_model import LatencyModel
 from router.adaptive.layout_model import Arrival, LayoutModel
-from router.policies import InstanceState
-from router.worker_api import InstanceLoad, Role
 
 PROFILE = Path(__file__).resolve().parents[2] / "tests/data/profile-2core.json"
 # Chatbot and summarization SLOs as `pdserve bench` calibrated them on the 2-core machine
@@ -373,65 +370,3 @@ def test_a_single_instance_is_never_split():
         layout.note_ended(i / 6.0, True, i / 6.0 - 1, 0.0, 2.0)
         layout.note(Arrival(i / 6.0, 179, 87, CHATBOT))
         assert layout.update(1, i / 6.0) == 0
-
-
-def searching_placer(now: list[float]) -> tuple[AdaptivePlacer, list[InstanceState]]:
-    """A placer with the layout search on, at the clock `now[0]`, and its two instances."""
-    placer = AdaptivePlacer(
-        latency_model(), clock=lambda: now[0], window_s=WINDOW_S, layout_search=True
-    )
-    return placer, [
-        InstanceState(i, InstanceLoad(i, Role.ADAPTIVE, num_free_blocks=512)) for i in "ab"
-    ]
-
-
-def test_a_placer_with_the_search_on_prefills_on_one_instance_while_split():
-    now = [0.0]
-    placer, candidates = searching_placer(now)
-    rate, kinds = 3.0, []
-    running: dict[str, tuple[Placement, float]] = {}  # key -> (placement, placed at)
-    for n in range(90):
-        now[0] = n / rate
-        # a request has its first token at the first arrival 0.2 s or more after it was placed
-        # (at most 0.53 s: 0.27 of its TTFT SLO), and ends at the first 2 s or more after it
-        # was placed, with 10 more tokens: TPOT past 0.14 s, past its SLO
-        for key, (placement, placed_at) in list(running.items()):
-            if placed_at + 0.2 <= now[0] < placed_at + 0.2 + 1 / rate:
-                placer.prefilled(key, placement, None)
-            elif now[0] >= placed_at + 2.0:
-                placer.progress(key, placement, 11)
-                placer.release(key, placement)
-                del running[key]
-        output = CHAT_OUTPUTS[n % 5]
-        placement = placer.choose(179, output, CHATBOT, candidates)
-        placer.placed(f"r{n}", placement, 179, output, CHATBOT)
-        running[f"r{n}"] = (placement, now[0])
-        kinds.append((placement.prefill_id, placement.decode_id))
-    assert kinds[0][0] == kinds[0][1]  # before the window knew anything: local
-    assert placer.split_prefill != ()
-    (prefill,) = placer.split_prefill
-    tail = kinds[-10:]
-    assert all(p == prefill and d != prefill for p, d in tail), tail
-
-
-def test_a_placer_splits_on_local_decodes_past_their_tpot_before_any_ends():
-    now = [0.0]
-    placer, candidates = searching_placer(now)
-    rate = 3.0
-    running: dict[str, tuple[Placement, float]] = {}  # key -> (placement, placed at)
-    first: set[str] = set()
-    for n in range(45):
-        now[0] = n / rate
-        # every request has its first token 0.2 s after it was placed, then a token every
-        # 0.07 s (past its 0.048 s TPOT SLO), and none ends within the 15 s
-        for key, (placement, placed_at) in running.items():
-            if now[0] >= placed_at + 0.2:
-                if key not in first:
-                    first.add(key)
-                    placer.prefilled(key, placement, None)
-                placer.progress(key, placement, 1 + int((now[0] - placed_at - 0.2) / 0.07))
-        placement = placer.choose(179, 400, CHATBOT, candidates)
-        placer.placed(f"r{n}", placement, 179, 400, CHATBOT)
-        running[f"r{n}"] = (placement, now[0])
-    assert placer.layout is not None and not placer.layout.local  # none ended
-    assert placer.split_prefill != ()
