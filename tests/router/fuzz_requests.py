@@ -24,6 +24,8 @@ MAX_PROMPT_CHARS = 32 * MAX_MODEL_LEN  # RouterConfig.max_prompt_chars_per_token
 MAX_STOP_STRINGS = 16
 MAX_REQUEST_ID_CHARS = 128
 VALID_MAX_TOKENS = 4  # valid requests generate at most this many tokens: the fuzzer stays fast
+MAX_LOGPROBS = 20  # logprobs and prompt_logprobs, as OpenAI's top_logprobs
+MAX_N = 16  # completions per request
 FIELD_NAMES = tuple(field.name for field in pb.GenerateRequest.DESCRIPTOR.fields)
 INPUT_FIELDS = ("prompt", "token_ids", "messages")
 ROLES = ("system", "user", "assistant", "tool")
@@ -42,24 +44,28 @@ def named_fields(message: str) -> set[str]:
 @dataclass(frozen=True)
 class Expected:
     refused_for: frozenset[str]  # the fields the router may name in INVALID_ARGUMENT; empty: OK
-    max_tokens: int = 0  # for an OK answer: how many tokens it may generate at most
+    max_tokens: int = 0  # for an OK answer: how many tokens each completion may generate at most
+    n: int = 1  # for an OK answer: how many completions (n > 1: GenerateUnary refuses `n`)
 
 
 def expected(request: pb.GenerateRequest, tokenizer: RouterTokenizer) -> Expected:
     """What the router must answer: INVALID_ARGUMENT naming one of the fields that break a rule
     (the validator stops at the first it meets, so any of them), or OK."""
     refused = _sampling_problems(request)
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else 2  # router default
+    if request.HasField("min_tokens") and not 0 <= request.min_tokens <= max_tokens:
+        refused.add("min_tokens")
     given = [name for name in INPUT_FIELDS if _has_input(request, name)]
     if len(given) != 1:
         refused |= set(given or INPUT_FIELDS)
         return Expected(frozenset(refused))
-    max_tokens = request.max_tokens if request.HasField("max_tokens") else 2  # router default
     num_prompt_tokens = _num_prompt_tokens(request, given[0], tokenizer)
     if num_prompt_tokens is None:
         refused.add(given[0])
     elif max_tokens >= 1 and num_prompt_tokens + max_tokens > MAX_MODEL_LEN:
         refused.add("max_tokens")  # "the prompt has N tokens and max_tokens is M: together..."
-    return Expected(frozenset(refused), max_tokens)
+    n = request.n if request.HasField("n") else 1
+    return Expected(frozenset(refused), max_tokens, n)
 
 
 def _has_input(request: pb.GenerateRequest, name: str) -> bool:
@@ -77,12 +83,23 @@ def _sampling_problems(request: pb.GenerateRequest) -> set[str]:
         "top_p": lambda v: 1e-6 <= v <= 1,
         "top_k": lambda v: v >= 0,
         "seed": lambda v: v >= 0,
+        "ttft_slo_s": lambda v: math.isfinite(v) and v > 0,
+        "tpot_slo_s": lambda v: math.isfinite(v) and v > 0,
+        "logprobs": lambda v: 0 <= v <= MAX_LOGPROBS,
+        "prompt_logprobs": lambda v: 0 <= v <= MAX_LOGPROBS,
+        "presence_penalty": lambda v: -2 <= v <= 2,  # false for NaN
+        "frequency_penalty": lambda v: -2 <= v <= 2,
+        "repetition_penalty": lambda v: 0 < v <= 100,
+        "n": lambda v: 1 <= v <= MAX_N,
     }
     for name, ok in checks.items():
         if request.HasField(name) and not ok(getattr(request, name)):
             problems.add(name)
     if any(not 0 <= t < VOCAB_SIZE for t in request.stop_token_ids):
         problems.add("stop_token_ids")
+    bias = request.logit_bias
+    if any(not 0 <= t < VOCAB_SIZE or not -100 <= v <= 100 for t, v in bias.items()):
+        problems.add("logit_bias")
     if len(request.stop) > MAX_STOP_STRINGS or not all(request.stop):
         problems.add("stop")
     return problems
@@ -166,6 +183,21 @@ _SAMPLING = {
     "top_k": _mostly(st.integers(0, 50), _ints_but(0, _INT32[1], _INT32)),
     "seed": _mostly(st.integers(0, _INT64[1]), _ints_but(0, _INT64[1], _INT64)),
 }
+# The API fields vLLM users send: set less often (a quarter of the time each), so a third of the
+# requests stay valid; n small, so a valid request stays quick.
+_OUTPUT = {
+    "logprobs": _mostly(st.integers(0, MAX_LOGPROBS), _ints_but(0, MAX_LOGPROBS, _INT32)),
+    "prompt_logprobs": _mostly(st.integers(0, MAX_LOGPROBS), _ints_but(0, MAX_LOGPROBS, _INT32)),
+    "presence_penalty": _mostly(st.floats(-2, 2), _floats_but(-2, 2)),
+    "frequency_penalty": _mostly(st.floats(-2, 2), _floats_but(-2, 2)),
+    "repetition_penalty": _mostly(
+        st.floats(1e-3, 100) | st.just(100.0), _floats_but(1e-300, 100) | st.just(0.0)
+    ),
+    "min_tokens": _mostly(st.integers(0, VALID_MAX_TOKENS), _ints_but(0, 2, _INT32)),
+    "n": _mostly(st.integers(1, 3), _ints_but(1, MAX_N, _INT32)),
+    "ttft_slo_s": _mostly(st.floats(1e-3, 60), st.sampled_from([0.0, -1.0, math.inf, math.nan])),
+    "tpot_slo_s": _mostly(st.floats(1e-3, 1), st.sampled_from([0.0, -1.0, math.inf, math.nan])),
+}
 _vocab_but = _ints_but(0, VOCAB_SIZE - 1, _INT32)
 _stop_lists = _mostly(
     st.lists(_texts.filter(bool), max_size=3),
@@ -207,6 +239,14 @@ def _draw_sampling(draw: st.DrawFn, request: pb.GenerateRequest, huge: str | Non
     for name, values in _SAMPLING.items():
         if draw(st.booleans()):
             setattr(request, name, draw(values))
+    for name, values in _OUTPUT.items():
+        if draw(st.integers(0, 3)) == 0:
+            setattr(request, name, draw(values))
+    if draw(st.integers(0, 3)) == 0:
+        biases = st.dictionaries(
+            _mostly(_token_ids, _vocab_but), _mostly(st.floats(-100, 100), _floats_but(-100, 100))
+        )
+        request.logit_bias.update(draw(biases.filter(lambda b: len(b) <= 3)))
     request.stop.extend(draw(_stop_lists if huge != "stop" else _huge_texts.map(lambda t: [t])))
     stop_ids = st.lists(_mostly(_token_ids, _vocab_but), max_size=3)
     request.stop_token_ids.extend(draw(st.one_of(st.just([]), stop_ids)))

@@ -98,16 +98,24 @@ def _check_against_oracle(
     tokenizer: RouterTokenizer,
 ) -> None:
     rule = expected(request, tokenizer)
-    for code, details, responses in outcomes:
-        if rule.refused_for:
+    for call, (code, details, responses) in zip(("stream", "unary"), outcomes, strict=True):
+        refused_for = rule.refused_for
+        if not refused_for and rule.n > 1 and call == "unary":
+            refused_for = frozenset({"n"})  # n > 1 streams its completions apart: Generate
+        if refused_for:
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details, rule)
             named = named_fields(details)
-            assert named & rule.refused_for, (details, rule.refused_for)
-        else:
-            assert code == grpc.StatusCode.OK, (code, details)
-            last = responses[-1]
+            assert named & refused_for, (details, refused_for)
+            continue
+        assert code == grpc.StatusCode.OK, (code, details)
+        completions: dict[int, list[pb.GenerateResponse]] = {}
+        for response in responses:
+            completions.setdefault(response.index, []).append(response)
+        assert sorted(completions) == list(range(rule.n)), sorted(completions)
+        for completion in completions.values():
+            last = completion[-1]
             assert last.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
-            num_tokens = sum(len(r.token_ids) for r in responses)
+            num_tokens = sum(len(r.token_ids) for r in completion)
             assert 1 <= num_tokens == last.usage.completion_tokens <= rule.max_tokens
 
 
