@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from engine.rank_device import device_thread
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
 from kv_transfer.same_node import map_cache
 from kv_transfer.streams import RecvStream, SendStream
@@ -80,6 +81,8 @@ class ChannelEndpoint:
     port: int
     receiver_is_rank0: bool = True  # the decode side takes rank 0 of every pair's group
     node_id: str = ""  # the decode rank's machine (same_node.NODE_ID); "" when unknown
+    # The UUIDs of the GPUs the decode rank sees, whose memory it can map (same_node.pair_transport)
+    gpus: tuple[str, ...] = ()
 
 
 class _PairGroup(Protocol):
@@ -223,7 +226,8 @@ class Channel:
             except KVTransferError:
                 pass  # recorded in _connect_error; wait_connected reports it
 
-        threading.Thread(target=run, name=f"connect-{self.pair_key}", daemon=True).start()
+        # NCCL binds the pair's communicator to the current device of the thread that builds it.
+        device_thread(self.device, run, f"connect-{self.pair_key}").start()
 
     def use_same_node(self, source: bytes, dest: bytes | None = None) -> None:
         """Carry control messages only, on gloo; the KV comes from `source` (before connect),

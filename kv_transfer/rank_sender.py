@@ -30,11 +30,12 @@ import time
 from collections.abc import Sequence
 
 from engine.kv_cache import KVCache
+from kv_transfer.channel import ChannelEndpoint
 from kv_transfer.errors import KVTransferCancelled, KVTransferError, KVTransferTimeout
 from kv_transfer.messages import KVTicket
 from kv_transfer.plan import plan_transfer
 from kv_transfer.rendezvous import ChannelDialer
-from kv_transfer.same_node import export_cache, uses_same_node
+from kv_transfer.same_node import cache_gpu, export_cache, pair_transport
 from kv_transfer.send_handle import SendHandle, SendLane
 from kv_transfer.staging import StagingPool
 from kv_transfer.wire import STATUS_CANCELLED, STATUS_OK, WireView
@@ -65,6 +66,10 @@ class KVRankSender:
         self._export: bytes | None = None
         self._export_failed = False
         self._export_lock = threading.Lock()
+        self._source_gpu = cache_gpu(cache.device)
+        # Each pair's transport, decided when its first transfer dials (`transport`), by decode
+        # endpoint: a restarted decode rank has a new one and is decided again.
+        self._transports: dict[tuple[str, int, str], str] = {}
         # A serving rank that may pair on one node exports before it serves: on CPU the export
         # moves the cache into shared memory by copying it, so an export while the model writes
         # the cache would lose those writes.
@@ -82,6 +87,33 @@ class KVRankSender:
                     self._export_failed = True
                     logger.warning("same-node transport unavailable, using the network: %s", exc)
             return self._export
+
+    def transport(self, ticket: KVTicket, endpoint: ChannelEndpoint, pair_key: str) -> str:
+        """The pair's transport: "same_node" or "network" (same_node.pair_transport), decided
+        once; "network" also where this rank's cache could not be exported."""
+        key = (endpoint.host, endpoint.port, pair_key)
+        with self._export_lock:
+            chosen = self._transports.get(key)
+        if chosen is None:
+            chosen = pair_transport(
+                ticket.transport, endpoint.node_id, endpoint.gpus, self._source_gpu
+            )
+            if chosen == "same_node" and self._exported() is None:
+                chosen = "network"
+            with self._export_lock:
+                chosen = self._transports.setdefault(key, chosen)
+        return chosen
+
+    def links(self) -> dict[str, str]:
+        """What each pair this rank sent to runs on, by pair key: "cuda-ipc" or "shared-memory"
+        (same node), "nccl" or "gloo" (torch.distributed), for `pdserve status`."""
+        same = "cuda-ipc" if self._source_gpu is not None else "shared-memory"
+        network = "nccl" if self._source_gpu is not None else "gloo"
+        with self._export_lock:
+            return {
+                pair: same if chosen == "same_node" else network
+                for (_host, _port, pair), chosen in self._transports.items()
+            }
 
     def start(self, ticket: KVTicket, block_ids: Sequence[int]) -> SendHandle:
         """Dial this rank's channels for `ticket` and send the headers. Blocks only for the dial
@@ -135,9 +167,9 @@ class KVRankSender:
         for lane, segment in zip(lanes, segments, strict=True):
             pair_key = ticket.pair_key(self.prefill_rank, segment.decode_rank)
             source = None
-            if uses_same_node(ticket.transport, lane.endpoint.node_id):
-                source = self._exported()
             try:
+                if self.transport(ticket, lane.endpoint, pair_key) == "same_node":
+                    source = self._exported()
                 lane.channel = self.dialer.dial(
                     lane.endpoint, pair_key, str(ticket.transfer_id), handle.deadline, source
                 )

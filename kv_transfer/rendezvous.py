@@ -30,7 +30,7 @@ from kv_transfer.channel import (
     remaining_s,
 )
 from kv_transfer.errors import KVTransferError, KVTransferTimeout
-from kv_transfer.same_node import NODE_ID
+from kv_transfer.same_node import NODE_ID, visible_gpus
 
 _MISSING = "\x00missing"  # never an epoch
 
@@ -42,7 +42,9 @@ class ChannelHost:
         self.device = torch.device(device)
         # port 0: the OS picks a free port; the endpoint tells prefill ranks which one.
         self._store = create_store(host, 0, None, True, STORE_OP_TIMEOUT_S, wait_for_workers=False)
-        self.endpoint = ChannelEndpoint(host, self._store.port, node_id=NODE_ID)
+        self.endpoint = ChannelEndpoint(
+            host, self._store.port, node_id=NODE_ID, gpus=visible_gpus(self.device)
+        )
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
 

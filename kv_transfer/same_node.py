@@ -27,7 +27,7 @@ still held while the prefill side reads them). On GPU the copy is one device-to-
 Control messages are CPU tensors on gloo even on GPU: NCCL refuses two ranks on one device,
 which one GPU shared by a prefill and a decode process is. Which transport a pair uses: tickets
 carry KVTransferConfig.transport; "auto" picks this one when the decode rank's endpoint names
-this node.
+this node and, on GPU, the GPUs it sees include the prefill rank's (`pair_transport`).
 """
 
 from __future__ import annotations
@@ -67,11 +67,53 @@ NODE_ID = _node_id()
 _MAX_CUDA_RUN_COPIES = 32
 
 
-def uses_same_node(transport: str, decode_node_id: str) -> bool:
-    """Whether a pair whose decode rank runs on `decode_node_id` takes this transport."""
-    if transport == "same_node":
-        return True
-    return transport == "auto" and decode_node_id == NODE_ID
+def visible_gpus(device: torch.device) -> tuple[str, ...]:
+    """The UUIDs of every GPU a process whose cache is on `device` can map memory of: the ones
+    it sees (CUDA_VISIBLE_DEVICES, a Ray actor's GPU ids); none for a CPU cache."""
+    if device.type != "cuda":
+        return ()
+    return tuple(
+        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+    )
+
+
+def cache_gpu(device: torch.device) -> str | None:
+    """The UUID of the GPU a cache on `device` lives on (None on CPU): names it across processes
+    that number the node's GPUs differently."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def pair_transport(
+    transport: str,
+    decode_node_id: str,
+    decode_gpus: Sequence[str],
+    source_gpu: str | None,
+    local_node_id: str = NODE_ID,
+) -> str:
+    """ "same_node" or "network" for the pair of a prefill rank on `local_node_id`, whose cache
+    is on GPU `source_gpu` (None: CPU), and a decode rank on `decode_node_id` that sees
+    `decode_gpus`. Decided once per channel (KVRankSender), never per transfer.
+
+    The decode rank maps the prefill rank's cache, so on GPU it must see that GPU: a runtime that
+    gives each worker only its own GPU (plain processes with CUDA_VISIBLE_DEVICES per worker, a
+    Ray actor with num_gpus=1) makes two GPUs of one node unmappable to each other. Such a pair
+    goes over NCCL under "auto"; "same_node" there is a configuration error, said at once."""
+    if transport == "network":
+        return "network"
+    if transport == "auto" and decode_node_id != local_node_id:
+        return "network"
+    if source_gpu is not None and source_gpu not in decode_gpus:
+        if transport == "same_node":
+            raise KVTransferError(
+                f"kv_transfer.transport is same_node, but the decode rank cannot see GPU "
+                f"{source_gpu}, which holds the prefill rank's cache (it sees "
+                f"{', '.join(decode_gpus) or 'none'}): set transport auto or network, or make "
+                "the node's GPUs visible to both workers"
+            )
+        return "network"
+    return "same_node"
 
 
 def export_cache(cache: KVCache) -> bytes:
@@ -233,14 +275,19 @@ def copy_blocks(
     dst = dest[:, :, dst_heads]
     runs = paired_runs(list(src_block_ids), list(dst_block_ids))
     if source.is_cuda and len(runs) > _MAX_CUDA_RUN_COPIES:
+        # each index on its own tensor's device: the mapped source may be another GPU
         src_index = torch.tensor(src_block_ids, dtype=torch.long, device=source.device)
-        dst_index = torch.tensor(dst_block_ids, dtype=torch.long, device=source.device)
-        dst.index_copy_(3, dst_index, src.index_select(3, src_index))
+        dst_index = torch.tensor(dst_block_ids, dtype=torch.long, device=dest.device)
+        gathered = src.index_select(3, src_index).to(dest.device)
+        dst.index_copy_(3, dst_index, gathered)
     else:
         for src_start, dst_start, length in runs:
             dst.narrow(3, dst_start, length).copy_(src.narrow(3, src_start, length))
-    if source.is_cuda:  # the blocks are whole before the decode side reports them landed
-        torch.cuda.current_stream(source.device).synchronize()
+    # The blocks are whole before the decode side reports them landed: a copy between two GPUs
+    # runs on both devices' current streams.
+    for device in {source.device, dest.device}:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 def copy_into_view(

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from engine import parallel
 from engine.model_runner import ModelRunner
+from engine.rank_device import device_thread
 from engine.ranks import RankCommand
 from kv_transfer.errors import KVTransferCancelled
 from kv_transfer.messages import KVTicket
@@ -43,6 +44,8 @@ class SendReport:
     rank: int
     cancel: bool
     error: str | None
+    # (pair key, transport) of every pair this rank has sent to (KVRankSender.links)
+    links: tuple[tuple[str, str], ...] = ()
 
 
 class PrefillRank:
@@ -50,6 +53,7 @@ class PrefillRank:
 
     def __init__(self, runner: ModelRunner, transport: str = "auto") -> None:
         self.rank = parallel.tp_rank()
+        self.device = runner.device
         self.dialer = ChannelDialer(runner.device)
         self.sender = KVRankSender(
             runner.kv_cache,
@@ -87,12 +91,15 @@ class PrefillRank:
                 run()
             except Exception as exc:  # every end is reported, whatever went wrong
                 error = f"{type(exc).__name__}: {exc}"
-            report = SendReport(ticket.request_id, ticket.transfer_id, self.rank, cancel, error)
+            links = tuple(sorted(self.sender.links().items()))
+            report = SendReport(
+                ticket.request_id, ticket.transfer_id, self.rank, cancel, error, links
+            )
             with self._lock:
                 self._ended.append(report)
 
         name = f"kv-{'cancel' if cancel else 'send'}-{ticket.request_id}"
-        threading.Thread(target=target, name=name, daemon=True).start()
+        device_thread(self.device, target, name).start()  # dials and copies touch the GPU
 
     def _dial_lock(self, ticket: KVTicket) -> threading.Lock:
         with self._lock:

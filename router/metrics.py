@@ -155,6 +155,14 @@ class RouterMetrics:
             registry=self.registry,
         )
         self._nodes: dict[str, str] = {}  # instance id -> the node label set
+        self.kv_link = Gauge(
+            "pdserve:kv_link",
+            "1 for the transport each prefill-decode rank pair's KV runs on (cuda-ipc, "
+            "shared-memory, nccl, gloo), as its prefill instance reports it.",
+            ["instance", "pair", "transport"],
+            registry=self.registry,
+        )
+        self._links: dict[tuple[str, str], str] = {}  # (instance, pair) -> transport label set
         # Prefix-cache tokens, as vLLM's prefix_cache_queries / prefix_cache_hits (their ratio
         # is the hit rate KV-aware routing raises).
         self.prefix_cache_queries = gauge(
@@ -192,6 +200,13 @@ class RouterMetrics:
         self.worker_healthy.labels(*labels).set(1.0 if load.healthy else 0.0)
         details = load.details
         self._observe_node(load.instance_id, load.role, details.node)
+        for pair, transport in details.kv_links:
+            previous = self._links.get((load.instance_id, pair))
+            if previous != transport:
+                if previous is not None:
+                    self.kv_link.remove(load.instance_id, pair, previous)
+                self._links[(load.instance_id, pair)] = transport
+                self.kv_link.labels(load.instance_id, pair, transport).set(1.0)
         self.prefix_cache_queries.labels(*labels).set(details.num_prefix_queried_tokens)
         self.prefix_cache_hits.labels(*labels).set(details.num_prefix_hit_tokens)
         if details.num_held_chunks is not None:

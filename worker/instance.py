@@ -114,6 +114,7 @@ class Worker(WorkerLoop):
             # it never decodes: no draft model beside it
             engine_config = replace(engine_config, speculative=None)
         self.engine = LLMEngine(engine_config, executor, sides)
+        self.device = executor.runner.device  # the loop thread's (worker/loop.py)
         pool = self.engine.block_pool
         self.sending: SendConnector | None = None
         self.receiving: ReceiveConnector | None = None
@@ -230,6 +231,7 @@ class Worker(WorkerLoop):
             else None,
             num_receiving=num_receiving if self.receiving is not None else None,
             node=self.node,
+            kv_links=tuple(sorted(self.sending.links.items())) if self.sending is not None else (),
         )
         return InstanceLoad(
             self.instance_id,

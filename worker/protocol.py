@@ -139,6 +139,8 @@ class LoadDetails:
     num_transfers_in_flight: int | None = None  # KV sends not yet acknowledged
     num_receiving: int | None = None  # KV receives under way
     node: str = ""  # where the instance runs: its host, or under Ray "IP/node-id" (pdserve status)
+    # A prefill instance's KV links: (rank pair, transport), e.g. ("p0.0>d1.0", "cuda-ipc")
+    kv_links: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass

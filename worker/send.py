@@ -53,6 +53,8 @@ class SendConnector(KVConnector):
         self.executor = executor
         self.tp_size = executor.tp_size
         self.kv_sender = KVSender(pool, self.tp_size, self._on_released)
+        # What each rank pair's KV runs on ("cuda-ipc", "nccl", ...), as the ranks report it
+        self.links: dict[str, str] = {}
         self._send_control = send_control
         self._emit = emit
         self._handoffs: dict[str, _Handoff] = {}
@@ -179,6 +181,7 @@ class SendConnector(KVConnector):
             return
         tickets = {request_id: handoff.ticket for request_id, handoff in self._handoffs.items()}
         for report in self.executor.run_on_ranks(PollSends()):
+            self.links.update(report.links)
             if report.cancel:
                 self._num_cancel_reports_due -= 1
                 continue

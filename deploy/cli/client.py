@@ -142,6 +142,7 @@ class RouterStatus:
     num_requests_waiting: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     failures_by_code: dict[str, int] = field(default_factory=dict)
+    kv_links: dict[str, str] = field(default_factory=dict)  # rank pair -> transport
 
 
 def parse_metrics(text: str) -> RouterStatus:
@@ -161,6 +162,8 @@ def parse_metrics(text: str) -> RouterStatus:
                 workers.setdefault(
                     labels["instance"], WorkerStatus(labels["instance"], labels["role"])
                 ).node = labels["node"]
+            elif name == "pdserve:kv_link" and value >= 1.0:
+                status.kv_links[labels["pair"]] = labels["transport"]
             elif name == "pdserve:num_requests_running":
                 status.num_requests_running = int(value)
             elif name == "pdserve:num_requests_waiting":
@@ -207,4 +210,7 @@ def format_status(address: str, health: str, status: RouterStatus) -> str:
         f"requests: {status.num_requests_running} running, {status.num_requests_waiting} "
         f"queued, {finished} finished ({reasons or 'none'}), {failures} failed",
     ]
+    if status.kv_links:  # known once a pair has carried a transfer
+        links = [[pair, transport] for pair, transport in sorted(status.kv_links.items())]
+        lines.append(format_table(["KV link (prefill>decode rank)", "transport"], links))
     return "\n".join(lines)
