@@ -34,8 +34,9 @@ from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, runner_device
 from engine.net import free_port
+from engine.rank_device import bind_thread
 from engine.ranks import (
     SHUTDOWN,
     RankCommand,
@@ -194,6 +195,7 @@ class Executor:
             ]
         )
         try:
+            bind_thread(runner_device(self.config, 0))  # NCCL binds to the current device
             parallel.init_tp_group(
                 0,
                 self.tp_size,

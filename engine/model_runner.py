@@ -29,7 +29,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_quant import quant_format
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.rank_device import rank_device
+from engine.rank_device import bind_thread, rank_device
 
 
 @dataclass
@@ -69,7 +69,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or 1)
         else:
-            torch.cuda.set_device(self.device)
+            bind_thread(self.device)  # this thread; threads of its own bind it themselves
         self.dtype = config.torch_dtype
         self.model_config = ModelConfig.from_model_dir(config.model_dir)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

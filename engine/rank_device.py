@@ -9,14 +9,16 @@
                                  (same-node transport, memory shares)
 
 `cuda_index` is pure, so the choice is tested on CPU with these inputs emulated; `rank_device`
-reads them from the process.
+reads them from the process. CUDA's current device is per thread: `bind_thread` sets it on each
+thread that touches the GPU, `device_thread` starts such a thread.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -67,3 +69,33 @@ def rank_device(device: str, tp_rank: int) -> torch.device:
     visible = None if names is None else [n.strip() for n in names.split(",") if n.strip()]
     index = cuda_index(tp_rank, torch.cuda.device_count(), visible, _ray_gpu_ids())
     return torch.device("cuda", index)
+
+
+def bind_thread(device: torch.device | str | None) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing for a CPU device).
+
+    CUDA's current device belongs to each thread, and every new thread starts on device 0: a
+    thread that launches a Triton kernel, records an event, builds an NCCL communicator or
+    copies KV on a rank whose GPU is not device 0 must say so first. Every thread the engine,
+    the KV transfer or a worker starts calls this before touching CUDA (`device_thread`)."""
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def device_thread(
+    device: torch.device | str | None,
+    target: Callable[..., object],
+    name: str,
+    args: tuple[object, ...] = (),
+    daemon: bool = True,
+) -> threading.Thread:
+    """A thread (not started) that binds `device` (see `bind_thread`), then runs `target`."""
+
+    def run() -> None:
+        bind_thread(device)
+        target(*args)
+
+    return threading.Thread(target=run, name=name, daemon=daemon)

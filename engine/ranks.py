@@ -25,7 +25,8 @@ from engine import parallel
 from engine.child_signals import ignore_terminal_signals, terminal_signals_blocked
 from engine.config import EngineConfig
 from engine.gc_tuning import freeze_startup_heap
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, runner_device
+from engine.rank_device import bind_thread
 from engine.step_queue import DriverWatch, StepQueue
 
 SHUTDOWN = None  # posted to the ranks to make them leave their loop
@@ -75,6 +76,8 @@ def run_rank(spec: RankSpec, report: Callable[[str, int, str], None]) -> None:
     """The whole life of a non-driver rank; `report(state, rank, detail)` says ready or error."""
     torch.set_num_threads(spec.config.num_threads or 1)
     try:
+        # Before the group forms: NCCL binds its communicator to the thread's current device.
+        bind_thread(runner_device(spec.config, spec.tp_rank))
         parallel.init_tp_group(
             spec.tp_rank,
             spec.tp_size,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 from collections.abc import Callable
+
+import torch
+
+from engine.rank_device import bind_thread
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +26,9 @@ class Posters:
         self._idle = 0
         self._lock = threading.Lock()
 
-    def run(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
+    def run(self, job: Callable[[], None], device: torch.device | None = None) -> None:
+        """Run `job` on a poster thread, whose current CUDA device is `device` for the job."""
+        self._jobs.put(job if device is None else functools.partial(_on_device, device, job))
         with self._lock:
             if self._idle > 0:  # that thread is on its way to take a job from the queue
                 self._idle -= 1
@@ -38,6 +44,11 @@ class Posters:
                 logger.exception("a transfer's send thread failed")
             with self._lock:
                 self._idle += 1
+
+
+def _on_device(device: torch.device, job: Callable[[], None]) -> None:
+    bind_thread(device)  # the threads are shared: each job binds its own rank's device
+    job()
 
 
 POSTERS = Posters()  # one per process

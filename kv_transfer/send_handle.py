@@ -88,7 +88,7 @@ class SendHandle:
             tuple[SendLane, torch.Tensor, int, str, bool, bool, bool, torch.Tensor | None] | None
         ]
         self._outbox = queue.SimpleQueue()
-        POSTERS.run(self._poster)
+        POSTERS.run(self._poster, lanes[0].view.cache.device if lanes else None)
 
     def _what(self, lane: SendLane) -> str:
         return f"request {self.ticket.request_id} (transfer {self.ticket.transfer_id}) to {lane.channel}"

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.rank_device import device_thread
 from kv_transfer.errors import KVTransferCancelled, KVTransferError
 from kv_transfer.wire import CONTROL_LEN, HEADER_TAG, MAGIC, empty_control
 
@@ -214,8 +215,8 @@ class RecvStream:
                 self._expected[incoming.transfer_id] = incoming
                 self._same_node_len = max(self._same_node_len, incoming.same_node_message_len)
                 if self._reader is None:
-                    self._reader = threading.Thread(
-                        target=self._read, name=f"kv-read-{self.channel.pair_key}", daemon=True
+                    self._reader = device_thread(
+                        self.channel.device, self._read, f"kv-read-{self.channel.pair_key}"
                     )
                     self._reader.start()
         if ended is not None:

@@ -30,6 +30,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import torch
+
+from engine.rank_device import device_thread
 from worker.protocol import TokenEvent, WorkerUnavailable
 
 T = TypeVar("T")
@@ -45,6 +48,9 @@ class WorkerLoop:
 
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
+        # The device the loop's steps run on (a subclass sets it once its engine is built): the
+        # loop thread binds it first (engine/rank_device.py), as CUDA's current device is per thread.
+        self.device: torch.device | None = None
         self.failed = threading.Event()  # set with `error` when the loop died
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._events: list[TokenEvent] = []
@@ -60,9 +66,7 @@ class WorkerLoop:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"pdserve-{self.instance_id}", daemon=True
-            )
+            self._thread = device_thread(self.device, self._run, f"pdserve-{self.instance_id}")
             self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
