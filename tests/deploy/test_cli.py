@@ -266,7 +266,7 @@ def test_status_shows_every_worker_its_load_kv_usage_and_health(
 ) -> None:
     # The last request's aborts and the router's next load refresh land within a moment.
     deadline = time.monotonic() + 10
-    while " 0 running" not in (lines := _status_lines(served, capsys))[-1] or any(
+    while " 0 running" not in (lines := _status_lines(served, capsys))[5] or any(
         line.split()[4:6] != ["0", "0"] for line in lines[2:5]
     ):
         assert time.monotonic() < deadline, "\n".join(lines)
@@ -293,6 +293,10 @@ def test_status_shows_every_worker_its_load_kv_usage_and_health(
         assert total == NUM_KV_BLOCKS and row[7] == f"{100 * used / total:.0f}%"
         assert used == 0 or role == "prefill"  # prefill keeps prompts in its prefix cache
     assert re.fullmatch(r"requests: 0 running, 0 queued, \d+ finished \(.*\), 1 failed", lines[5])
+    # Both decode instances have taken a hand-off from both prefill TP ranks on this one host.
+    assert lines[6].split() == ["KV", "link", "(prefill>decode", "rank)", "transport"]
+    pairs = [f"prefill-0.{rank}>decode-{d}.0" for rank in (0, 1) for d in (0, 1)]
+    assert dict(line.split() for line in lines[7:]) == dict.fromkeys(pairs, "shared-memory")
 
 
 def test_status_of_an_unreachable_router_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

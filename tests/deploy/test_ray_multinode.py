@@ -208,5 +208,6 @@ def _status_rows(cluster: RayCluster, capsys: pytest.CaptureFixture[str]) -> dic
         "KV",
         "used",
     ]
-    rows = [line.split() for line in lines[2:-1]]
+    end = next(i for i, line in enumerate(lines) if line.startswith("requests:"))
+    rows = [line.split() for line in lines[2:end]]  # the KV link table follows the summary
     return {row[0]: row[2:7] for row in rows}
