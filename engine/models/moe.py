@@ -11,7 +11,8 @@ completes it. The router weight is replicated.
 
 Experts run as a batched loop: the (token, expert) pairs are sorted by expert once, and each
 expert hit multiplies its contiguous run of tokens with two matmuls; in the dtypes torch's
-grouped matmul takes (all but float64), all experts run in two grouped matmuls instead.
+grouped matmul takes (all but float64), all experts run in two grouped matmuls instead, with
+no wait for the host (a CUDA graph captures them); the float64 loop reads the counts on the host.
 
 Weights: `w13` [num_experts, 2 * local_intermediate, hidden] (gate rows, then up rows) and
 `w2` [num_experts, hidden, local_intermediate]. The checkpoint keeps one tensor per expert and
@@ -80,7 +81,10 @@ class SparseMoeBlock(nn.Module):
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # (token, k) pairs grouped by expert
         token_ids = order // self.top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        # A scatter-add into a fixed-size tensor: bincount waits for the host on CUDA (it
+        # sizes its output by the largest id), which no CUDA graph can capture.
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         routed = x.index_select(0, token_ids)
         if grouped_mm_available(x):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
