@@ -62,7 +62,9 @@ def _decode_main(device: str, to_parent: Any, from_parent: Any) -> None:
     )
 
 
-def _prefill_main(device: str, ticket: KVTicket, to_parent: Any) -> None:
+def _prefill_main(device: str, ticket: KVTicket, to_parent: Any, release: Any = None) -> None:
+    """Send the source blocks; with `release`, keep the cache alive until the parent says the
+    decode side is done with it (a same-node importer maps this process's memory)."""
     from kv_transfer.rank_sender import KVRankSender
     from kv_transfer.rendezvous import ChannelDialer
 
@@ -74,6 +76,8 @@ def _prefill_main(device: str, ticket: KVTicket, to_parent: Any) -> None:
     handle.finish(4242)
     handle.wait(TIMEOUT_S)
     to_parent.put("sent")
+    if release is not None:
+        release.get(timeout=TIMEOUT_S)
 
 
 _transfer_ids = itertools.count(1)

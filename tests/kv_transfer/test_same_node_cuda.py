@@ -1,6 +1,8 @@
 """The same-node transport on one GPU: a prefill and a decode process share cuda:0; the decode
 rank maps the prefill rank's cache through CUDA IPC and copies the blocks device to device. The
-blocks land byte-identical and nothing else in the cache changes. Skipped without CUDA."""
+blocks land byte-identical and nothing else in the cache changes. The exporting process lives
+until the importer has checked the blocks (it maps that process's memory). Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def test_same_node_transfer_on_one_gpu_is_byte_identical(layerwise: bool) -> Non
     assert torch.cuda.is_available()
     context = mp.get_context("spawn")
     from_decode, to_decode, from_prefill = context.Queue(), context.Queue(), context.Queue()
+    release = context.Queue()  # the exporter outlives the importer's copy
     decode = context.Process(target=_decode_main, args=("cuda:0", from_decode, to_decode))
     decode.start()
     prefill = None
@@ -51,11 +54,14 @@ def test_same_node_transfer_on_one_gpu_is_byte_identical(layerwise: bool) -> Non
         )
         to_decode.put(ticket)
         assert from_decode.get(timeout=TIMEOUT_S) == "posted"
-        prefill = context.Process(target=_prefill_main, args=("cuda:0", ticket, from_prefill))
+        prefill = context.Process(
+            target=_prefill_main, args=("cuda:0", ticket, from_prefill, release)
+        )
         prefill.start()
         assert from_prefill.get(timeout=TIMEOUT_S) == "sent"
         assert from_decode.get(timeout=TIMEOUT_S) == (4242, True, True)
     finally:
+        release.put("done")
         for process in (decode, prefill):
             if process is not None:
                 process.join(10)
