@@ -78,15 +78,20 @@ class RecvHandle:
         self._trailers: list[Trailer] = []  # one per lane
         self.error: KVTransferError | None = None
         self.finished_at: float | None = None  # time.monotonic() when the last lane ended
+        # Per lane on CUDA, recorded after its last scatter: the blocks are whole once it has
+        # passed, whichever stream the decode loop steps on.
+        self._landed: list[torch.cuda.Event] = []
         if num_lanes == 0:
             self._finished.set()
 
     def done(self) -> bool:
-        return self._finished.is_set()
+        return self._finished.is_set() and all(event.query() for event in self._landed)
 
     def wait(self, timeout: float | None = None) -> ReceivedKV:
         if not self._finished.wait(timeout):
             raise TimeoutError(f"request {self.ticket.request_id}: receive still in flight")
+        for event in self._landed:
+            event.synchronize()
         if self.error is not None:
             raise self.error
         trailer = self._trailers[0] if self._trailers else None
@@ -99,10 +104,17 @@ class RecvHandle:
             trailer.first_token_at if trailer is not None else None,
         )
 
-    def _lane_finished(self, trailer: Trailer | None, error: KVTransferError | None) -> None:
+    def _lane_finished(
+        self,
+        trailer: Trailer | None,
+        error: KVTransferError | None,
+        landed: torch.cuda.Event | None = None,
+    ) -> None:
         with self._lock:
             if trailer is not None:
                 self._trailers.append(trailer)
+            if landed is not None:
+                self._landed.append(landed)
             if error is not None and self.error is None:
                 self.error = error
             self._remaining_lanes -= 1
@@ -222,7 +234,13 @@ class _Lane(Incoming):
             self.forget(self)
         except Exception:  # noqa: S110 - the store may be closing; the key is harmless then
             pass
-        self.handle._lane_finished(result if isinstance(result, Trailer) else None, error)
+        trailer = result if isinstance(result, Trailer) else None
+        landed = None
+        if trailer is not None and self.view.cache.device.type == "cuda":
+            # The scatters out of staging buffers are only queued (on this thread's stream).
+            landed = torch.cuda.Event()
+            landed.record()
+        self.handle._lane_finished(trailer, error, landed)
 
     def receive(
         self, channel: Channel, header: torch.Tensor, post_next: Callable[[], None]

@@ -44,7 +44,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from engine.kv_cache import KVCache
 from kv_transfer.errors import KVTransferError
-from kv_transfer.wire import CONTROL_LEN, WireView
+from kv_transfer.wire import CONTROL_LEN, WireView, int64_tensor
 
 
 def _node_id() -> str:
@@ -276,8 +276,8 @@ def copy_blocks(
     runs = paired_runs(list(src_block_ids), list(dst_block_ids))
     if source.is_cuda and len(runs) > _MAX_CUDA_RUN_COPIES:
         # each index on its own tensor's device: the mapped source may be another GPU
-        src_index = torch.tensor(src_block_ids, dtype=torch.long, device=source.device)
-        dst_index = torch.tensor(dst_block_ids, dtype=torch.long, device=dest.device)
+        src_index = int64_tensor(src_block_ids, source.device)
+        dst_index = int64_tensor(dst_block_ids, dest.device)
         gathered = src.index_select(3, src_index).to(dest.device)
         dst.index_copy_(3, dst_index, gathered)
     else:

@@ -4,6 +4,11 @@ A fresh multi-MB CPU tensor is page-faulted in on first touch, which costs more 
 into it (index_select into a new 4 MB tensor: ~1.5 ms; into a reused one: ~0.4 ms here). So
 buffers go back to a pool once their send or receive has completed. A buffer whose operation
 failed is never returned: the backend may still hold it.
+
+On CUDA a received buffer goes back once its scatter into the cache is queued, not run: the next
+operation into it is posted later on the same thread's stream (NCCL's stream waits for the
+posting stream), so it cannot overwrite the buffer before the scatter has read it. The decode
+side learns that the scatters ran from an event (rank_receiver.RecvHandle.done).
 """
 
 from __future__ import annotations

@@ -71,9 +71,19 @@ def run_lengths(block_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(lengths)
 
 
+def int64_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`. On CUDA through pinned memory and a non-blocking
+    copy: a copy from pageable memory waits for all the GPU work queued before it (a whole model
+    step, when a send thread builds an index while the loop steps)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)  # the allocator holds the pinned copy
+
+
 def control_message(values: Sequence[int], device: torch.device) -> torch.Tensor:
     assert len(values) == CONTROL_LEN - 1
-    return torch.tensor([MAGIC, *values], dtype=torch.int64, device=device)
+    return int64_tensor([MAGIC, *values], device)
 
 
 def empty_control(device: torch.device) -> torch.Tensor:
@@ -161,7 +171,7 @@ class WireView:
             start = contiguous_start(ids)
             index = None
             if start is None:
-                index = torch.tensor(ids, dtype=torch.long, device=self.cache.device)
+                index = int64_tensor(ids, self.cache.device)
             out.append((size, start, index))
             offset += size
         return tuple(out)
