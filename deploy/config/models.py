@@ -19,7 +19,9 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from deploy.config.checks import ConfigError
@@ -113,8 +115,40 @@ def smollm2_dir(say: Say | None = None) -> Path:
     return build_once(path, SOURCE_FILE, lambda folder: convert_gguf(gguf, folder), say, what)
 
 
+class _NoTriton:
+    """A meta-path finder that makes `triton` look absent (see convert_gguf)."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+@contextmanager
+def _without_triton() -> Iterator[None]:
+    """While converting, Triton stays unimported: transformers' model classes import torch._dynamo,
+    which imports Triton when it is installed, and Triton's bindings then print a page of
+    "nanobind: leaked ..." when the process exits. The conversion never runs a kernel."""
+    if "triton" in sys.modules:  # already imported by the caller: nothing to keep out
+        yield
+        return
+    finder = _NoTriton()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        import torch.utils._triton
+
+        torch.utils._triton.has_triton_package.cache_clear()  # it answered for the finder
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """transformers' own GGUF loader, dequantized to float32, saved as a model folder."""
+    with _without_triton():
+        _convert_gguf(gguf, out_dir)
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 

@@ -4,6 +4,9 @@ allows agreeing with the engine's own sharding rules."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,34 @@ def test_moe_tp_sizes_split_the_experts_width_too(tmp_path: Path) -> None:
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert allowed_tp_sizes(tmp_path) == [1, 2, 4]
+
+
+KEEPS_TRITON_OUT = """
+import sys
+from deploy.config.models import _without_triton
+with _without_triton():
+    from transformers import LlamaForCausalLM  # imports torch._dynamo, which looks for Triton
+    assert LlamaForCausalLM is not None
+kept_out = "triton" not in sys.modules
+import torch.utils._triton
+print(kept_out, torch.utils._triton.has_triton_package())
+"""
+
+
+def test_the_gguf_conversion_keeps_triton_out_and_leaves_it_findable() -> None:
+    """The first demo converts SmolLM2 in its own process: were Triton imported there, its
+    bindings would print a page of leak warnings at exit. After the conversion Triton is found
+    again (torch's cached answer is cleared)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", KEEPS_TRITON_OUT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+    assert "nanobind" not in done.stderr
