@@ -187,11 +187,13 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim]; block_tables [num_seqs, >= the blocks each context
     needs] (any int dtype); context_lens [num_seqs] including the new token. Returns (or fills
-    `out`) [num_seqs, num_heads, head_dim]."""
+    `out`) [num_seqs, num_heads, head_dim]. `block_n`: keys per tile, 64 by default; 32 for
+    float32 at head dims above 64, which spill registers on sm_80 at 64 (255 registers, no spill
+    at 32: tests/engine/test_triton_compile.py)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[0]
     group_size = num_heads // num_kv_heads
@@ -205,6 +207,9 @@ def paged_decode_attention(
     # take a broadcast product, which is exact enough for parity and slow, and only for tests.
     use_dot = q.dtype != torch.float64
     minimum = 16 if use_dot else 1
+    block_d = max(triton.next_power_of_2(head_dim), minimum)
+    if block_n is None:
+        block_n = 32 if q.dtype == torch.float32 and block_d > 64 else 64
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         out,
         q,
@@ -225,7 +230,7 @@ def paged_decode_attention(
         key_cache.shape[2],
         group_size,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(triton.next_power_of_2(head_dim), minimum),
+        BLOCK_D=block_d,
         BLOCK_G=max(triton.next_power_of_2(group_size), minimum),
         BLOCK_N=max(block_n, minimum),
         ACC_FP64=not use_dot,
