@@ -15,7 +15,8 @@ reflection when the configuration leaves them open; the metrics port needs it on
 
 Health: the overall status ("") and "pdserve.v1.Generation" are SERVING while the workers can
 take requests (a healthy prefill or colocated instance, plus a decode instance when split), and
-NOT_SERVING otherwise; the status follows each load refresh.
+NOT_SERVING otherwise; the status follows each load refresh. Where grpcio-health-checking or
+grpcio-reflection is not installed (the GPU image), the router serves neither and logs so.
 """
 
 from __future__ import annotations
@@ -25,12 +26,9 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
-from starlette.types import ASGIApp
 
 from router.adaptive import RequestSLO, adaptive_placer
 from router.admission import AdmissionController
@@ -38,8 +36,6 @@ from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.generation import GenerationRunner
-from router.http_api.app import OpenAIFrontDoor, build_app
-from router.http_api.server import HttpServer
 from router.metrics import RouterMetrics
 from router.metrics_http import MetricsHttpServer
 from router.policies import make_decode_policy, make_prefill_policy
@@ -50,9 +46,21 @@ from router.validation import RequestValidator
 from router.worker_api import DecodeHandle, PrefillHandle
 from router.worker_pool import WorkerPool
 
+try:  # declared dependencies, absent from the GPU image that benchmarks/gpu_checks.sh runs on
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1.health import aio as health_aio
+    from grpc_reflection.v1alpha import reflection
+
+    HAS_HEALTH_SERVICES = True
+except ModuleNotFoundError:
+    HAS_HEALTH_SERVICES = False
+
+if TYPE_CHECKING:  # the HTTP API (FastAPI, uvicorn) is imported only when it listens
+    from starlette.types import ASGIApp
+
+    from router.http_api.server import HttpServer
+
 logger = logging.getLogger(__name__)
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # gRPC core holds calls that arrived before the server asked for them (the aio server accepts
 # one call per event-loop turn, so a burst waits there) and, past its default of 1,000 such
 # calls, cancels them at random with a bare CANCELLED. A refused call must get admission
@@ -79,9 +87,10 @@ def _server_options(config: RouterConfig) -> tuple[tuple[str, int], ...]:
 def _interceptors(config: RouterConfig) -> list[grpc.aio.ServerInterceptor]:
     if config.auth_token is None:
         return []
-    health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    open_services = [health] if config.auth_exempt_health else []
-    if config.auth_exempt_reflection:
+    open_services: list[str] = []
+    if HAS_HEALTH_SERVICES and config.auth_exempt_health:
+        open_services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    if HAS_HEALTH_SERVICES and config.auth_exempt_reflection:
         open_services.append(reflection.SERVICE_NAME)
     return [BearerTokenInterceptor(config.auth_token, open_services)]
 
@@ -122,7 +131,7 @@ class Router:
         self._validator = RequestValidator(config, self.tokenizer, self.limits)
         self._servicer = GenerationServicer(self._validator, runner, self.metrics)
         self._runner = runner
-        self._health = health_aio.HealthServicer()
+        self._health = health_aio.HealthServicer() if HAS_HEALTH_SERVICES else None
         self._server: grpc.aio.Server | None = None
         self._http: HttpServer | None = None
         self._metrics_http: MetricsHttpServer | None = None
@@ -143,15 +152,7 @@ class Router:
             interceptors=_interceptors(self.config), options=_server_options(self.config)
         )
         server.add_generic_rpc_handlers((self._servicer.rpc_handler(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        self._add_health_services(server)
         self.port = self._bind(server)
         await server.start()
         self._server = server
@@ -166,6 +167,20 @@ class Router:
             self.address,
             self.metrics_port,
             self.http_port,
+        )
+
+    def _add_health_services(self, server: grpc.aio.Server) -> None:
+        if self._health is None:
+            logger.warning("no grpcio-health-checking or grpcio-reflection: no health service")
+            return
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
         )
 
     def _start_metrics_http(self) -> None:
@@ -185,6 +200,9 @@ class Router:
         self.metrics_port = self._metrics_http.port
 
     async def _start_http(self) -> None:
+        from router.http_api.app import OpenAIFrontDoor, build_app
+        from router.http_api.server import HttpServer
+
         front = OpenAIFrontDoor(
             self.config,
             self.limits,
@@ -227,7 +245,10 @@ class Router:
             await self._update_health()
 
     async def _update_health(self) -> None:
-        status = _SERVING if self.pool.healthy() else _NOT_SERVING
+        if self._health is None:
+            return
+        response = health_pb2.HealthCheckResponse
+        status = response.SERVING if self.pool.healthy() else response.NOT_SERVING
         for service in ("", SERVICE_NAME):
             await self._health.set(service, status)
 
@@ -235,7 +256,8 @@ class Router:
         """Stop admitting, give in-flight requests `grace_s` to finish, then cancel them (their
         cleanup aborts them on the workers) and stop the background tasks."""
         self._stopping = True
-        await self._health.enter_graceful_shutdown()
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -11,14 +11,16 @@ without CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from pdserve_proto.v1 import generation_pb2 as pb
+from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
-from deploy.cli.client import RouterClient
 from deploy.config.cluster_spec import build_cluster_spec
 from deploy.config.serve_config import parse_config
 from deploy.runtime.local.local_cluster import LocalCluster
@@ -55,6 +57,15 @@ def hf_greedy_on_cuda(model_dir: str, prompts: list[list[int]]) -> list[list[int
     return outputs
 
 
+def stream(
+    address: str, request: pb.GenerateRequest, timeout_s: float
+) -> Iterator[pb.GenerateResponse]:
+    """One request's streamed responses over a channel of its own. Not deploy.cli.client's
+    RouterClient: it needs grpcio-health-checking, which the GPU image lacks."""
+    with grpc.insecure_channel(address) as channel:
+        yield from pb_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s)
+
+
 def serve_config(model_dir: str, **layout: Any) -> dict[str, Any]:
     return {
         "model": model_dir,
@@ -79,8 +90,7 @@ def generate_all(
             ignore_eos=True,
             request_id=f"cuda-{index}",
         )
-        with RouterClient(address) as client:
-            responses = list(client.generate(request, timeout_s=120))
+        responses = list(stream(address, request, timeout_s=120))
         return [t for r in responses for t in r.token_ids], responses[-1]
 
     with ThreadPoolExecutor(len(prompts)) as pool:

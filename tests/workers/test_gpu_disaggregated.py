@@ -18,11 +18,10 @@ import pytest
 import torch
 from pdserve_proto.v1 import generation_pb2 as pb
 
-from deploy.cli.client import RouterClient
 from deploy.config.cluster_spec import build_cluster_spec
 from deploy.config.serve_config import parse_config
 from deploy.runtime.local.local_cluster import LocalCluster
-from tests.deploy.test_cuda_serving import MAX_TOKENS, hf_greedy_on_cuda
+from tests.deploy.test_cuda_serving import MAX_TOKENS, hf_greedy_on_cuda, stream
 from tests.engine.test_model_parity import make_prompts
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
@@ -70,11 +69,10 @@ def stream_all(address: str, prompts: list[list[int]]) -> list[tuple[list[int], 
         )
         tokens: list[int] = []
         first_at = float("inf")
-        with RouterClient(address) as client:
-            for response in client.generate(request, timeout_s=300):
-                if response.token_ids and not tokens:
-                    first_at = time.monotonic()
-                tokens.extend(response.token_ids)
+        for response in stream(address, request, timeout_s=300):
+            if response.token_ids and not tokens:
+                first_at = time.monotonic()
+            tokens.extend(response.token_ids)
         return tokens, first_at
 
     with ThreadPoolExecutor(len(prompts)) as pool:
