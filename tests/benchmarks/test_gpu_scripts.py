@@ -1,14 +1,12 @@
 """The GPU check script's shape, and its benchmark modules run on CPU at a tiny size.
 
-benchmarks/gpu_checks.sh must fit 8 minutes (each step bounded by `timeout`, the bounds adding
-up to at most 480 s) and end in the summary; the modules it calls print their JSON on CPU too
-(the figures themselves come from a GPU run).
+benchmarks/gpu_checks.sh ends in the summary (its bounds: test_gpu_checks.py); the modules it
+calls print their JSON on CPU too (the figures themselves come from a GPU run).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -19,9 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = (REPO / "benchmarks" / "gpu_checks.sh").read_text()
 
 
-def test_every_step_is_bounded_and_the_bounds_fit_eight_minutes() -> None:
-    bounds = [int(b) for b in re.findall(r"^step [\w-]+ (\d+) ", SCRIPT, re.MULTILINE)]
-    assert len(bounds) >= 8 and sum(bounds) <= 480
+def test_the_script_runs_the_benchmarks_and_the_summary() -> None:
+    # Its bounds and steps: tests/benchmarks/test_gpu_checks.py.
     assert 'timeout "$limit"' in SCRIPT
     for needed in ("-m gpu", "gpu_anchor", "gpu_steps", "gpu_summary", "test_gpu_disaggregated"):
         assert needed in SCRIPT
