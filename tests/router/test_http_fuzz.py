@@ -79,7 +79,7 @@ def _healthy_and_idle(server: RouterThread) -> None:
 
 @pytest.mark.slow
 def test_completion_bodies_never_get_a_5xx(server: RouterThread) -> None:
-    @settings(_FUZZ, max_examples=3000)
+    @settings(_FUZZ, max_examples=1500)
     @given(completion_bodies(_model(server)))
     def one(body: Any) -> None:
         _check(server, "/v1/completions", body)
@@ -90,7 +90,7 @@ def test_completion_bodies_never_get_a_5xx(server: RouterThread) -> None:
 
 @pytest.mark.slow
 def test_chat_bodies_never_get_a_5xx(server: RouterThread) -> None:
-    @settings(_FUZZ, max_examples=2500)
+    @settings(_FUZZ, max_examples=1200)
     @given(chat_bodies(_model(server)))
     def one(body: Any) -> None:
         _check(server, "/v1/chat/completions", body)
