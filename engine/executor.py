@@ -23,6 +23,7 @@ result.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,6 +48,10 @@ from engine.ranks import (
     run_worker_loop,
 )
 from engine.step_queue import StepQueue
+
+# How long a failed TP step waits to see whether a rank has exited (a SIGKILL closes its sockets
+# before the kernel reports the exit); a failure with every rank alive is reported after it.
+_DEATH_SEEN_S = 1.0
 
 __all__ = ["Executor", "RankCommand", "RankExtension", "free_port", "run_worker_loop"]
 
@@ -155,7 +160,7 @@ class Executor:
             self._workers.steps.post(message)
             return run_here()
         except RuntimeError as exc:
-            dead = self._workers.launcher.dead()
+            dead = self._dead_within(_DEATH_SEEN_S)
             self._broken = f"{', '.join(dead)} died" if dead else f"TP step failed: {exc}"
             raise RuntimeError(f"TP step failed: {self._broken}") from exc
 
@@ -220,6 +225,14 @@ class Executor:
     def lost_ranks(self) -> list[str]:
         """The TP ranks that have died, described (empty while all live, and for TP=1)."""
         return self._workers.launcher.dead() if self.tp_size > 1 else []
+
+    def _dead_within(self, timeout_s: float) -> list[str]:
+        """The dead ranks, waiting up to `timeout_s` for one: a killed rank's sockets close (and
+        the step fails) a moment before its process can be seen to have exited."""
+        deadline = time.monotonic() + timeout_s
+        while not (dead := self._workers.launcher.dead()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return dead
 
     def _raise_if_dead(self) -> None:
         dead = self._workers.launcher.dead()
