@@ -24,20 +24,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.engine_speed import MODEL_CONFIG, PRESETS
+from benchmarks.goodput.layouts import TINY_MODEL
 
 SHAPES: dict[str, dict[str, Any]] = {
     "1b": PRESETS["1b"],
     "31m": PRESETS["31m"],
-    "tiny": {
-        **MODEL_CONFIG,
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-    },
+    "tiny": {**MODEL_CONFIG, "vocab_size": 512, **TINY_MODEL},
 }
 
 
