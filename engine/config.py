@@ -72,6 +72,9 @@ class EngineConfig:
     # Fused RMSNorm with its residual add, SiLU x mul and rotary (engine/models/fused_llama.py):
     # None = on CUDA where triton is installed; True on CPU runs them in Triton's interpreter.
     fused_ops: bool | None = None
+    # On CPU, linear layers run oneDNN over weights reordered once at load (engine/cpu_linear.py:
+    # float32, and bfloat16 where native); False keeps F.linear (MKL).
+    packed_linears: bool = True
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

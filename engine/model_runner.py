@@ -23,6 +23,7 @@ from engine.attention import (
 from engine.attention.metadata import to_device
 from engine.batch import ScheduledBatch, SequenceChunk
 from engine.config import EngineConfig
+from engine.cpu_linear import pack_linears
 from engine.graphs import DecodeGraphs
 from engine.kernels import check_runnable, triton_available
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -88,6 +89,8 @@ class ModelRunner:
             self.device,
             max_positions=self.max_model_len,
         )
+        if config.packed_linears and self.device.type == "cpu":
+            pack_linears(self.model)
         self.kv_cache = KVCache(self._kv_cache_spec(), self.device)
         self.model.bind_kv_cache(self.kv_cache)
         # float64 models return float64 logits (parity tests); everything else float32

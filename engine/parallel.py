@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from engine.cpu_linear import linear
 from engine.kv_cache import local_kv_heads
 from engine.net import create_store
 
@@ -168,6 +169,8 @@ def _copy(param: torch.Tensor, loaded: Any) -> None:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split over ranks; each rank returns its output slice."""
 
+    packed_weight: torch.Tensor | None = None  # W reordered for oneDNN (engine/cpu_linear.py)
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__()
         # output_sizes: the global sizes of the parts fused into this weight (one for a plain layer)
@@ -192,7 +195,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.narrow(0, offset, size), loaded[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -225,6 +228,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split over ranks; partial sums all-reduced."""
 
+    packed_weight: torch.Tensor | None = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.local_input_size = divide(input_size, tp_size(), "input size")
@@ -239,7 +244,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded[:, start : start + self.local_input_size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tp_all_reduce(F.linear(x, self.weight))
+        out = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
         # the bias is added once, after the reduction
         return out if self.bias is None else out.add_(self.bias)
 
@@ -275,6 +280,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharded like the embedding; every rank gets full-vocab logits."""
 
+    packed_weight: torch.Tensor | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local_logits = F.linear(hidden, self.weight)  # [num_tokens, num_local_rows]
+        local_logits = linear(
+            hidden, self.weight, None, self.packed_weight
+        )  # [num_tokens, num_local_rows]
         return tp_all_gather_last_dim(local_logits)[..., : self.vocab_size]
