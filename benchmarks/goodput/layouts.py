@@ -18,6 +18,8 @@ Layouts (each worker a process of its own, one core each when pinned):
                  online. Its engines schedule by SLO (engine/slo.py, the prefill gate).
   colocated-slo  the colocated baseline with the adaptive layout's prefill gate and no
                  placement: what the gate alone gives (an ablation; not run by default)
+  single         one colocated instance with a torch thread on each of the two cores, the
+                 arrangement of a one-instance server such as vLLM's CPU build
 All get the same EngineConfig (token budget, chunk size, KV pool), but for the gate, and the two
 that move KV the same KVTransferConfig, so only the layout differs.
 """
@@ -25,10 +27,11 @@ that move KV the same KVTransferConfig, so only the layout differs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
-LAYOUTS = ("disaggregated", "colocated", "adaptive", "colocated-slo")
+LAYOUTS = ("disaggregated", "colocated", "adaptive", "colocated-slo", "single")
 DEFAULT_LAYOUTS = ("colocated", "disaggregated", "adaptive")
 # cores (GPUs on a GPU cluster) per layout
 NUM_DEVICES = {"disaggregated": 2, "colocated": 2, "adaptive": 2, "colocated-slo": 2}
@@ -146,6 +149,14 @@ def cluster_spec(
         max_queued_requests=4096,
         worker_timeout_s=60.0,
     )
+    if layout == "single":
+        threads = len(os.sched_getaffinity(0)) if pin_cpus else 2
+        return ClusterSpec(
+            router=router,
+            colocated=WorkerConfig(dataclasses.replace(config, num_threads=threads)),
+            num_colocated_instances=1,
+            pin_cpus=pin_cpus,
+        )
     if layout in ("colocated", "colocated-slo"):
         gated = layout == "colocated-slo"
         return ClusterSpec(

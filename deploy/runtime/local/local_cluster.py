@@ -72,7 +72,8 @@ def pinned_worker(
 
 
 def cpu_sets(num_ranks_per_worker: list[int], cpu_ids: list[int]) -> list[list[int]]:
-    """One core per rank, handed out in order and wrapping around when ranks outnumber cores."""
+    """One core per rank (per torch thread of a rank), handed out in order and wrapping around
+    when they outnumber the cores."""
     sets: list[list[int]] = []
     next_index = 0
     for num_ranks in num_ranks_per_worker:
@@ -181,7 +182,11 @@ class LocalCluster(ServingCluster):
     def _start_workers(self, say: Progress) -> None:
         configs = self.worker_configs()
         tp_sizes = [config.engine.tensor_parallel_size for config in configs.values()]
-        pins = cpu_sets(tp_sizes, sorted(os.sched_getaffinity(0)))
+        # On CPU a rank runs num_threads torch threads: a core for each.
+        cores = [
+            c.engine.tensor_parallel_size * (c.engine.num_threads or 1) for c in configs.values()
+        ]
+        pins = cpu_sets(cores, sorted(os.sched_getaffinity(0)))
         for instance_id, cpu_ids in zip(configs, pins, strict=True):
             self._pins[instance_id] = cpu_ids if self.spec.pin_cpus else None
         if any(config.engine.device.startswith("cuda") for config in configs.values()):
