@@ -39,7 +39,9 @@ def test_only_cpu_float32_weights_pack() -> None:
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
     params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate(prompts, params)
-    return [[entry.logprob for entry in out.prompt_logprobs if entry is not None] for out in outputs]
+    return [
+        [entry.logprob for entry in out.prompt_logprobs if entry is not None] for out in outputs
+    ]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
