@@ -1,8 +1,8 @@
 """pdserve's layouts against vLLM's CPU build, on the same cores, model, workload and client.
 
-    python -m benchmarks.vs_vllm [--vllm-python PATH] [--rates 1,2,4] [--num-requests 40] \
-        [--layouts single,disaggregated,colocated] [--input-len 256] [--output-len 64] \
-        [--seed 0] [--out PATH]
+    python -m benchmarks.vs_vllm [--vllm-python PATH] [--rates 0.25,0.5,1,2] [--repeats 2] \
+        [--num-requests 40] [--layouts single,disaggregated,colocated] [--input-len 256] \
+        [--output-len 64] [--seed 0] [--out PATH]
 
 The model is SmolLM2-135M-Instruct in float32 (deploy.config.models.smollm2_dir). vLLM's server
 runs first, then each pdserve layout (benchmarks/vs_vllm_servers.py), one server at a time. Every
@@ -16,12 +16,14 @@ the same prompts at the same times. Goodput counts the requests within TTFT 1.5 
 vLLM lives in a venv of its own (it pins its own torch); --vllm-python names its interpreter.
 Without vLLM there, the command says what to install and exits with 2.
 
-Printed: one JSON object per (server, rate): the rate asked, the request rate served, goodput,
+Every server runs --repeats times (the servers in turn, then again), and the figures are each
+(server, rate)'s medians over the repeats. Printed: one JSON object per (server, rate) of each
+repeat: the rate asked, the request rate served, goodput,
 output tokens/s, TTFT and TPOT p50 and p90 (ms). The last line (also written to --out) holds the
 best pdserve layout's ratios to vLLM first: `goodput_ratio` at the highest rate where vLLM's
 goodput is above 0, `throughput_ratio` (served requests/s) at the highest rate, saturation;
-then every layout's ratios and all the rows. The client's own result files and the servers' logs
-go under --runs.
+then each repeat's, every layout's ratios and all the rows. The client's own result files and the
+servers' logs go under --runs/repeatN.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -109,11 +112,17 @@ def client_command(args: argparse.Namespace, url: str, name: str, rate: float, r
 
 
 def bench_rate(
-    args: argparse.Namespace, url: str, name: str, server: str, layout: str | None, rate: float
+    args: argparse.Namespace,
+    runs: Path,
+    url: str,
+    name: str,
+    server: str,
+    layout: str | None,
+    rate: float,
 ) -> dict[str, Any]:
-    """One rate through vLLM's client; its result file as a row."""
+    """One rate through vLLM's client; its result file (under `runs`) as a row."""
     label = layout or server
-    result = args.runs / f"{label}-rate{rate:g}.json"
+    result = runs / f"{label}-rate{rate:g}.json"
     log = result.with_suffix(".client.log")
     command = client_command(args, url, name, rate, result)
     with log.open("wb") as sink:
@@ -197,12 +206,62 @@ def _ratio(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from deploy.config.models import smollm2_dir
-    from engine.net import free_port
 
     args.model_dir = smollm2_dir(say=print)
     args.runs.mkdir(parents=True, exist_ok=True)
     name = args.model_dir.name
     slo_s = (TTFT_SLO_MS / 1e3, TPOT_SLO_MS / 1e3)
+    rows: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        rows.extend(run_servers(args, name, slo_s, repeat))
+    workload = {
+        "model": name,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_requests": args.num_requests,
+        "rates": list(args.rates),
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "ttft_slo_ms": TTFT_SLO_MS,
+        "tpot_slo_ms": TPOT_SLO_MS,
+    }
+    medians = median_rows(rows)
+    each = [ratios([r for r in rows if r["repeat"] == i]) for i in range(args.repeats)]
+    return {
+        **ratios(medians),
+        "per_repeat": [{k: v for k, v in r.items() if k != "layouts"} for r in each],
+        "workload": workload,
+        "rows": medians,
+        "repeat_rows": rows,
+        "finished_at": time.time(),
+    }
+
+
+def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (server, layout, rate): the median of each figure over the repeats."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["layout"], r["rate"]), []).append(r)
+    out = []
+    for (server, layout, rate), group in groups.items():
+        merged: dict[str, Any] = {"server": server, "layout": layout, "rate": rate}
+        for key in group[0]:
+            values = [g[key] for g in group if isinstance(g.get(key), int | float)]
+            if key not in merged and key != "repeat" and values:
+                merged[key] = statistics.median(values)
+        merged["repeats"] = len(group)
+        out.append(merged)
+    return out
+
+
+def run_servers(
+    args: argparse.Namespace, name: str, slo_s: tuple[float, float], repeat: int
+) -> list[dict[str, Any]]:
+    """Every server in turn (vLLM first), every rate on each: one repeat's rows."""
+    from engine.net import free_port
+
+    runs = args.runs / f"repeat{repeat}"
+    runs.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for layout in (None, *args.layouts):
         port = free_port()
@@ -216,28 +275,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             command, env = pdserve_server(
                 layout, args.model_dir, name, port, args.latency_profile, slo_s
             )
-        log = args.runs / f"{layout or server}.server.log"
+        log = runs / f"{layout or server}.server.log"
         with serving(command, env, port, log, args.start_timeout_s) as url:
             for rate in args.rates:
-                rows.append(bench_rate(args, url, name, server, layout, rate))
+                rows.append(bench_rate(args, runs, url, name, server, layout, rate))
+                rows[-1]["repeat"] = repeat
                 print(json.dumps(rows[-1]), flush=True)
-    workload = {
-        "model": name,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "num_requests": args.num_requests,
-        "rates": list(args.rates),
-        "seed": args.seed,
-        "ttft_slo_ms": TTFT_SLO_MS,
-        "tpot_slo_ms": TPOT_SLO_MS,
-    }
-    return {**ratios(rows), "workload": workload, "rows": rows, "finished_at": time.time()}
+    return rows
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", default=sys.executable, help="the vLLM venv's python")
-    parser.add_argument("--rates", type=_floats, default=(1.0, 2.0, 4.0), help="req/s, comma list")
+    parser.add_argument(
+        "--rates", type=_floats, default=(0.25, 0.5, 1.0, 2.0), help="req/s, comma list"
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every server; medians")
     parser.add_argument("--num-requests", type=int, default=40, help="per rate")
     parser.add_argument(
         "--layouts",

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.vs_vllm import ratios, row
+from benchmarks.vs_vllm import median_rows, ratios, row
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,6 +70,20 @@ def test_a_layout_missing_the_rate_gets_no_ratio_and_vllm_is_required() -> None:
     assert ratios(rows)["layouts"]["adaptive"] == {"goodput_ratio": None, "throughput_ratio": None}
     with pytest.raises(ValueError, match="need vLLM"):
         ratios(ROWS[3:])
+
+
+def test_repeats_merge_into_medians_per_server_layout_and_rate() -> None:
+    first = [{**r, "repeat": 0} for r in ROWS]
+    second = [{**r, "repeat": 1, "request_goodput": r["request_goodput"] + 0.5} for r in ROWS]
+    merged = median_rows(first + second)
+    assert len(merged) == len(ROWS)
+    by_key = {(r["server"], r["layout"], r["rate"]): r for r in merged}
+    disaggregated = by_key[("pdserve", "disaggregated", 2.0)]
+    assert disaggregated["request_goodput"] == pytest.approx(1.85)  # median of 1.6 and 2.1
+    assert disaggregated["request_throughput"] == 1.9
+    assert disaggregated["repeats"] == 2 and "repeat" not in disaggregated
+    # vLLM's goodput at 4 is 0.25 in the median: the goodput ratio moves to that rate.
+    assert ratios(merged)["goodput_rate"] == 4.0
 
 
 def test_a_row_takes_the_clients_keys() -> None:
