@@ -3,6 +3,7 @@ replicas serving through the real router, with every process gone after shutdown
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -13,9 +14,24 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from deploy.cli.client import RouterClient
 from deploy.config.cluster_spec import build_cluster_spec
 from deploy.config.serve_config import parse_config
-from deploy.runtime.local.local_cluster import LocalCluster, cpu_sets, gpu_sets
+from deploy.runtime.local.local_cluster import LocalCluster, cores_per_worker, cpu_sets, gpu_sets
 from tests.router.tiny_tokenizer import add_tiny_tokenizer
 from tests.tiny_models import make_tiny_model
+
+
+def test_a_worker_gets_a_core_per_torch_thread_of_each_rank(tmp_path: Path) -> None:
+    """The one-instance layout: both cores to one worker running a thread on each."""
+    from benchmarks.goodput.layouts import cluster_spec
+
+    single = cluster_spec("single", tmp_path, pin_cpus=False)
+    assert single.num_colocated_instances == 1 and single.colocated.engine.num_threads == 2
+    assert cores_per_worker([single.colocated]) == [2]
+    two_ranks = dataclasses.replace(
+        single.colocated,
+        engine=dataclasses.replace(single.colocated.engine, tensor_parallel_size=2),
+    )
+    assert cores_per_worker([two_ranks, single.colocated]) == [4, 2]
+    assert cpu_sets(cores_per_worker([single.colocated]), [0, 1]) == [[0, 1]]
 
 
 def test_cpu_sets_give_each_rank_a_core_in_order_and_wrap_around() -> None:

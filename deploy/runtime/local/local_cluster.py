@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from deploy.config.cluster_spec import ClusterSpec
@@ -80,6 +80,11 @@ def cpu_sets(num_ranks_per_worker: list[int], cpu_ids: list[int]) -> list[list[i
         sets.append(sorted({cpu_ids[(next_index + j) % len(cpu_ids)] for j in range(num_ranks)}))
         next_index += num_ranks
     return sets
+
+
+def cores_per_worker(configs: Iterable[WorkerConfig]) -> list[int]:
+    """The cores each worker is pinned to on CPU: one per torch thread of each TP rank."""
+    return [c.engine.tensor_parallel_size * (c.engine.num_threads or 1) for c in configs]
 
 
 def gpu_sets(
@@ -182,11 +187,7 @@ class LocalCluster(ServingCluster):
     def _start_workers(self, say: Progress) -> None:
         configs = self.worker_configs()
         tp_sizes = [config.engine.tensor_parallel_size for config in configs.values()]
-        # On CPU a rank runs num_threads torch threads: a core for each.
-        cores = [
-            c.engine.tensor_parallel_size * (c.engine.num_threads or 1) for c in configs.values()
-        ]
-        pins = cpu_sets(cores, sorted(os.sched_getaffinity(0)))
+        pins = cpu_sets(cores_per_worker(configs.values()), sorted(os.sched_getaffinity(0)))
         for instance_id, cpu_ids in zip(configs, pins, strict=True):
             self._pins[instance_id] = cpu_ids if self.spec.pin_cpus else None
         if any(config.engine.device.startswith("cuda") for config in configs.values()):
