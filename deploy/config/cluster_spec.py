@@ -196,6 +196,8 @@ def engine_config(config: ServeConfig, model_dir: str, tensor_parallel_size: int
         cuda_graphs=config.gpu.cuda_graphs,
         attention_backend=config.gpu.attention_backend,
         fused_ops=None if config.gpu.fused_ops else False,  # None: where CUDA and triton are
+        num_threads=config.cpu.threads,
+        packed_linears=config.cpu.packed_linears,
         **dataclasses.asdict(config.scheduler),  # chunk_size, max_num_seqs, ...: the same names
     )
 

@@ -109,6 +109,17 @@ class GPUSection:
     fused_ops: bool = knob(True, checks.boolean)
 
 
+@dataclass(frozen=True)
+class CPUSection:
+    """The CPU engine's switches; no effect on CUDA. `threads`: torch threads per TP rank, each
+    pinned to a core of its own with pin_cpus (on Ray, give each worker as many with
+    ray.num_cpus_per_worker); `packed_linears`: linear layers on oneDNN over weights packed once
+    at load (engine/cpu_linear.py), false for F.linear."""
+
+    threads: int = knob(1, checks.integer(1))
+    packed_linears: bool = knob(True, checks.boolean)
+
+
 def _check_speculative_method(key: str, value: Any) -> None:
     if value is None or value in ("ngram", "draft"):
         return
@@ -269,6 +280,7 @@ class ServeConfig:
     scheduler: SchedulerConfig = section(SchedulerConfig)
     speculative: SpeculativeSection = section(SpeculativeSection)
     gpu: GPUSection = section(GPUSection)
+    cpu: CPUSection = section(CPUSection)
     router: RouterSection = section(RouterSection)
     ray: RaySection = section(RaySection)
 

@@ -121,6 +121,7 @@ def test_unknown_keys_are_named_with_the_valid_ones(data: dict, message: str) ->
             "kv_transfer.start_timeout_s must be a number of seconds >= 0, got -1",
         ),
         ({"ray": {"max_restarts": -2}}, "ray.max_restarts must be an integer >= -1, got -2"),
+        ({"cpu": {"threads": 0}}, "cpu.threads must be an integer >= 1, got 0"),
         ({"ray": {"num_cpus_per_worker": 0}}, "ray.num_cpus_per_worker must be a number > 0"),
         (
             {"ray": {"prefill_resources": {"node_a": 0}}},
@@ -208,6 +209,7 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
             "decode": {"instances": 3},
             "kv_cache": {"block_size": 8, "memory_mb": 3},
             "scheduler": {"chunk_size": 64, "max_num_seqs": 7, "max_num_batched_tokens": 128},
+            "cpu": {"threads": 2, "packed_linears": False},
             "router": {"port": 0, "metrics_port": 0, "auth_token_file": str(token_file)},
         }
     )
@@ -225,6 +227,7 @@ def test_cluster_spec_carries_every_setting_to_the_role_configs(
     assert prefill.block_size == spec.router.block_size == 8
     assert prefill.kv_cache_memory_bytes == 3 * 1024 * 1024 and prefill.num_kv_blocks is None
     assert (decode.chunk_size, decode.max_num_seqs, decode.max_num_batched_tokens) == (64, 7, 128)
+    assert (prefill.num_threads, prefill.packed_linears) == (2, False)
     assert spec.router.auth_token == "s3cret" and spec.router.prefill_policy == "kv_aware"
     ray_cluster = open_cluster(config, model_dir)
     assert isinstance(ray_cluster, RayCluster)  # not started: what it would start
