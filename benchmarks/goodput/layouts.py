@@ -18,7 +18,7 @@ Layouts (each worker a process of its own, one core each when pinned):
                  online. Its engines schedule by SLO (engine/slo.py, the prefill gate).
   colocated-slo  the colocated baseline with the adaptive layout's prefill gate and no
                  placement: what the gate alone gives (an ablation; not run by default)
-  single         one colocated instance with a torch thread on each of the two cores, the
+  single         one colocated instance with a torch thread on each core it may use, the
                  arrangement of a one-instance server such as vLLM's CPU build
 All get the same EngineConfig (token budget, chunk size, KV pool), but for the gate, and the two
 that move KV the same KVTransferConfig, so only the layout differs.
@@ -150,10 +150,10 @@ def cluster_spec(
         worker_timeout_s=60.0,
     )
     if layout == "single":
-        threads = len(os.sched_getaffinity(0)) if pin_cpus else 2
+        cores = len(os.sched_getaffinity(0))
         return ClusterSpec(
             router=router,
-            colocated=WorkerConfig(dataclasses.replace(config, num_threads=threads)),
+            colocated=WorkerConfig(dataclasses.replace(config, num_threads=cores)),
             num_colocated_instances=1,
             pin_cpus=pin_cpus,
         )

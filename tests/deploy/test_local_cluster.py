@@ -24,14 +24,15 @@ def test_a_worker_gets_a_core_per_torch_thread_of_each_rank(tmp_path: Path) -> N
     from benchmarks.goodput.layouts import cluster_spec
 
     single = cluster_spec("single", tmp_path, pin_cpus=False)
-    assert single.num_colocated_instances == 1 and single.colocated.engine.num_threads == 2
-    assert cores_per_worker([single.colocated]) == [2]
+    cores = len(os.sched_getaffinity(0))
+    assert single.num_colocated_instances == 1 and single.colocated.engine.num_threads == cores
+    assert cores_per_worker([single.colocated]) == [cores]
     two_ranks = dataclasses.replace(
         single.colocated,
         engine=dataclasses.replace(single.colocated.engine, tensor_parallel_size=2),
     )
-    assert cores_per_worker([two_ranks, single.colocated]) == [4, 2]
-    assert cpu_sets(cores_per_worker([single.colocated]), [0, 1]) == [[0, 1]]
+    assert cores_per_worker([two_ranks, single.colocated]) == [2 * cores, cores]
+    assert cpu_sets([2], [0, 1]) == [[0, 1]]
 
 
 def test_cpu_sets_give_each_rank_a_core_in_order_and_wrap_around() -> None:
