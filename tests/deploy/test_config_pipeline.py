@@ -221,6 +221,8 @@ def table(tmp: Path) -> dict[str, Row]:
         "gpu.cuda_graphs": Row(False, engine("cuda_graphs")),
         "gpu.attention_backend": Row("torch", engine("attention_backend")),
         "gpu.fused_ops": Row(False, engine("fused_ops")),
+        "cpu.threads": Row(2, engine("num_threads")),
+        "cpu.packed_linears": Row(False, engine("packed_linears")),
         "scheduler.chunk_size": Row(64, engine("chunk_size")),
         "scheduler.max_num_seqs": Row(7, engine("max_num_seqs")),
         "scheduler.max_num_batched_tokens": Row(4096, engine("max_num_batched_tokens")),
