@@ -36,6 +36,19 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self.num_chars = 0  # characters emitted so far
+
+    def num_ids_through(self, num_chars: int) -> int:
+        """The fewest leading output ids whose text reaches `num_chars` characters (a stop
+        string's end): the tokens a cut at that character keeps."""
+        low, high = 0, len(self.token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            if len(self._tokenizer.decode(self.token_ids[:middle])) >= num_chars:
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Append ids; return the text they complete (possibly "")."""
@@ -59,4 +72,5 @@ class IncrementalDetokenizer:
         delta = window_text[len(context_text) :]
         self._prefix_offset = max(self._read_offset - _NUM_CONTEXT_IDS, 0)
         self._read_offset = len(self.token_ids)
+        self.num_chars += len(delta)
         return delta

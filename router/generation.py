@@ -289,18 +289,21 @@ class GenerationRunner:
             text += progress.detokenizer.flush()
         check = progress.stop_matcher.add(text)
         text, finish_reason, stop_reason = check.text, event.finish_reason, ""
+        token_ids, logprobs = list(event.token_ids), event.logprobs
         if check.stop_string is not None:
             finish_reason, stop_reason = "stop", check.stop_string
+            token_ids = progress.through_stop(token_ids, check.num_after)
+            logprobs = None if logprobs is None else logprobs[: len(token_ids)]
         elif finish_reason is not None:
             text += progress.stop_matcher.flush()
             progress.finished_by = event.source or None
         if finish_reason is None:
-            chunk = GenerationChunk(request.request_id, list(event.token_ids), text)
+            chunk = GenerationChunk(request.request_id, token_ids, text)
         else:
-            chunk = self._last_chunk(request, progress, event, text, finish_reason, stop_reason)
-        if event.logprobs is None and prompt_logprobs is None:
+            chunk = self._last_chunk(request, progress, token_ids, text, finish_reason, stop_reason)
+        if logprobs is None and prompt_logprobs is None:
             return chunk
-        return dataclasses.replace(chunk, logprobs=event.logprobs, prompt_logprobs=prompt_logprobs)
+        return dataclasses.replace(chunk, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _note_token_times(self, progress: Progress, event: TokenEvent) -> None:
         now = time.perf_counter()
@@ -321,7 +324,7 @@ class GenerationRunner:
         self,
         request: ValidatedRequest,
         progress: Progress,
-        event: TokenEvent,
+        token_ids: list[int],
         text: str,
         finish_reason: str,
         stop_reason: str,
@@ -348,7 +351,7 @@ class GenerationRunner:
         self._observe_finish(timings, finish_reason, num_after_first)
         return GenerationChunk(
             request.request_id,
-            list(event.token_ids),
+            token_ids,
             text,
             finish_reason=finish_reason,
             stop_reason=stop_reason,

@@ -54,6 +54,16 @@ class Progress:
         if self.first_token_at is None:  # a retry: only the placement that answers counts
             self.worker_timings = RequestTimings()
 
+    def through_stop(self, token_ids: list[int], num_after: int) -> list[int]:
+        """An event's tokens up to the one a stop string ends in (`num_after`: the characters
+        fed after its end): the text ends there, and so do the token ids and logprobs the
+        client gets, and the completion's token count."""
+        num_earlier = len(self.detokenizer.token_ids) - len(token_ids)
+        through = self.detokenizer.num_ids_through(self.detokenizer.num_chars - num_after)
+        kept = token_ids[: max(through - num_earlier, 0)]
+        del self.sent_token_ids[len(self.sent_token_ids) - len(token_ids) + len(kept) :]
+        return kept
+
 
 def is_stale(item: TokenEvent | InstanceLost, channel: RequestChannel, progress: Progress) -> bool:
     """An item the request must ignore: the loss of an instance it no longer depends on, an

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 class StopCheck:
     text: str  # text safe to emit now
     stop_string: str | None = None  # set when a stop string matched: the text ends before it
+    num_after: int = 0  # characters of what was fed that come after the stop string's end
 
 
 class StopStringMatcher:
@@ -42,7 +43,8 @@ class StopStringMatcher:
         if match is not None:
             position, stop_string = match
             self._held = ""
-            return StopCheck(tail[:position], stop_string)
+            num_after = len(tail) - position - len(stop_string)
+            return StopCheck(tail[:position], stop_string, num_after)
         num_held = self._longest_partial_suffix(tail)
         self._held = tail[len(tail) - num_held :]
         return StopCheck(tail[: len(tail) - num_held])

@@ -69,9 +69,9 @@ def test_the_stop_string_that_ends_first_wins_and_text_after_it_is_dropped() -> 
     check = matcher.add("hello world")
     assert (check.text, check.stop_string) == ("hel", "lo w")
     # Whether "ab" arrives in one delta or two, "b" ends before "abc" could: same cut.
-    assert StopStringMatcher(["abc", "b"]).add("abc") == StopCheck("a", "b")
+    assert StopStringMatcher(["abc", "b"]).add("abc") == StopCheck("a", "b", num_after=1)
     split = StopStringMatcher(["abc", "b"])
-    assert [split.add("a"), split.add("bc")] == [StopCheck(""), StopCheck("a", "b")]
+    assert [split.add("a"), split.add("bc")] == [StopCheck(""), StopCheck("a", "b", 1)]
 
 
 def _cut_character_by_character(text: str, stop_strings: list[str]) -> tuple[str, str | None]:

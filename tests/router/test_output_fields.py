@@ -298,3 +298,58 @@ def test_a_moved_request_keeps_its_budgets_and_asks_no_prompt_logprobs_again() -
     assert moved.params.max_tokens == 8 and moved.params.min_tokens == 2
     assert moved.params.prompt_logprobs is None and moved.params.logprobs == 1
     assert continuation(request, []) is request  # a retry before any token asks again
+
+
+def _stop_inside(text: str, offsets: list[int], token: int) -> str:
+    """A stop string that ends inside the text of generated token `token` (offsets: each
+    token's start) and occurs nowhere earlier."""
+    end = offsets[token] + max(1, (offsets[token + 1] - offsets[token]) // 2)
+    for start in range(end - 1, -1, -1):
+        if text.find(text[start:end]) == start:
+            return text[start:end]
+    raise AssertionError("no stop string ends in that token")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_end_where_a_stop_string_cuts_the_text(client, model, stream) -> None:
+    prompt_ids = list(range(60, 80))
+    body = {"model": model, "prompt": prompt_ids, "temperature": 0, "logprobs": 1}
+    full = client.completions.create(
+        max_tokens=12, extra_body={"ignore_eos": True}, **body
+    ).choices[0]
+    offsets = [offset - full.logprobs.text_offset[0] for offset in full.logprobs.text_offset]
+    offsets.append(len(full.text))
+    token = next(t for t in range(5, 11) if offsets[t + 1] - offsets[t] >= 2)
+    stop = _stop_inside(full.text, offsets, token)
+    cut = full.text.find(stop)
+    out = client.completions.create(max_tokens=12, stop=[stop], n=2, stream=stream, **body)
+    choices: dict[int, list] = {}
+    for choice in (c for chunk in out for c in chunk.choices) if stream else out.choices:
+        choices.setdefault(choice.index, []).append(choice)
+    assert sorted(choices) == [0, 1]
+    for parts in choices.values():
+        assert "".join(p.text for p in parts) == full.text[:cut]
+        assert parts[-1].finish_reason == "stop"
+        tokens = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+        values = [v for p in parts if p.logprobs for v in p.logprobs.token_logprobs]
+        assert tokens == full.logprobs.tokens[: token + 1]  # up to the one the stop ends in
+        assert values == pytest.approx(full.logprobs.token_logprobs[: token + 1], abs=1e-9)
+    messages = [{"role": "user", "content": "Count."}]
+    chat = {"model": model, "messages": messages, "temperature": 0, "logprobs": True}
+    full_chat = client.chat.completions.create(
+        max_tokens=12, extra_body={"ignore_eos": True}, **chat
+    ).choices[0]
+    entries = full_chat.logprobs.content
+    starts = [0]
+    for entry in entries:
+        starts.append(starts[-1] + len(bytes(entry.bytes).decode(errors="replace")))
+    token = next(t for t in range(5, 11) if starts[t + 1] - starts[t] >= 2)
+    stop = _stop_inside(full_chat.message.content, starts, token)
+    out = client.chat.completions.create(max_tokens=12, stop=[stop], stream=stream, **chat)
+    if stream:
+        got = [e for c in out for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    else:
+        got = out.choices[0].logprobs.content
+    assert [e.logprob for e in got] == pytest.approx(
+        [e.logprob for e in entries[: token + 1]], abs=1e-9
+    )
