@@ -32,6 +32,11 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 SCALE_BYTES = 4  # one float32 per (layer, k/v, head, block)
 _QDTYPE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+# fp8: a block that a write leaves partly filled gets 4x its rows' scale, so that a decode
+# step's new row seldom grows it (each growth requantizes the block). e4m3 keeps 3 mantissa bits
+# at any magnitude, so the room costs only values under 2**-6 * 4 / 448 of the block's maximum
+# (they turn subnormal); int8 would lose a bit per doubling, so it gets none.
+_HEADROOM = {"fp8_e4m3": 4.0}
 _TINY = torch.finfo(torch.float32).tiny  # a scale never 0: an all-zero block divides by it
 
 
@@ -115,6 +120,23 @@ class KVQuantFormat:
         scales = scales.to(dtype, copy=True) * (1.0 if self.kind == "int8" else 256.0)
         return self._units_unscaled(values, dtype).mul_(scales[..., None, None])
 
+    def gather_pair(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        ids: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks `ids` of one layer's keys and values, dequantized to `dtype`: each
+        [heads, len(ids), block_size, head_dim]; one gather and one dequantization for both
+        when the two caches are the halves of one layer's [2, heads, blocks, block_bytes]."""
+        both = _both_halves(key_cache, value_cache)
+        if both is None:
+            keys = self.dequantize(key_cache.index_select(1, ids), dtype)
+            return keys, self.dequantize(value_cache.index_select(1, ids), dtype)
+        kv = self.dequantize(both.index_select(1, ids), dtype)
+        return kv[: key_cache.shape[0]], kv[key_cache.shape[0] :]
+
     def write_pair(
         self,
         k: torch.Tensor,
@@ -125,12 +147,8 @@ class KVQuantFormat:
     ) -> None:
         """`write` for one layer's keys and values; in one pass when the two caches are the
         halves of one layer's [2, heads, blocks, block_bytes] (KVCache.key / value)."""
-        num_heads = key_cache.shape[0]
-        layer_stride = key_cache.stride(0) * num_heads
-        if value_cache.data_ptr() - key_cache.data_ptr() == layer_stride and key_cache.stride(
-            0
-        ) == key_cache.shape[1] * key_cache.stride(1):
-            both = key_cache.as_strided((2 * num_heads, *key_cache.shape[1:]), key_cache.stride())
+        both = _both_halves(key_cache, value_cache)
+        if both is not None:
             self.write(torch.cat((k, v), dim=1), both, slot_mapping)
         else:
             self.write(k, key_cache, slot_mapping)
@@ -141,31 +159,39 @@ class KVQuantFormat:
         layer's keys or values, cache [num_kv_heads, num_blocks, block_bytes] (in place).
 
         No two rows of one step write one slot, and the blocks a step writes belong to the
-        step's own sequences (a shared prefix block is full, never written)."""
-        num_values = self.block_size * self.head_dim
+        step's own sequences (a shared prefix block is full, never written). Only the scales
+        of the touched blocks are read; the earlier entries of a block are requantized only
+        where its scale grew, which a decode step's one new row per block seldom makes it do."""
         blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
         offsets = slot_mapping - blocks * self.block_size
         touched, inverse = torch.unique(blocks, return_inverse=True)  # [U], [T]
-        # The touched blocks, whole (values and scales): index_select / index_copy_ over whole
-        # blocks are plain copies, far cheaper on CPU than advanced indexing into them.
-        gathered = cache.index_select(1, touched)  # [heads, U, block_bytes]
-        values, old = self.split(gathered)  # views of it
-        starts = inverse[offsets == 0]  # blocks this write begins: their old scale is stale
-        old = old.index_fill(1, starts, 0.0)  # [heads, U]
+        values, scales = self.split(cache)  # views: [heads, blocks, bs, hd], [heads, blocks]
+        old = scales.index_select(1, touched)  # [heads, U]
+        old.index_fill_(1, inverse[offsets == 0], 0.0)  # blocks this write begins: stale scale
         row_max = x.abs().amax(-1).t().float()  # [heads, T]
         new_max = torch.zeros_like(old).scatter_reduce_(
             1, inverse.expand_as(row_max), row_max, "amax"
         )
-        scale = torch.maximum(old, new_max / self.qmax).clamp_(min=_TINY)
-        # Earlier entries in units of the grown scale (ratio 1: unchanged; 0: a block begun
-        # afresh, whose stale bytes are overwritten or never read), then the new rows.
-        units = self.to_units(values.flatten(-2), torch.float32).mul_((old / scale)[..., None])
-        rows = units.view(units.shape[0], -1, self.head_dim)  # [heads, U * block_size, head_dim]
+        need = new_max / self.qmax
+        grow = need > old
+        if self.kind in _HEADROOM:  # blocks this write leaves partly filled get room to grow
+            last = torch.zeros_like(touched).scatter_reduce_(0, inverse, offsets, "amax")
+            need *= torch.where(last == self.block_size - 1, 1.0, _HEADROOM[self.kind])
+        scale = torch.where(grow, need, old).clamp_(min=_TINY)
+        grown = ((scale > old) & (old > 0)).any(0).nonzero().squeeze(1)  # into touched
+        if grown.numel():
+            self._requantize(cache, touched[grown], (old / scale)[:, grown])
         new_rows = x.transpose(0, 1).float() / scale[:, inverse, None]  # [heads, T, head_dim]
-        rows.index_copy_(1, inverse * self.block_size + offsets, new_rows)
+        values[:, blocks, offsets] = self.quantize(new_rows)
+        scales[:, touched] = scale
+
+    def _requantize(self, cache: torch.Tensor, ids: torch.Tensor, ratio: torch.Tensor) -> None:
+        """The values of blocks `ids`, in units of a grown scale (old / new = `ratio`)."""
+        num_values = self.block_size * self.head_dim
+        gathered = cache.index_select(1, ids)  # whole blocks: a plain copy per block and head
+        units = self.to_units(gathered[..., :num_values], torch.float32).mul_(ratio[..., None])
         gathered[..., :num_values] = self.quantize(units)
-        self.split(gathered)[1].copy_(scale)
-        cache.index_copy_(1, touched, gathered)
+        cache.index_copy_(1, ids, gathered)  # their scales, unchanged here, with them
 
     def dequantize_tables(
         self, cache: torch.Tensor, tables: list[torch.Tensor], dtype: torch.dtype
@@ -178,6 +204,17 @@ class KVQuantFormat:
         lookup = torch.zeros(cache.shape[1], dtype=torch.long, device=cache.device)
         lookup[ids] = torch.arange(ids.numel(), device=cache.device)
         return dense, [lookup[table.long()].to(table.dtype) for table in tables]
+
+
+def _both_halves(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor | None:
+    """[2 * heads, blocks, block_bytes] over both caches, when they are the halves of one
+    layer's [2, heads, blocks, block_bytes] (KVCache.key / value); else None."""
+    num_heads = key_cache.shape[0]
+    if value_cache.data_ptr() - key_cache.data_ptr() != key_cache.stride(0) * num_heads:
+        return None
+    if key_cache.stride(0) != key_cache.shape[1] * key_cache.stride(1):
+        return None
+    return key_cache.as_strided((2 * num_heads, *key_cache.shape[1:]), key_cache.stride())
 
 
 def quant_format(kv_cache_dtype: str, block_size: int, head_dim: int) -> KVQuantFormat | None:

@@ -149,8 +149,14 @@ def _attend(
 ) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[0]
-    keys = _gather_blocks(key_cache, tables, quant, q.dtype).transpose(0, 1)
-    values = _gather_blocks(value_cache, tables, quant, q.dtype).transpose(0, 1)
+    if quant is None:
+        keys = _gather_blocks(key_cache, tables).transpose(0, 1)
+        values = _gather_blocks(value_cache, tables).transpose(0, 1)
+    else:  # keys and values in one gather and one dequantization
+        rows, max_blocks = tables.shape
+        pair = quant.gather_pair(key_cache, value_cache, tables.reshape(-1), q.dtype)
+        shape = (num_kv_heads, rows, max_blocks * quant.block_size, head_dim)
+        keys, values = (half.reshape(shape).transpose(0, 1) for half in pair)
     queries = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, num_heads, head_dim)

@@ -73,7 +73,11 @@ def test_error_bounds_with_a_scale_that_grows(kind: str) -> None:
     x = torch.cat(rows).double()
     got = read_slots(quant, cache, [4, 5, 6, 7])
     scale = float(quant.split(cache.key(0))[1][0, 1])
-    assert scale == pytest.approx(float(x.abs().max()) / quant.qmax, rel=1e-6)
+    exact = float(x.abs().max()) / quant.qmax
+    if kind == "int8":
+        assert scale == pytest.approx(exact, rel=1e-6)
+    else:  # a partly filled block's scale has room (up to 4x) for the rows still to come
+        assert exact * (1 - 1e-6) <= scale <= 4 * exact * (1 + 1e-6)
     err = (got - x).abs()
     if kind == "int8":  # half a step per rounding; an entry is rounded at most once per growth
         assert float(err.max()) <= 4 * 0.5 * scale
@@ -82,6 +86,22 @@ def test_error_bounds_with_a_scale_that_grows(kind: str) -> None:
         bound = x.abs() * 2.0**-4 + 2.0**-10 * scale
         assert bool((err[3] <= bound[3] * 1.01).all())
         assert bool((err <= 4 * bound).all())
+
+
+def test_an_fp8_block_left_partly_filled_has_room_for_larger_rows() -> None:
+    quant, cache = cache_for("fp8_e4m3", num_heads=1)
+    first = torch.linspace(-1, 1, HEAD_DIM).view(1, 1, HEAD_DIM)
+    quant.write(first, cache.key(0), torch.tensor([8]))  # block 2, slot 0: partly filled
+    values, scales = quant.split(cache.key(0))
+    assert float(scales[0, 2]) == pytest.approx(4 / 448)
+    before = values[0, 2, 0].clone()
+    quant.write(first * 3, cache.key(0), torch.tensor([9]))  # 3x larger: within the room
+    assert float(scales[0, 2]) == pytest.approx(4 / 448)  # no growth, no requantization
+    assert torch.equal(values[0, 2, 0], before)
+    assert torch.allclose(read_slots(quant, cache, [9]), 3 * first.double(), rtol=2**-4)
+    full = torch.full((2, 1, HEAD_DIM), 2.0)  # slots 10 and 11 fill the block: no room kept
+    quant.write(full * 10, cache.key(0), torch.tensor([10, 11]))
+    assert float(scales[0, 2]) == pytest.approx(20 / 448)
 
 
 def test_a_block_begun_again_starts_its_scale_afresh() -> None:
