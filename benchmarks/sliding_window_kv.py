@@ -67,8 +67,8 @@ def counting_gathers(read_all: bool) -> Iterator[list[int]]:
         torch_backend._first_window_block,
     )
 
-    def counted(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        out = gather(cache, tables)
+    def counted(cache: torch.Tensor, tables: torch.Tensor, *rest: Any) -> torch.Tensor:
+        out = gather(cache, tables, *rest)
         counter[0] += out.numel() * out.element_size()
         return out
 
