@@ -77,7 +77,11 @@ def test_served_speculation_equals_transformers(
         load = relay.worker("decode").call(Load())
         proposed = load.details.num_spec_proposed_tokens
         accepted = load.details.num_spec_accepted_tokens
-        assert 0 < accepted < proposed, (proposed, accepted)
+        if method == "ngram":  # the prompts repeat themselves: lookup accepts some, not all
+            assert 0 < accepted < proposed, (proposed, accepted)
+        else:  # a one-layer draft of random weights may agree on none of its probes, after
+            # which the cost check stops it (under load the probes are all there is)
+            assert proposed > 0 and 0 <= accepted < proposed, (proposed, accepted)
         # per request in the timings (what the router's usage reports), adding up
         assert len(finals) == len(prompts)
         assert sum(e.timings.num_spec_proposed_tokens for e in finals if e.timings) == proposed
