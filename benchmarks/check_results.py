@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.figures import FIGURES, Figure, by_command
+from benchmarks.output import emit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,10 +133,7 @@ def main() -> None:
             parser.error(f"no such figure: {', '.join(sorted(unknown))}")
         figures = tuple(f for f in FIGURES if f.name in args.only)
     result = check(figures, args.quick, args.budget_s)
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
