@@ -102,6 +102,8 @@ class GenerationServicer:
         response.text = "".join(texts)
         del response.logprobs[:]
         response.logprobs.extend(logprobs)
+        # the last chunk is the first too when the whole completion came at once
+        del response.prompt_logprobs[:]
         response.prompt_logprobs.extend(first.prompt_logprobs)
         response.prompt_token_ids.extend(first.prompt_token_ids)
         return response

@@ -145,6 +145,13 @@ def test_grpc_logprobs_and_prompt_logprobs_equal_log_softmax(stub, hf_logprobs) 
     assert list(unary.token_ids) == generated
     assert [e.logprob for e in unary.logprobs] == [e.logprob for r in responses for e in r.logprobs]
     assert len(unary.prompt_logprobs) == 25
+    # one token: the chunk that carries the prompt's logprobs is also the one that finishes
+    one_token = pb.GenerateRequest()
+    one_token.CopyFrom(request)
+    one_token.max_tokens = 1
+    single = stub.GenerateUnary(one_token, timeout=30)
+    assert [e.token_id for e in single.prompt_logprobs] == [e.token_id for e in prompt_entries]
+    assert list(single.token_ids) == generated[:1] and len(single.logprobs) == 1
 
 
 def test_chat_logprobs_and_top_logprobs(client, model, tokenizer, hf_logprobs) -> None:
