@@ -15,6 +15,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from engine.batch import ScheduledBatch
 from engine.block_pool import BlockPool, PrefixCacheChanges
 from engine.config import EngineConfig
 from engine.executor import Executor
@@ -35,6 +38,8 @@ from engine.slo import PrefillGate, RequestSLO
 from engine.speculative.draft import DraftModel
 from engine.speculative.verify import verify
 from engine.step_costs import StepCosts
+from engine.structured.backend import GrammarBackend
+from engine.structured.grammars import Grammars
 
 
 class LLMEngine:
@@ -53,6 +58,7 @@ class LLMEngine:
         self.connector = connector if connector is not None else KVConnector()
         self.executor = executor if executor is not None else Executor(config)
         model_config = self.executor.model_config
+        vocab_size = model_config.vocab_size
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.block_pool = BlockPool(
             self.executor.num_kv_blocks, enable_caching=config.enable_prefix_caching
@@ -82,6 +88,8 @@ class LLMEngine:
             draft=draft,
         )
         self.sampler = Sampler()
+        eos_ids = model_config.eos_token_ids
+        self.grammars = Grammars(lambda: _grammar_backend(config.model_dir, vocab_size, eos_ids))
 
     def add_request(
         self,
@@ -104,7 +112,14 @@ class LLMEngine:
             request_id, prompt, params, arrival_time, decodes_here=decodes_here, slo=slo
         )
         self.scheduler.add_request(request)
+        self._start_grammar(request)
         return request
+
+    def _start_grammar(self, request: Request) -> None:
+        """Compile (or find cached) the request's grammar; it is admitted once compiled."""
+        spec = request.params.structured
+        if spec is not None and request.grammar is None:
+            request.grammar = self.grammars.start(spec)
 
     def check_fits(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None
@@ -143,6 +158,7 @@ class LLMEngine:
         started = time.perf_counter()
         for request in self.connector.start_step():  # their KV landed: they join as prefilled
             self.scheduler.add_prefilled(request)
+            self._start_grammar(request)  # its matcher resumes from the first token
         batch = self.scheduler.schedule()
         sampled: list[int] | list[list[int]] = []
         token_logprobs: dict[str, TokenLogprob] = {}
@@ -151,6 +167,7 @@ class LLMEngine:
         if batch:
             logits = self.executor.execute(batch)  # [batch.num_logits, vocab_size]
             logits = split_logits(batch, logits, requests)  # [batch.num_sampled + drafts, vocab]
+            self._mask_by_grammars(batch, logits)
             if batch.num_draft:  # proposed tokens to verify
                 drafts = [
                     c.token_ids[len(c.token_ids) - c.num_draft :] for c in batch.chunks if c.sample
@@ -175,6 +192,20 @@ class LLMEngine:
             self.step_costs.observe(batch, time.perf_counter() - started)
         return outputs
 
+    def _mask_by_grammars(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Mask, in place, the logits row each constrained request samples from (a constrained
+        request proposes no tokens, so its row is its chunk's first), before the processors."""
+        rows = []
+        row = 0
+        for chunk in batch.chunks:
+            if not chunk.sample:
+                continue
+            request = self.scheduler.requests[chunk.request_id]
+            if request.grammar is not None:
+                rows.append((row, request))
+            row += 1 + chunk.num_draft
+        self.grammars.apply(logits, rows)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.connector.has_work()
 
@@ -187,6 +218,7 @@ class LLMEngine:
         return self.block_pool.take_cache_changes(snapshot)
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()
 
 
@@ -287,3 +319,14 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _grammar_backend(
+    model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]
+) -> GrammarBackend:
+    """xgrammar over the model folder's tokenizer, stopping at the model's EOS ids."""
+    from transformers import AutoTokenizer
+
+    from engine.structured.xgrammar_backend import XGrammarBackend
+
+    return XGrammarBackend(AutoTokenizer.from_pretrained(model_dir), vocab_size, eos_token_ids)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from engine.outputs import TokenLogprob
     from engine.slo import RequestSLO
     from engine.speculative.state import SpecState
+    from engine.structured.grammars import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,6 +70,7 @@ class Request:
     spec: SpecState | None = None  # its speculation, on an engine that speculates
     # With params.prompt_logprobs: one per prompt token computed so far (None for the first)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    grammar: GrammarState | None = None  # with params.structured: its compile and matcher
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,12 +105,15 @@ class Request:
         self, token_id: int, eos_token_ids: Collection[int], max_model_len: int
     ) -> RequestStatus | None:
         """How the request ends with `token_id` just appended: stopped (EOS, unless ignored, or
-        a stop token), at its length (max_tokens or the model's), or not yet (None)."""
+        a stop token, or its grammar ended), at its length (max_tokens or the model's), or not
+        yet (None)."""
         params = self.params
         if (not params.ignore_eos and token_id in eos_token_ids) or (
             token_id in params.stop_token_ids
         ):
             return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.terminated(self):
+            return RequestStatus.FINISHED_STOPPED  # it took a stop token, even with ignore_eos
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.spec import StructuredOutput
+
 # Below this a temperature means greedy, as in vLLM: dividing logits by a tinier one overflows
 # them (1e-45 is 0 in float32, and every token came out as id 0).
 MIN_TEMPERATURE = 1e-5
@@ -31,6 +33,8 @@ class SamplingParams:
     `prior_output_tokens`: how many of the prompt's last tokens were this request's own output
     before a migration moved it (router/recovery.py); the two penalties count them as output, so
     a moved stream goes on as the undisturbed one would.
+    `structured`: a JSON schema, regex, choice or grammar the output must match; its mask comes
+    before the processors, and log-probabilities are then those of the masked logits (vLLM's).
     """
 
     max_tokens: int = 16
@@ -49,6 +53,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     prior_output_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -97,6 +102,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def may_propose(self) -> bool:
+        """Whether speculation may propose tokens for it: verification samples without the
+        processors or a grammar's mask, and reports no log-probabilities."""
+        return self.speculative and not (
+            self.processes_logits or self.logprobs is not None or self.structured is not None
+        )
 
     @property
     def processes_logits(self) -> bool:

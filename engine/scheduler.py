@@ -245,8 +245,11 @@ class Scheduler:
 
     def _admit_landed(self, plan: _StepPlan) -> None:
         pool = self.block_pool
+        held: list[Request] = []  # their grammar still compiles
         while self.landed and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.landed[0]
+            if self._waits_for_grammar(request, self.landed, held):
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
             # Its first decode step speculates like any other.
             draft = self._propose(request, plan.token_budget - 1, num_new == 1)
@@ -254,7 +257,7 @@ class Scheduler:
             total = request.num_computed_tokens + num_new
             num_needed = max(0, -(-total // self.block_size) - len(request.block_table))
             if not pool.can_allocate(num_needed):
-                return
+                break
             self.landed.popleft()
             request.block_table.extend(pool.allocate(num_needed))
             request.status = RequestStatus.RUNNING
@@ -263,6 +266,7 @@ class Scheduler:
                 plan.drafts[request.request_id] = draft
             plan.num_new_tokens[request.request_id] = num_new
             plan.token_budget -= num_new
+        self.landed.extendleft(reversed(held))
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         pool = self.block_pool
@@ -270,7 +274,7 @@ class Scheduler:
         held: list[Request] = []  # the gate's, back at the head of the queue afterwards
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if self._can_never_fit(request):
+            if self._can_never_fit(request) or self._waits_for_grammar(request, self.waiting, held):
                 continue
             # Prompt log-probabilities need every prompt token's logits: no cached prefix.
             want_all = request.wants_prompt_logits
@@ -308,10 +312,29 @@ class Scheduler:
     def _propose(self, request: Request, room: int, decodes: bool) -> list[int]:
         if not decodes or self.speculator is None:
             return []
-        params = request.params
-        if params.processes_logits or params.logprobs is not None:
-            return []  # verification samples without processors and reports no log-probabilities
+        if not request.params.may_propose:
+            return []
         return self.speculator.propose(request, room)
+
+    def _waits_for_grammar(
+        self, request: Request, queue: deque[Request], held: list[Request]
+    ) -> bool:
+        """Take the queue's head out while its grammar compiles (into `held`, to go back at the
+        head afterwards), or for good with an error when it does not compile."""
+        grammar = request.grammar
+        if grammar is None:
+            return False
+        ready = grammar.ready  # read once: the compile may end between two reads
+        if ready and grammar.error is None:
+            return False
+        queue.popleft()
+        if not ready:
+            held.append(request)
+            return True
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        message = f"the structured output does not compile: {grammar.error}"
+        self._pending.append(StepOutput(request.request_id, [], True, "error", message))
+        return True
 
     def _can_never_fit(self, request: Request) -> bool:
         """Finish (error) the queue head if even the whole pool cannot hold its longest form."""

@@ -108,10 +108,8 @@ class Speculator:
     def _num_tokens(self, request: Request, room: int) -> int:
         """How many tokens the request may propose this step (0: none); counts a paused step."""
         params = request.params
-        if not params.speculative or not request.decodes_here:
+        if not params.may_propose or not request.decodes_here:
             return 0
-        if params.processes_logits or params.logprobs is not None:
-            return 0  # verification samples without processors and reports no log-probabilities
         config = self.config
         state = request.spec
         if state is None:

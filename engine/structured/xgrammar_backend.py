@@ -1,0 +1,101 @@
+"""The structured-output backend on xgrammar (vLLM's and SGLang's default).
+
+Its compiler precomputes, per grammar state, which tokens of the vocabulary are allowed
+whatever follows, so filling a bitmask costs a lookup for most states; its own cache is turned
+off (grammars.py keeps a bounded LRU of compiled grammars instead, counted in specs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import xgrammar
+from transformers import PreTrainedTokenizerBase
+
+from engine.structured.backend import GrammarError
+from engine.structured.spec import StructuredKind, StructuredOutput
+
+
+class XGrammarMatcher:
+    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+        self._matcher = xgrammar.GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class XGrammarBackend:
+    """Compiles against one tokenizer. `vocab_size` is the model's logits width, which may
+    exceed the tokenizer's (padded embeddings): the padding ids are never allowed."""
+
+    name = "xgrammar"
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        threads: int = 1,
+    ) -> None:
+        self.info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
+        )
+        self._compiler = xgrammar.GrammarCompiler(
+            self.info, max_threads=threads, cache_enabled=False
+        )
+
+    def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+        compiler = self._compiler
+        try:
+            if spec.kind == StructuredKind.JSON:
+                grammar = xgrammar.Grammar.from_json_schema(
+                    spec.value, any_whitespace=spec.any_whitespace
+                )
+                return compiler.compile_grammar(_strict_strings(str(grammar)))
+            if spec.kind == StructuredKind.JSON_OBJECT:
+                return compiler.compile_builtin_json_grammar()
+            if spec.kind == StructuredKind.REGEX:
+                return compiler.compile_regex(spec.value)
+            if spec.kind == StructuredKind.CHOICE:
+                return compiler.compile_grammar(spec.choice_grammar())
+            if spec.kind == StructuredKind.STRUCTURAL_TAG:
+                return compiler.compile_structural_tag(spec.value)
+            return compiler.compile_grammar(spec.value)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(_message(exc)) from None
+
+    def matcher(self, compiled: object) -> XGrammarMatcher:
+        assert isinstance(compiled, xgrammar.CompiledGrammar)
+        return XGrammarMatcher(compiled)
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        return xgrammar.allocate_token_bitmask(num_rows, self.info.vocab_size)
+
+
+# xgrammar (0.2.9) writes a string with length bounds as characters of _LOOSE_CHARACTER, which admits
+# the other control characters JSON forbids unescaped (U+0000 to U+001F): a model that emits one
+# gives text that json.loads refuses. Its unbounded strings already exclude them.
+_LOOSE_CHARACTER = r"[^\"\\\r\n]"
+_JSON_CHARACTER = r"[^\0-\x1f\"\\]"
+
+
+def _strict_strings(ebnf: str) -> str:
+    return ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's message without its `[time] file.cc:line:` prefix."""
+    text = str(exc).strip()
+    if text.startswith("[") and ": " in text:
+        head, _, rest = text.partition(": ")
+        if ".cc:" in head:
+            return rest.strip()
+    return text
