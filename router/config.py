@@ -46,6 +46,8 @@ class RouterConfig:
     blocks the way their prefix caches do).
     A prompt longer than `max_prompt_chars_per_token * max_model_len` characters is refused before
     it is tokenized (a generous bound: real text averages a few characters per token).
+    Structured output (router/structured.py): a schema, regex or grammar over `max_grammar_chars`
+    characters, or one that does not compile within `grammar_compile_timeout_s`, is refused.
     Recovery (router/recovery.py): a request whose instance is lost, or whose KV hand-off fails,
     is placed again (before its first token) or moved (after it) at most `max_retries` times in
     all; 0 turns that off. A request that finds no healthy instance to take it, at dispatch or
@@ -84,6 +86,8 @@ class RouterConfig:
     default_max_tokens: int = 16
     max_stop_strings: int = 16
     max_prompt_chars_per_token: int = 32
+    max_grammar_chars: int = 256 * 1024
+    grammar_compile_timeout_s: float = 10.0
     load_refresh_interval_s: float = 0.1
     poll_timeout_s: float = 0.5
     worker_timeout_s: float = 10.0
@@ -148,6 +152,7 @@ class RouterConfig:
             "max_stop_strings",
             "max_prompt_chars_per_token",
             "http_max_body_bytes",
+            "max_grammar_chars",
         )
         for name in names:
             value = getattr(self, name)
@@ -173,6 +178,7 @@ class RouterConfig:
             "adaptive_window_s",
             "http_header_timeout_s",
             "http_body_timeout_s",
+            "grammar_compile_timeout_s",
         )
         for name in names:
             value = getattr(self, name)

@@ -12,6 +12,7 @@ loop keeps streaming every other request's tokens meanwhile.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 from router.adaptive import RequestSLO
 from router.config import RouterConfig
+from router.structured import GrammarCheck, InvalidStructuredOutput, spec_from_request
 from router.tokenizer import ChatTemplateError, ModelLimits, RouterTokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -65,6 +67,7 @@ class RequestValidator:
         self._limits = limits
         self._max_prompt_chars = limits.max_model_len * config.max_prompt_chars_per_token
         self._executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._grammars = GrammarCheck(config, tokenizer, limits.vocab_size)
 
     @property
     def tokenizer(self) -> RouterTokenizer:
@@ -72,10 +75,19 @@ class RequestValidator:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._grammars.close()
 
     async def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
         request_id = self._request_id(request.request_id)
         params = self._sampling_params(request)
+        try:
+            structured = spec_from_request(request)
+            if structured is not None:
+                field = f"structured_output.{request.structured_output.WhichOneof('constraint')}"
+                await self._grammars.check(structured, field)
+                params = dataclasses.replace(params, structured=structured)
+        except InvalidStructuredOutput as exc:
+            raise InvalidRequest(str(exc)) from None
         stop_strings = self._stop_strings(request.stop)
         prompt_token_ids = await self._prompt_token_ids(request)
         num_total = len(prompt_token_ids) + params.max_tokens

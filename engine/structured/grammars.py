@@ -106,6 +106,10 @@ class Grammars:
 
     def start(self, spec: StructuredOutput) -> GrammarState:
         """The state of a request under `spec`: ready at once on a cache hit."""
+        return GrammarState(self.compile(spec), self.backend)
+
+    def compile(self, spec: StructuredOutput) -> Future[object]:
+        """The compiled grammar of `spec`, cached or on its way."""
         with self._lock:
             future = self._cache.get(spec)
             if future is not None and future.done() and future.exception() is not None:
@@ -118,7 +122,7 @@ class Grammars:
                 while len(self._cache) > self._max_cached:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(spec)
-        return GrammarState(future, self.backend)
+        return future
 
     def _compile(self, spec: StructuredOutput) -> object:
         return self.backend().compile(spec)

@@ -75,6 +75,7 @@ _VALIDATED_FIELDS = frozenset(
         "repetition_penalty",
         "min_tokens",
         "logit_bias",
+        "structured_output",
     }
 )
 _FIELD_NAME = re.compile(r"^[a-z_]{1,64}$")
@@ -154,6 +155,8 @@ class OpenAIFrontDoor:
             )
             if error.body.param == "max_tokens" and uses_new_name:
                 error.body.param = "max_completion_tokens"
+            if (error.body.param or "").startswith("structured_output"):
+                error.body.param = body.constraint_field()
             raise error from exc
 
 

@@ -1,11 +1,11 @@
 """The OpenAI API's request and response bodies, as pydantic models.
 
-Requests take the fields OpenAI's SDK sends; a field pdserve cannot honour (tools, a
-response_format other than text, best_of, suffix) is refused with a 400 naming it (see
+Requests take the fields OpenAI's SDK sends; a field pdserve cannot honour (tools, best_of,
+suffix) is refused with a 400 naming it (see
 `unsupported_field`), never silently ignored. Fields the SDK does not know are ignored, as OpenAI
 does. A few vLLM extensions are accepted: `top_k`, `ignore_eos`, `stop_token_ids`, `request_id`,
-`repetition_penalty`, `min_tokens`, `prompt_logprobs` and `stream_options.continuous_usage_stats`
-(usage on every chunk); and pdserve's own `ttft_slo_s` and `tpot_slo_s`, the latency objectives
+`repetition_penalty`, `min_tokens`, `prompt_logprobs`, `stream_options.continuous_usage_stats`
+(usage on every chunk) and the structured-output fields (http_api/structured.py); and pdserve's own `ttft_slo_s` and `tpot_slo_s`, the latency objectives
 an adaptive cluster places the request by.
 
 Types are strict, as JSON's are: `"stream": "yes"` or `"max_tokens": true` is a 400 naming the
@@ -33,6 +33,8 @@ from pydantic import (
     Tag,
     field_validator,
 )
+
+from router.http_api.structured import StructuredFields
 
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -103,7 +105,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: StrictBool | None = None  # vLLM: usage on every chunk
 
 
-class SamplingFields(_Request):
+class SamplingFields(StructuredFields):
     """What both endpoints share."""
 
     model: Text
@@ -182,7 +184,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: Count | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -205,8 +206,6 @@ class ChatCompletionRequest(SamplingFields):
             return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.tools:
             return "tools", "tools (function calling) are not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
         return super().unsupported_field()
 
 

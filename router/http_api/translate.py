@@ -36,6 +36,7 @@ from router.http_api.schemas import (
     SamplingFields,
     Usage,
 )
+from router.http_api.structured import ConstraintConflict
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 
@@ -62,7 +63,15 @@ def _sampling(body: SamplingFields, request_id: str, max_tokens: int | None) -> 
         prompt_logprobs=body.prompt_logprobs,
         n=body.n,
         logit_bias=_logit_bias(body.logit_bias),
+        structured_output=_structured_output(body),
     )
+
+
+def _structured_output(body: SamplingFields) -> pb.StructuredOutput | None:
+    try:
+        return body.structured_output()
+    except ConstraintConflict as exc:
+        raise bad_request(str(exc), exc.param) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -88,6 +88,7 @@ def test_request_fields_match_the_documented_api() -> None:
         "min_tokens",
         "logit_bias",
         "n",
+        "structured_output",
     }
     assert set(fields) == expected
     # Optional sampling fields keep presence, so "unset" differs from 0.

@@ -201,7 +201,18 @@ def test_bad_completion_fields_get_400_naming_the_field(
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}},
+            "guided_regex",
+        ),
+        ({"extra_body": {"guided_regex": "a("}}, "guided_regex"),
+        ({"extra_body": {"guided_choice": []}}, "guided_choice"),
+        (
+            {"extra_body": {"structured_outputs": {"json": {"type": "objekt"}}}},
+            "structured_outputs.json",
+        ),
         ({"n": 0}, "n"),
     ],
 )

@@ -5,7 +5,7 @@ import warnings
 
 from pdserve_proto.v1 import generation_pb2 as pdserve__proto_dot_v1_dot_generation__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
