@@ -4,7 +4,9 @@ the Ray runtime's decode kill is in test_ray_cluster.py):
 - streams on a decode instance that is SIGKILLed mid-stream migrate to the other one and finish
   token for token what transformers generates;
 - requests sent to a prefill instance that is stopped and then SIGKILLed before their first
-  token wait for its restart and are served there, all the same.
+  token wait for its restart and are served there, all the same;
+- streams under a grammar do both and still match it, token for token as undisturbed: the
+  prefill instance that takes a migrated stream resumes the grammar from its earlier output.
 
 Every pool is back to its start count afterwards. One cluster for the module: a prefill
 instance at TP=2 and two decode instances, float64 (parity with transformers is exact).
@@ -13,6 +15,7 @@ instance at TP=2 and two decode instances, float64 (parity with transformers is 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -25,6 +28,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 from pdserve_proto.v1 import generation_pb2_grpc as pb_grpc
 
 from deploy.runtime.local.local_cluster import LocalCluster
+from router.tokenizer import RouterTokenizer
 from tests.deploy.ray_support import hf_greedy, make_prompts, serve_spec, tiny_model_with_tokenizer
 from worker.protocol import ProcessIds
 
@@ -69,9 +73,25 @@ class Stream:
     last: pb.GenerateResponse | None = None
 
 
-def _stream(address: str, prompt: list[int], max_tokens: int, started: list[int]) -> Stream:
+# a long output that only a grammar resumed at the right place keeps matching
+LETTERS = "[a-z ]{300}"
+CONSTRAINED = pb.StructuredOutput(regex=LETTERS)
+CONSTRAINED_TOKENS = 480  # room for 300 characters, within the model length of 512
+
+
+def _request(prompt: list[int], max_tokens: int, constrained: bool) -> pb.GenerateRequest:
+    if constrained:
+        return pb.GenerateRequest(
+            token_ids=prompt, max_tokens=max_tokens, structured_output=CONSTRAINED
+        )
+    return pb.GenerateRequest(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _stream(
+    address: str, prompt: list[int], max_tokens: int, started: list[int], constrained=False
+) -> Stream:
     result = Stream()
-    request = pb.GenerateRequest(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True)
+    request = _request(prompt, max_tokens, constrained)
     with grpc.insecure_channel(address) as channel:
         try:
             for message in pb_grpc.GenerationStub(channel).Generate(request, timeout=120):
@@ -84,12 +104,15 @@ def _stream(address: str, prompt: list[int], max_tokens: int, started: list[int]
     return result
 
 
-def _start_all(cluster: LocalCluster, prompts: list[list[int]], max_tokens: int):
+def _start_all(
+    cluster: LocalCluster, prompts: list[list[int]], max_tokens: int, constrained: bool = False
+):
     results: list[Stream] = [Stream() for _ in prompts]
     started: list[int] = []
 
     def run(index: int) -> None:
-        results[index] = _stream(cluster.address, prompts[index], max_tokens, started)
+        address = cluster.address
+        results[index] = _stream(address, prompts[index], max_tokens, started, constrained)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -167,4 +190,54 @@ def test_requests_on_a_prefill_killed_before_their_first_token_wait_for_its_rest
     assert all(r.last is not None and r.last.timings.retries >= 1 for r in results)
     assert cluster.workers["prefill-0"].call(ProcessIds())[0] != driver_pid
     # The reservations made for the dead incarnation end at their deadline.
+    _wait_until(lambda: _all_back(cluster), 60, "every block back")
+
+
+def _undisturbed(cluster: LocalCluster, prompts: list[list[int]], max_tokens: int):
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        return [
+            list(stub.GenerateUnary(_request(p, max_tokens, True), timeout=120).token_ids)
+            for p in prompts
+        ]
+
+
+def _matches_the_grammar(tokenizer, token_ids: list[int]) -> bool:
+    return re.fullmatch(LETTERS, tokenizer.decode(token_ids)) is not None
+
+
+def test_constrained_streams_migrate_and_retry_under_their_grammar(
+    cluster: LocalCluster, model_dir: str
+) -> None:
+    tokenizer = RouterTokenizer(model_dir)
+    _wait_until(lambda: _all_back(cluster), 120, "a healthy cluster")
+    expected = _undisturbed(cluster, LONG_PROMPTS, CONSTRAINED_TOKENS)
+    assert all(_matches_the_grammar(tokenizer, ids) for ids in expected)
+    assert min(len(ids) for ids in expected) > 100  # long enough to be cut by the kill
+    # mid-output: the decode instance holding the most streams dies
+    results, started, threads = _start_all(cluster, LONG_PROMPTS, CONSTRAINED_TOKENS, True)
+    _wait_until(lambda: len(started) == len(LONG_PROMPTS), 60, "every stream started")
+    loads = {load.instance_id: load for load in cluster.status()}
+    victim = max(("decode-0", "decode-1"), key=lambda i: loads[i].num_running)
+    assert loads[victim].num_running > 0, loads
+    os.kill(cluster.workers[victim].pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(120)
+    assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(results)
+    assert [r.token_ids for r in results] == expected
+    assert any(r.last and r.last.timings.migrations for r in results)
+    _wait_until(lambda: _all_back(cluster), 120, "the restart, every block back")
+    # before the first token: the prefill instance stops, then dies
+    driver_pid = cluster.workers["prefill-0"].pid
+    os.kill(driver_pid, signal.SIGSTOP)
+    short = LONG_PROMPTS[:3]
+    results, started, threads = _start_all(cluster, short, CONSTRAINED_TOKENS, True)
+    time.sleep(1.0)
+    assert not started
+    os.kill(driver_pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(180)
+    assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(results)
+    assert [r.token_ids for r in results] == expected[:3]
+    assert all(r.last is not None and r.last.timings.retries >= 1 for r in results)
     _wait_until(lambda: _all_back(cluster), 60, "every block back")
