@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -52,14 +53,24 @@ class RouterTokenizer:
     def encode(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt, add_special_tokens=True))
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Render messages with the chat template (plus the assistant's turn) and encode them."""
+    def encode_chat(
+        self,
+        messages: Sequence[tuple[str, str]] | Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Render messages (role and content pairs, or the template's own message dicts) and
+        any tools with the chat template, plus the assistant's turn, and encode them."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise ChatTemplateError("this model has no chat template; send `prompt` instead")
-        conversation = [{"role": role, "content": content} for role, content in messages]
+        conversation = [
+            dict(m) if isinstance(m, Mapping) else {"role": m[0], "content": m[1]} for m in messages
+        ]
         try:
             text = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
+                conversation,
+                tools=list(tools) if tools else None,
+                add_generation_prompt=True,
+                tokenize=False,
             )
         except Exception as exc:  # jinja raises its own errors for messages it refuses
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,6 +24,7 @@ from pdserve_proto.v1 import generation_pb2 as pb
 
 from engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 from router.adaptive import RequestSLO
+from router.chat import InvalidChat, chat_inputs
 from router.config import RouterConfig
 from router.structured import GrammarCheck, InvalidStructuredOutput, spec_from_request
 from router.tokenizer import ChatTemplateError, ModelLimits, RouterTokenizer
@@ -156,7 +157,7 @@ class RequestValidator:
                     f"length {self._limits.max_model_len}; shorten the prompt"
                 )
             return self._check_token_ids("token_ids", list(request.token_ids))
-        return await self._chat_token_ids(request.messages)
+        return await self._chat_token_ids(request.messages, request.tools)
 
     def _check_prompt_chars(self, what: str, num_chars: int) -> None:
         if num_chars > self._max_prompt_chars:
@@ -171,7 +172,9 @@ class RequestValidator:
             return encode(text)
         return await asyncio.get_running_loop().run_in_executor(self._executor, encode, text)
 
-    async def _chat_token_ids(self, messages: list[pb.ChatMessage]) -> list[int]:
+    async def _chat_token_ids(
+        self, messages: Sequence[pb.ChatMessage], tools: Sequence[pb.Tool]
+    ) -> list[int]:
         for index, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
                 raise InvalidRequest(
@@ -183,14 +186,23 @@ class RequestValidator:
                 f"there are {len(messages)} messages, more than the model's maximum length "
                 f"{max_model_len} could hold; send fewer"
             )
-        num_chars = sum(len(m.content) for m in messages)
+        num_chars = sum(
+            len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages
+        ) + sum(len(t.parameters) + len(t.description) for t in tools)
         self._check_prompt_chars("the messages have", num_chars)
-        turns = [(m.role, m.content) for m in messages]
+        if tools and not messages:
+            raise InvalidRequest("tools need messages: a chat template renders them")
+        try:
+            inputs = chat_inputs(messages, tools)
+        except InvalidChat as exc:
+            raise InvalidRequest(str(exc)) from None
         # The template writes each message's role and markers too: many short messages are
         # rendered off the event loop like one long one.
         size = num_chars + len(messages) * _TEMPLATE_CHARS_PER_MESSAGE
         try:
-            token_ids = await self._tokenize(self._tokenizer.encode_chat, turns, size)
+            token_ids = await self._tokenize(
+                lambda both: self._tokenizer.encode_chat(*both), inputs, size
+            )
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc)) from exc
         if not token_ids:

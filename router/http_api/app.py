@@ -46,6 +46,9 @@ from router.http_api.schemas import (
     SamplingFields,
 )
 from router.http_api.streaming import ClientGone, stream_response, whole_response
+from router.http_api.structured import ConstraintConflict
+from router.http_api.tool_parsers import parser_for_template
+from router.http_api.tools import ToolReply
 from router.http_api.translate import ResponseShape, chat_to_proto, completion_to_proto
 from router.metrics import RouterMetrics
 from router.tokenizer import ModelLimits
@@ -102,6 +105,8 @@ class OpenAIFrontDoor:
         self.is_serving = is_serving
         self.model_name = config.model_name
         self.created = int(time.time())
+        template = getattr(validator.tokenizer.hf_tokenizer, "chat_template", None)
+        self.tool_parser = parser_for_template(template if isinstance(template, str) else None)
 
     async def generate(
         self, http_request: Request, body: SamplingFields, grpc_request: pb.GenerateRequest
@@ -112,6 +117,7 @@ class OpenAIFrontDoor:
         if unsupported is not None:
             raise errors.bad_request(unsupported[1], unsupported[0])
         chat = isinstance(body, ChatCompletionRequest)
+        tools = self._tool_reply(body, grpc_request) if chat else None
         validated = await self._validate(grpc_request, body, chat)
         options = body.stream_options
         shape = ResponseShape(
@@ -125,6 +131,7 @@ class OpenAIFrontDoor:
             n=validated.n,
             prompt_token_ids=validated.prompt_token_ids,
             wants_prompt_logprobs=body.prompt_logprobs is not None,
+            tools=tools,
         )
         params = validated.params
         if params.logprobs is not None or params.prompt_logprobs is not None:
@@ -141,6 +148,24 @@ class OpenAIFrontDoor:
             return await stream_response(http_request, chunks, shape, self.metrics)
         return await whole_response(http_request, chunks, shape)
 
+    def _tool_reply(self, body: SamplingFields, request: pb.GenerateRequest) -> ToolReply | None:
+        """The request's ToolMode as a reply shaper, its constraint set on `request`."""
+        assert isinstance(body, ChatCompletionRequest)
+        try:
+            mode = body.tool_mode(self.tool_parser)
+            if mode is None:
+                return None
+            constraint = body.tool_constraint(mode)
+        except ConstraintConflict as exc:
+            raise errors.bad_request(str(exc), exc.param) from None
+        if constraint is not None:
+            other = body.constraint_field()
+            if other is not None:
+                message = f"tool_choice and {other} both constrain the output: send one"
+                raise errors.bad_request(message, other)
+            request.structured_output.CopyFrom(constraint)
+        return ToolReply(mode)
+
     async def _validate(
         self, request: pb.GenerateRequest, body: SamplingFields, chat: bool
     ) -> ValidatedRequest:
@@ -156,7 +181,7 @@ class OpenAIFrontDoor:
             if error.body.param == "max_tokens" and uses_new_name:
                 error.body.param = "max_completion_tokens"
             if (error.body.param or "").startswith("structured_output"):
-                error.body.param = body.constraint_field()
+                error.body.param = body.constraint_field() or "tools"
             raise error from exc
 
 

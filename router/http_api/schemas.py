@@ -1,7 +1,7 @@
 """The OpenAI API's request and response bodies, as pydantic models.
 
-Requests take the fields OpenAI's SDK sends; a field pdserve cannot honour (tools, best_of,
-suffix) is refused with a 400 naming it (see
+Requests take the fields OpenAI's SDK sends; a field pdserve cannot honour (best_of, suffix)
+is refused with a 400 naming it (see
 `unsupported_field`), never silently ignored. Fields the SDK does not know are ignored, as OpenAI
 does. A few vLLM extensions are accepted: `top_k`, `ignore_eos`, `stop_token_ids`, `request_id`,
 `repetition_penalty`, `min_tokens`, `prompt_logprobs`, `stream_options.continuous_usage_stats`
@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from router.http_api.structured import StructuredFields
+from router.http_api.tools import ToolCallIn, ToolFields
 
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -176,14 +177,16 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     role: Text
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    name: Text | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
     logprobs: StrictBool | None = False
     top_logprobs: Count | None = None
-    tools: list[Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -204,8 +207,6 @@ class ChatCompletionRequest(SamplingFields):
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        if self.tools:
-            return "tools", "tools (function calling) are not supported"
         return super().unsupported_field()
 
 
@@ -287,7 +288,8 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # http_api/tools.py
 
 
 class ChatChoice(BaseModel):
@@ -311,6 +313,7 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

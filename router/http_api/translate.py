@@ -37,6 +37,7 @@ from router.http_api.schemas import (
     Usage,
 )
 from router.http_api.structured import ConstraintConflict
+from router.http_api.tools import ToolReply
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 
@@ -129,7 +130,14 @@ def chat_to_proto(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRe
                         f"messages[{index}].content",
                     )
             content = "".join(part.text or "" for part in content)
-        request.messages.add(role=message.role, content=content or "")
+        turn = request.messages.add(role=message.role, content=content or "")
+        for call in message.tool_calls or ():
+            turn.tool_calls.add(
+                id=call.id, name=call.function.name, arguments=call.function.arguments
+            )
+        turn.tool_call_id = message.tool_call_id or ""
+        turn.name = message.name or ""
+    request.tools.extend(body.tool_protos())
     return request
 
 
@@ -193,6 +201,7 @@ class ResponseShape:
     wants_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the answer
     prompt_logprobs: list[TokenLogprob | None] | None = None
     choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    tools: ToolReply | None = None  # chat with tools: the answer's tool_calls
 
     @property
     def num_finished(self) -> int:
@@ -247,12 +256,16 @@ class ResponseShape:
                 chat_logprobs = None
                 if self.writer is not None and self.wants_logprobs:
                     chat_logprobs = self.writer.chat(state.logprobs)
+                content: str | None = text
+                tool_calls, finish_reason = None, last.finish_reason
+                if self.tools is not None:
+                    content, tool_calls, finish_reason = self.tools.message(text, finish_reason)
                 choices.append(
                     ChatChoice(
                         index=index,
-                        message=AssistantMessage(content=text),
+                        message=AssistantMessage(content=content, tool_calls=tool_calls),
                         logprobs=chat_logprobs,
-                        finish_reason=last.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=stop_reason,
                     )
                 )
@@ -295,7 +308,13 @@ class ResponseShape:
         finish_reason = chunk.finish_reason
         has_logprobs = self.wants_logprobs and bool(chunk.token_ids)
         echo_now = self.echo and is_first and not self.chat
-        if not (chunk.text or has_logprobs or echo_now) and finish_reason is None:
+        text: str | None = chunk.text
+        tool_calls = None
+        if self.tools is not None:
+            text, tool_calls, finish_reason = self.tools.delta(
+                chunk.index, chunk.text, finish_reason
+            )
+        if not (text or tool_calls or has_logprobs or echo_now) and finish_reason is None:
             if not self.continuous_usage:
                 return None
         state.started = True  # an event goes out: the role, the echo go with it
@@ -305,7 +324,7 @@ class ResponseShape:
         stop_reason = chunk.stop_reason or None
         body: Completion | ChatCompletionChunk
         if self.chat:
-            delta = Delta.model_construct(content=chunk.text)
+            delta = Delta.model_construct(content=text, tool_calls=tool_calls)
             if is_first:  # OpenAI names the role in the first delta only
                 delta.role = "assistant"
             chat_logprobs = None

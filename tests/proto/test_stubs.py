@@ -89,6 +89,7 @@ def test_request_fields_match_the_documented_api() -> None:
         "logit_bias",
         "n",
         "structured_output",
+        "tools",
     }
     assert set(fields) == expected
     # Optional sampling fields keep presence, so "unset" differs from 0.

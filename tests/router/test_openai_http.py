@@ -200,7 +200,7 @@ def test_bad_completion_fields_get_400_naming_the_field(
         ({"messages": []}, "messages"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         (
