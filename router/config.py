@@ -48,6 +48,7 @@ class RouterConfig:
     it is tokenized (a generous bound: real text averages a few characters per token).
     Structured output (router/structured.py): a schema, regex or grammar over `max_grammar_chars`
     characters, or one that does not compile within `grammar_compile_timeout_s`, is refused.
+    A completions request holds at most `max_prompts_per_request` prompts (a batch).
     Recovery (router/recovery.py): a request whose instance is lost, or whose KV hand-off fails,
     is placed again (before its first token) or moved (after it) at most `max_retries` times in
     all; 0 turns that off. A request that finds no healthy instance to take it, at dispatch or
@@ -87,6 +88,7 @@ class RouterConfig:
     max_stop_strings: int = 16
     max_prompt_chars_per_token: int = 32
     max_grammar_chars: int = 256 * 1024
+    max_prompts_per_request: int = 256
     grammar_compile_timeout_s: float = 10.0
     load_refresh_interval_s: float = 0.1
     poll_timeout_s: float = 0.5
@@ -153,11 +155,16 @@ class RouterConfig:
             "max_prompt_chars_per_token",
             "http_max_body_bytes",
             "max_grammar_chars",
+            "max_prompts_per_request",
         )
         for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_prompts_per_request > 4096:  # what the HTTP schema validates at most
+            raise ValueError(
+                f"max_prompts_per_request must be at most 4096, got {self.max_prompts_per_request}"
+            )
         for name in ("max_queued_requests", "max_retries"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

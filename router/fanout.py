@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from router.generation import GenerationChunk, GenerationRunner
 from router.validation import ValidatedRequest
@@ -45,40 +46,50 @@ async def generate_n(
             async for chunk in chunks:
                 yield chunk
         return
+    siblings = [
+        functools.partial(runner.generate, sibling(request, index), deadline_s)
+        for index in range(request.n)
+    ]
+    merged = interleave(siblings, after_first=True)
+    async with contextlib.aclosing(merged):  # type: ignore[type-var]
+        async for index, chunk in merged:
+            yield dataclasses.replace(chunk, request_id=request.request_id, index=index)
+
+
+async def interleave(
+    sources: Sequence[Callable[[], AsyncIterator[GenerationChunk]]], after_first: bool = False
+) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """(source index, chunk) of every source's chunks, as they come. `after_first`: the others
+    start once the first source's first chunk is out. A failure of any source ends them all
+    (raised here); closing this generator closes every source."""
     queue: asyncio.Queue[tuple[int, _Item]] = asyncio.Queue()
-    prompt_cached = asyncio.Event()
+    first_out = asyncio.Event()
 
     async def run(index: int) -> None:
-        if index > 0:
-            await prompt_cached.wait()
+        if index > 0 and after_first:
+            await first_out.wait()
         try:
-            chunks = runner.generate(sibling(request, index), deadline_s)
-            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async with contextlib.aclosing(sources[index]()) as chunks:  # type: ignore[type-var]
                 async for chunk in chunks:
-                    prompt_cached.set()
-                    queue.put_nowait(
-                        (
-                            index,
-                            dataclasses.replace(chunk, request_id=request.request_id, index=index),
-                        )
-                    )
+                    first_out.set()
+                    queue.put_nowait((index, chunk))
             queue.put_nowait((index, None))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait((index, exc))
         finally:
-            prompt_cached.set()
+            first_out.set()
 
-    tasks = [asyncio.create_task(run(index)) for index in range(request.n)]
+    tasks = [asyncio.create_task(run(index)) for index in range(len(sources))]
     try:
-        num_running = request.n
+        num_running = len(sources)
         while num_running:
-            _, item = await queue.get()
+            index, item = await queue.get()
             if item is None:
                 num_running -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield item
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()

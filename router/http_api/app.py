@@ -35,6 +35,7 @@ from router.config import RouterConfig
 from router.fanout import generate_n
 from router.generation import GenerationRunner
 from router.http_api import errors
+from router.http_api.batch import BatchShape, batch
 from router.http_api.errors import ApiError
 from router.http_api.guard import FrontGuard
 from router.http_api.logprobs import LogprobsWriter
@@ -49,7 +50,12 @@ from router.http_api.streaming import ClientGone, stream_response, whole_respons
 from router.http_api.structured import ConstraintConflict
 from router.http_api.tool_parsers import parser_for_template
 from router.http_api.tools import ToolReply
-from router.http_api.translate import ResponseShape, chat_to_proto, completion_to_proto
+from router.http_api.translate import (
+    ResponseShape,
+    chat_to_proto,
+    completion_prompts,
+    completion_to_proto,
+)
 from router.metrics import RouterMetrics
 from router.tokenizer import ModelLimits
 from router.validation import InvalidRequest, RequestValidator, ValidatedRequest
@@ -109,13 +115,38 @@ class OpenAIFrontDoor:
         self.tool_parser = parser_for_template(template if isinstance(template, str) else None)
 
     async def generate(
-        self, http_request: Request, body: SamplingFields, grpc_request: pb.GenerateRequest
+        self,
+        http_request: Request,
+        body: SamplingFields,
+        grpc_requests: list[pb.GenerateRequest],
     ) -> Response:
+        """One generation, or a batch of prompts (completions): one choice per prompt and n."""
         if body.model != self.model_name:
             raise errors.model_not_found(body.model, self.model_name)
         unsupported = body.unsupported_field()
         if unsupported is not None:
             raise errors.bad_request(unsupported[1], unsupported[0])
+        limit = self.config.max_prompts_per_request
+        if len(grpc_requests) > limit:
+            message = (
+                f"prompt is a batch of {len(grpc_requests)}, over the limit of {limit} "
+                "(router.max_prompts_per_request); split it"
+            )
+            raise errors.bad_request(message, "prompt")
+        prepared = [await self._prepare(body, request) for request in grpc_requests]
+        shape: ResponseShape | BatchShape
+        if len(prepared) == 1:
+            validated, shape = prepared[0]
+            chunks = generate_n(self.runner, validated)
+        else:
+            chunks, shape = batch(self.runner, prepared)
+        if body.stream:
+            return await stream_response(http_request, chunks, shape, self.metrics)
+        return await whole_response(http_request, chunks, shape)
+
+    async def _prepare(
+        self, body: SamplingFields, grpc_request: pb.GenerateRequest
+    ) -> tuple[ValidatedRequest, ResponseShape]:
         chat = isinstance(body, ChatCompletionRequest)
         tools = self._tool_reply(body, grpc_request) if chat else None
         validated = await self._validate(grpc_request, body, chat)
@@ -143,10 +174,7 @@ class OpenAIFrontDoor:
             shape.prompt_text = prompt or self.validator.tokenizer.decode(
                 validated.prompt_token_ids
             )
-        chunks = generate_n(self.runner, validated)
-        if body.stream:
-            return await stream_response(http_request, chunks, shape, self.metrics)
-        return await whole_response(http_request, chunks, shape)
+        return validated, shape
 
     def _tool_reply(self, body: SamplingFields, request: pb.GenerateRequest) -> ToolReply | None:
         """The request's ToolMode as a reply shaper, its constraint set on `request`."""
@@ -218,12 +246,22 @@ def _routes(front: OpenAIFrontDoor) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         request_id = body.request_id or uuid.uuid4().hex
-        return await front.generate(request, body, completion_to_proto(body, request_id))
+        prompts = completion_prompts(body)
+        if len(prompts) == 1:
+            return await front.generate(
+                request, body, [completion_to_proto(body, request_id, prompts[0])]
+            )
+        # the prompts of a batch are requests of their own, named after the batch
+        requests = [
+            completion_to_proto(body, f"{request_id}-p{i}", prompt)
+            for i, prompt in enumerate(prompts)
+        ]
+        return await front.generate(request, body, requests)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         request_id = body.request_id or uuid.uuid4().hex
-        return await front.generate(request, body, chat_to_proto(body, request_id))
+        return await front.generate(request, body, [chat_to_proto(body, request_id)])
 
     @app.get("/health")
     async def health() -> Response:

@@ -66,6 +66,7 @@ Number = StrictFloat  # takes an integer too ("temperature": 0), never a string 
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096  # text parts of all messages together
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BATCH_PROMPTS = 4096  # prompts of one completions batch (router.max_prompts_per_request <=)
 
 
 def _prompt_shape(value: Any) -> str:
@@ -146,7 +147,7 @@ class SamplingFields(StructuredFields):
 
 
 class CompletionRequest(SamplingFields):
-    # A string, token ids, or a batch of one of either (a batch of more is refused).
+    # A string, token ids, or a batch of either (http_api/batch.py): a choice per prompt and n.
     prompt: Prompt
     logprobs: Count | None = None
     echo: StrictBool | None = False
@@ -155,10 +156,13 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        """A batch is refused before its prompts are validated (every one would be)."""
-        if isinstance(value, list) and len(value) > 1 and isinstance(value[0], (str, list)):
-            raise ValueError(f"is a batch of {len(value)}; send one prompt per request")
+    def _few_prompts(cls, value: Any) -> Any:
+        """A huge batch is refused before its prompts are validated (each would be)."""
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) > MAX_BATCH_PROMPTS:
+                raise ValueError(
+                    f"is a batch of {len(value)} prompts, over the limit of {MAX_BATCH_PROMPTS}"
+                )
         return value
 
     def unsupported_field(self) -> tuple[str, str] | None:

@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.generation import GenerationChunk
 from router.generation_errors import GenerationFailed
+from router.http_api.batch import BatchShape
 from router.http_api.errors import ApiError, generation_failed
 from router.http_api.schemas import ErrorResponse
 from router.http_api.translate import DONE, ResponseShape, sse
@@ -78,7 +79,7 @@ class _EventStream(StreamingResponse):
 async def stream_response(
     request: Request,
     chunks: AsyncIterator[GenerationChunk],
-    shape: ResponseShape,
+    shape: ResponseShape | BatchShape,
     metrics: RouterMetrics,
 ) -> Response:
     try:
@@ -103,7 +104,7 @@ async def _first(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
 async def _events(
     first: GenerationChunk,
     chunks: AsyncIterator[GenerationChunk],
-    shape: ResponseShape,
+    shape: ResponseShape | BatchShape,
     metrics: RouterMetrics,
 ) -> AsyncIterator[bytes]:
     try:
@@ -129,7 +130,7 @@ async def _events(
 
 
 async def whole_response(
-    request: Request, chunks: AsyncIterator[GenerationChunk], shape: ResponseShape
+    request: Request, chunks: AsyncIterator[GenerationChunk], shape: ResponseShape | BatchShape
 ) -> Response:
     async def collect() -> None:
         try:

@@ -85,22 +85,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return result
 
 
-def completion_to_proto(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
+def completion_to_proto(
+    body: CompletionRequest, request_id: str, prompt: str | list[int]
+) -> pb.GenerateRequest:
     request = _sampling(body, request_id, body.max_tokens)
     if body.logprobs is not None:
         request.logprobs = body.logprobs
         if body.echo and body.prompt_logprobs is None:
             request.prompt_logprobs = body.logprobs  # the echoed prompt's tokens are scored too
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) == 0:
-            raise bad_request("prompt is empty; send a string or a list of token ids", "prompt")
-        if isinstance(prompt[0], (str, list)):
-            if len(prompt) > 1:
-                raise bad_request(
-                    f"prompt is a batch of {len(prompt)}; send one prompt per request", "prompt"
-                )
-            prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt is empty; send some text", "prompt")
@@ -108,8 +100,19 @@ def completion_to_proto(body: CompletionRequest, request_id: str) -> pb.Generate
     else:
         if not prompt:
             raise bad_request("prompt is empty; send a list of token ids", "prompt")
-        request.token_ids.extend(prompt)  # type: ignore[arg-type]
+        request.token_ids.extend(prompt)
     return request
+
+
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one, or each of a batch (a list of strings or of id lists)."""
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) == 0:
+            raise bad_request("prompt is empty; send a string or a list of token ids", "prompt")
+        if isinstance(prompt[0], (str, list)):
+            return list(prompt)  # type: ignore[arg-type]
+    return [prompt]  # type: ignore[list-item]
 
 
 def chat_to_proto(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
@@ -202,6 +205,7 @@ class ResponseShape:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     choices: dict[int, _ChoiceState] = field(default_factory=dict)
     tools: ToolReply | None = None  # chat with tools: the answer's tool_calls
+    index_offset: int = 0  # a batch's prompt i numbers its choices from i * n (http_api/batch.py)
 
     @property
     def num_finished(self) -> int:
@@ -218,7 +222,7 @@ class ResponseShape:
             state.last = chunk
         return state
 
-    def _usage(self) -> Usage:
+    def total_usage(self) -> Usage:
         lasts = [c.last for c in self.choices.values() if c.last is not None]
         num_completion = sum(last.num_completion_tokens for last in lasts)
         num_cached = max((last.num_cached_tokens for last in lasts), default=0)
@@ -272,7 +276,7 @@ class ResponseShape:
             else:
                 choices.append(
                     CompletionChoice.model_construct(
-                        index=index,
+                        index=index + self.index_offset,
                         text=self.prompt_text + text if self.echo else text,
                         logprobs=self._completion_logprobs(
                             state.token_ids, state.logprobs, self.echo
@@ -288,7 +292,7 @@ class ResponseShape:
                 created=self.created,
                 model=self.model,
                 choices=choices,
-                usage=self._usage(),
+                usage=self.total_usage(),
                 prompt_logprobs=self._vllm_prompt_logprobs(),
             )
         return Completion.model_construct(
@@ -296,7 +300,7 @@ class ResponseShape:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=self._usage(),
+            usage=self.total_usage(),
         )
 
     def event(self, chunk: GenerationChunk) -> bytes | None:
@@ -346,7 +350,7 @@ class ResponseShape:
             )
         else:
             text_choice = CompletionChoice.model_construct(
-                index=chunk.index,
+                index=chunk.index + self.index_offset,
                 text=self.prompt_text + chunk.text if echo_now else chunk.text,
                 logprobs=self._completion_logprobs(chunk.token_ids, chunk.logprobs or [], echo_now),
                 prompt_logprobs=self._vllm_prompt_logprobs() if is_first else None,
@@ -371,7 +375,7 @@ class ResponseShape:
             created=self.created,
             model=self.model,
             choices=[],
-            usage=self._usage(),
+            usage=self.total_usage(),
         )
         return sse(body.model_dump_json())
 

@@ -172,7 +172,7 @@ def test_the_event_stream_ends_with_done_and_models_health_metrics_answer(
         ({"max_tokens": 600}, "prompt"),  # prompt + max_tokens over the model's 512
         ({"n": 17}, "n"),
         ({"logprobs": 21}, "logprobs"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),  # a batch holding an empty prompt
         ({"prompt": [1, 9999]}, "prompt[1]"),
         ({"prompt": ""}, "prompt"),
         ({"stop": ["x", ""]}, "stop[1]"),
