@@ -2,6 +2,7 @@
 
     pdserve serve --config deploy/local.yaml [--port 50051 --prefill-tp 2 ...]
     pdserve generate --address 127.0.0.1:50051 --prompt "Hello" --max-tokens 32
+                     [--json-schema FILE | --regex RE | --choice A --choice B]
     pdserve status --address 127.0.0.1:50051 --metrics 127.0.0.1:9400
     pdserve demo
     pdserve bench --compare --out runs/today [--quick]    (benchmarks/goodput/)
@@ -21,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import grpc
 
@@ -83,6 +85,14 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
+    constraint = generate.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON matching this schema file"
+    )
+    constraint.add_argument("--regex", help="the output matches this regular expression")
+    constraint.add_argument(
+        "--choice", action="append", help="the output is one of these (repeatable)"
+    )
     generate.add_argument("--timeout", type=float, default=300.0, help="seconds for the call")
     generate.set_defaults(func=cmd_generate)
 
@@ -265,6 +275,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             setattr(request, name, getattr(args, name))
+    if args.json_schema is not None:
+        try:
+            schema = Path(args.json_schema).read_text()
+        except OSError as exc:
+            raise ConfigError(f"--json-schema {args.json_schema}: {exc.strerror}") from None
+        request.structured_output.json_schema = schema
+    elif args.regex is not None:
+        request.structured_output.regex = args.regex
+    elif args.choice:
+        request.structured_output.choice.choices.extend(args.choice)
     last = pb.GenerateResponse()
     with _client(args) as client:
         for response in client.generate(request, timeout_s=args.timeout):

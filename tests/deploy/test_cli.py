@@ -4,6 +4,7 @@ through a token file, and `demo` as a subprocess that prints its table and leave
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -246,6 +247,21 @@ def test_generate_passes_sampling_flags_and_stop_strings(
     assert main(argv) == 0
     result = capsys.readouterr()
     assert result.out == cut + "\n" and result.err.startswith("[stop: ")
+
+
+def test_generate_takes_a_json_schema_file(
+    served: Served, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    argv = ["generate", "--address", served.address, "--prompt", PROMPT, "--max-tokens", "80"]
+    assert main([*argv, "--json-schema", str(path)]) == 0
+    result = capsys.readouterr()
+    assert json.loads(result.out)["n"] in (1, 2, 3) and result.err.startswith("[stop: ")
+    assert main([*argv, "--choice", "yes", "--choice", "no"]) == 0
+    assert capsys.readouterr().out in ("yes\n", "no\n")
+    assert main([*argv, "--json-schema", str(tmp_path / "missing.json")]) != 0
 
 
 def test_generate_reports_a_rejected_request_and_exits_1(
