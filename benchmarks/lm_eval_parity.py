@@ -1,11 +1,13 @@
 """lm-evaluation-harness scores through pdserve equal lm-eval's own `hf` model, item by item.
 
-    python -m benchmarks.lm_eval_parity [--loglik-items 200] [--gen-items 50] [--out PATH]
+    python -m benchmarks.lm_eval_parity [--loglik-items 200] [--gen-items 50] [--batch-size 8]
+                                        [--out PATH]
 
 Starts `pdserve serve --model smollm2` (disaggregated: one prefill and one decode instance, plain
 processes) and runs two local tasks (YAML over JSON-lines files written here; no hub):
 - a multiple-choice task (log-likelihoods) through lm-eval's `local-completions` model, which
-  scores each choice with `echo` and `logprobs` on /v1/completions;
+  scores each choice with `echo` and `logprobs` on /v1/completions, `--batch-size` prompts per
+  request (a batch of prompts, as lm-eval sends them);
 - a generation task through `local-chat-completions` (greedy, with the chat template; its
   exact match compares the last number of the answer),
 then the same two tasks through lm-eval's `hf` model on the same SmolLM2 folder in float32.
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loglik-items", type=int, default=200)
     parser.add_argument("--gen-items", type=int, default=50)
     parser.add_argument("--num-concurrent", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per completions call")
     parser.add_argument("--out", default=None)
     parser.add_argument("--runs", type=Path, default=RUNS, help="where the raw samples go")
     args = parser.parse_args(argv)
@@ -181,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         mc_pd, mc_pd_samples = evaluate(
             "local-completions",
-            {**api, "base_url": f"{base}/completions", "tokenizer_backend": "huggingface"},
+            {
+                **api,
+                "base_url": f"{base}/completions",
+                "tokenizer_backend": "huggingface",
+                "batch_size": args.batch_size,
+            },
             "pdserve_parity_mc",
             tasks_dir,
             chat=False,
@@ -242,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "exact_match_items_equal": int(gen_items),
         "generation_text_items_equal": int(same_text),
         "model": "SmolLM2-135M-Instruct float32, pdserve disaggregated (1 prefill + 1 decode)",
+        "completions_batch_size": args.batch_size,
         "pdserve_s": round(pdserve_s, 1),
         "hf_s": round(hf_s, 1),
     }
