@@ -40,7 +40,8 @@ class StructuredOutput:
 
     @classmethod
     def json(cls, schema: str | dict[str, object], any_whitespace: bool = True) -> StructuredOutput:
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        # the properties' order is the output's: never sorted
+        text = schema if isinstance(schema, str) else json.dumps(schema)
         return cls(StructuredKind.JSON, text, any_whitespace=any_whitespace)
 
     @classmethod

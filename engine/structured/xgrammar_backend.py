@@ -7,7 +7,9 @@ off (grammars.py keeps a bounded LRU of compiled grammars instead, counted in sp
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import xgrammar
@@ -57,7 +59,7 @@ class XGrammarBackend:
         try:
             if spec.kind == StructuredKind.JSON:
                 grammar = xgrammar.Grammar.from_json_schema(
-                    spec.value, any_whitespace=spec.any_whitespace
+                    _strict_formats(spec.value), any_whitespace=spec.any_whitespace
                 )
                 return compiler.compile_grammar(_strict_strings(str(grammar)))
             if spec.kind == StructuredKind.JSON_OBJECT:
@@ -85,6 +87,33 @@ class XGrammarBackend:
 # gives text that json.loads refuses. Its unbounded strings already exclude them.
 _LOOSE_CHARACTER = r"[^\"\\\r\n]"
 _JSON_CHARACTER = r"[^\0-\x1f\"\\]"
+
+
+# Its ipv4 format admits octets with leading zeros ("000.010.1.1"), which JSON Schema's
+# dotted-quad (and Python's ipaddress, which jsonschema checks with) refuses: written as the
+# pattern of exactly the valid octets instead.
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = f"^{_OCTET}(\\.{_OCTET}){{3}}$"
+
+
+def _strict_formats(schema_text: str) -> str:
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError:
+        return schema_text  # xgrammar names what is wrong with it
+    return json.dumps(_replace_ipv4(schema))
+
+
+def _replace_ipv4(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_replace_ipv4(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _replace_ipv4(value) for key, value in node.items()}
+    if node.get("format") == "ipv4" and "pattern" not in node:
+        del node["format"]
+        node["pattern"] = _IPV4
+    return node
 
 
 def _strict_strings(ebnf: str) -> str:

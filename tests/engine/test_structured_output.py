@@ -14,6 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+import xgrammar
 from transformers import AutoTokenizer
 
 from engine import LLM, LLMEngine, SamplingParams
@@ -227,3 +228,24 @@ def test_a_request_waits_for_its_grammar_without_holding_the_batch(model_dir: st
     finally:
         gate.set()
         engine.shutdown()
+
+
+def test_json_strings_and_ipv4_admit_only_what_json_schema_allows(model_dir: str) -> None:
+    backend = XGrammarBackend(AutoTokenizer.from_pretrained(model_dir), 512, [2])
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "maxLength": 4},
+            "ip": {"type": "string", "format": "ipv4"},
+        },
+        "required": ["s", "ip"],
+    }
+    compiled = backend.compile(StructuredOutput.json(schema, any_whitespace=False))
+
+    def accepts(text: str) -> bool:
+        return bool(xgrammar.GrammarMatcher(compiled).accept_string(text))
+
+    assert accepts('{"s": "ab", "ip": "10.0.255.1"}')
+    assert not accepts('{"s": "a\x0e')  # a raw control character, which JSON forbids
+    assert not accepts('{"s": "ab", "ip": "010.')  # a leading zero, which dotted-quad forbids
+    assert not accepts('{"s": "ab", "ip": "256.')
