@@ -89,11 +89,23 @@ _LOOSE_CHARACTER = r"[^\"\\\r\n]"
 _JSON_CHARACTER = r"[^\0-\x1f\"\\]"
 
 
-# Its ipv4 format admits octets with leading zeros ("000.010.1.1"), which JSON Schema's
-# dotted-quad (and Python's ipaddress, which jsonschema checks with) refuses: written as the
-# pattern of exactly the valid octets instead.
+# Formats xgrammar writes looser than JSON Schema's checkers read them, compiled as patterns of
+# what they accept instead: its ipv4 admits octets with leading zeros ("010"), which dotted-quad
+# (and Python's ipaddress) refuses; its date-time admits year 0000 and fractional seconds with no
+# end (a small model writes zeros until max_tokens); its date and date-time admit February 30.
+# The dates below are a subset of the valid ones (no February 29): every one parses.
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_IPV4 = f"^{_OCTET}(\\.{_OCTET}){{3}}$"
+_YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_MONTH_DAY = (
+    "((0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)"
+)
+_HOUR = "([01][0-9]|2[0-3])"
+_TIME = f"{_HOUR}:[0-5][0-9]:[0-5][0-9](\\.[0-9]{{1,6}})?(Z|[+-]{_HOUR}:[0-5][0-9])"
+_FORMAT_PATTERNS = {
+    "ipv4": f"^{_OCTET}(\\.{_OCTET}){{3}}$",
+    "date": f"^{_YEAR}-{_MONTH_DAY}$",
+    "date-time": f"^{_YEAR}-{_MONTH_DAY}T{_TIME}$",
+}
 
 
 def _strict_formats(schema_text: str) -> str:
@@ -101,18 +113,19 @@ def _strict_formats(schema_text: str) -> str:
         schema = json.loads(schema_text)
     except json.JSONDecodeError:
         return schema_text  # xgrammar names what is wrong with it
-    return json.dumps(_replace_ipv4(schema))
+    return json.dumps(_replace_formats(schema))
 
 
-def _replace_ipv4(node: Any) -> Any:
+def _replace_formats(node: Any) -> Any:
     if isinstance(node, list):
-        return [_replace_ipv4(item) for item in node]
+        return [_replace_formats(item) for item in node]
     if not isinstance(node, dict):
         return node
-    node = {key: _replace_ipv4(value) for key, value in node.items()}
-    if node.get("format") == "ipv4" and "pattern" not in node:
+    node = {key: _replace_formats(value) for key, value in node.items()}
+    pattern = _FORMAT_PATTERNS.get(node.get("format"))  # type: ignore[arg-type]
+    if pattern is not None and "pattern" not in node:
         del node["format"]
-        node["pattern"] = _IPV4
+        node["pattern"] = pattern
     return node
 
 

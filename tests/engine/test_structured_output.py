@@ -237,15 +237,20 @@ def test_json_strings_and_ipv4_admit_only_what_json_schema_allows(model_dir: str
         "properties": {
             "s": {"type": "string", "maxLength": 4},
             "ip": {"type": "string", "format": "ipv4"},
+            "at": {"type": "string", "format": "date-time"},
         },
-        "required": ["s", "ip"],
+        "required": ["s", "ip", "at"],
     }
     compiled = backend.compile(StructuredOutput.json(schema, any_whitespace=False))
 
     def accepts(text: str) -> bool:
         return bool(xgrammar.GrammarMatcher(compiled).accept_string(text))
 
-    assert accepts('{"s": "ab", "ip": "10.0.255.1"}')
+    assert accepts('{"s": "ab", "ip": "10.0.255.1", "at": "2024-05-31T23:59:59.5+01:00"}')
     assert not accepts('{"s": "a\x0e')  # a raw control character, which JSON forbids
     assert not accepts('{"s": "ab", "ip": "010.')  # a leading zero, which dotted-quad forbids
     assert not accepts('{"s": "ab", "ip": "256.')
+    ok = '{"s": "ab", "ip": "1.1.1.1", "at": '
+    assert not accepts(ok + '"0000-')  # year 0, which no checker parses
+    assert not accepts(ok + '"2024-02-30')  # a day the month does not have
+    assert not accepts(ok + '"2024-01-01T00:00:00.1234567')  # fractions end after six digits
