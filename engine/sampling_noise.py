@@ -8,7 +8,8 @@ device (the integer hash is exact, so CPU and GPU agree bit for bit on the unifo
     key[s]     = fmix32(lo32(s) ^ fmix32(hi32(s) ^ salt))     per row, on the host
     column[j]  = fmix32(j * golden)                           per column, once per vocab size
     bits[s, j] = fmix32(key[s] ^ column[j])
-    u          = (bits >> 8 + 0.5) / 2**24                    in (0, 1), never 0 or 1
+    u          = (bits >> 8 + 0.5) / 2**24                    in (0, 1), never 0 or 1 (in a
+                                                              narrow dtype, clamped below 1)
 
 fmix32 is MurmurHash3's finaliser, a bijection with full avalanche. On tensors it runs on int32
 holding the 32 bits (two's complement: a product wraps modulo 2**32 as the hash wants, and a
@@ -75,7 +76,16 @@ def uniforms(
     device = torch.device(device)
     keys = to_device([_signed(row_key(s, salt)) for s in seeds], torch.int32, device)
     bits = _fmix32(keys.unsqueeze(1) ^ _column_hashes(width, device))
-    return ((bits >> 8) & 0xFFFFFF).to(dtype).add_(0.5).mul_(2.0**-24)
+    u = ((bits >> 8) & 0xFFFFFF).to(dtype).add_(0.5).mul_(2.0**-24)
+    # In float32 (and narrower) x + 0.5 rounds up to 2**24 for the largest x: u would be 1, its
+    # exponential 0, and p / 0 for a token of probability 0 (masked by a grammar, cut by top-k)
+    # NaN, which argmax picks. The largest value below 1 instead (float64 never rounds here).
+    return u.clamp_(max=_below_one(dtype))
+
+
+def _below_one(dtype: torch.dtype) -> float:
+    one = torch.tensor(1.0, dtype=dtype)
+    return float(torch.nextafter(one, torch.tensor(0.0, dtype=dtype)))
 
 
 def exponentials(

@@ -17,7 +17,7 @@ from typing import Any
 from router.fanout import generate_n, interleave
 from router.generation import GenerationChunk, GenerationRunner
 from router.http_api.schemas import Completion, Usage
-from router.http_api.translate import ResponseShape, sse
+from router.http_api.translate import ResponseShape
 from router.validation import ValidatedRequest
 
 
@@ -100,12 +100,4 @@ class BatchShape:
         )
 
     def usage_event(self) -> bytes:
-        first = self._shapes[0]
-        body = Completion.model_construct(
-            id=first.response_id,
-            created=first.created,
-            model=first.model,
-            choices=[],
-            usage=self.total_usage(),
-        )
-        return sse(body.model_dump_json())
+        return self._shapes[0].usage_event(self.total_usage())

@@ -366,8 +366,9 @@ class ResponseShape:
             )
         return sse(body.model_dump_json())
 
-    def usage_event(self) -> bytes:
-        """stream_options.include_usage: a last chunk with no choices and the whole usage."""
+    def usage_event(self, total: Usage | None = None) -> bytes:
+        """stream_options.include_usage: a last chunk with no choices and the whole usage (this
+        request's, or `total`: a batch's)."""
         body: Completion | ChatCompletionChunk
         kind = ChatCompletionChunk if self.chat else Completion
         body = kind.model_construct(
@@ -375,7 +376,7 @@ class ResponseShape:
             created=self.created,
             model=self.model,
             choices=[],
-            usage=self.total_usage(),
+            usage=total or self.total_usage(),
         )
         return sse(body.model_dump_json())
 

@@ -42,3 +42,13 @@ def test_the_batched_draw_is_the_one_row_draw() -> None:
         else:
             probs = filtered_probs(logits[i : i + 1], [row.params])[0]
             assert tokens[i] == draw(probs, mix_seed(row.seed, row.output_pos))
+
+
+def test_float32_noise_never_reaches_one_so_a_zero_probability_is_never_drawn() -> None:
+    # seed 210's uniform at column 25386 rounds to 1 in float32 without the clamp
+    u = uniforms([210], 49152, torch.float32, "cpu")
+    assert float(u.max()) < 1.0 and float(u[0, 25386]) == float(u.max())
+    assert bool((exponentials([210], 49152, torch.float32, "cpu") > 0).all())
+    probs = torch.full((49152,), 1.0 / 49151)
+    probs[25386] = 0.0  # a token a grammar masks
+    assert draw(probs, 210) != 25386

@@ -91,6 +91,18 @@ def test_a_streamed_batch_interleaves_numbered_choices(client, model) -> None:
             finished += choice.finish_reason is not None
     assert [texts[i] for i in range(len(PROMPTS))] == alone
     assert finished == len(PROMPTS) and len(ids) == 1
+    whole = client.completions.create(model=model, prompt=PROMPTS, max_tokens=6, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPTS,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert not chunks[-1].choices and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
 def test_a_batch_over_the_limit_or_with_a_bad_prompt_gets_a_400(client, model) -> None:
