@@ -25,6 +25,7 @@ BINDS_ITSELF = {
     "engine/rank_device.py",  # device_thread
     "kv_transfer/posters.py",  # shared threads: each job binds its rank's device (tested here)
     "engine/step_queue.py",  # the TP driver's liveness check reads the TP store, never CUDA
+    "engine/structured/grammars.py",  # compiles grammars: CPU work, never CUDA
 }
 GPU = torch.device("cuda", 1)
 
