@@ -195,6 +195,8 @@ class LLMEngine:
     def _mask_by_grammars(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
         """Mask, in place, the logits row each constrained request samples from (a constrained
         request proposes no tokens, so its row is its chunk's first), before the processors."""
+        if not self.grammars.in_use:
+            return  # an engine that never saw a constraint spends nothing per step here
         rows = []
         row = 0
         for chunk in batch.chunks:

@@ -97,6 +97,7 @@ class Grammars:
             collections.OrderedDict()
         )
         self._pool: ThreadPoolExecutor | None = None
+        self.in_use = False  # a request asked for a grammar: steps look for constrained rows
 
     def backend(self) -> GrammarBackend:
         with self._lock:
@@ -106,6 +107,7 @@ class Grammars:
 
     def start(self, spec: StructuredOutput) -> GrammarState:
         """The state of a request under `spec`: ready at once on a cache hit."""
+        self.in_use = True
         return GrammarState(self.compile(spec), self.backend)
 
     def compile(self, spec: StructuredOutput) -> Future[object]:

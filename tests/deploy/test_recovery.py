@@ -134,19 +134,25 @@ def _all_back(cluster: LocalCluster) -> bool:
     )
 
 
-def test_streams_on_a_killed_decode_instance_migrate_and_equal_transformers(
-    cluster: LocalCluster, model_dir: str
-) -> None:
-    expected = hf_greedy(model_dir, LONG_PROMPTS, LONG_TOKENS)
-    results, started, threads = _start_all(cluster, LONG_PROMPTS, LONG_TOKENS)
-    _wait_until(lambda: len(started) == len(LONG_PROMPTS), 60, "every stream started")
-    # Kill the decode instance that holds the most streams, at once (they run in seconds).
+def _kill_the_busiest_decode(cluster: LocalCluster, started, threads, num_streams: int) -> str:  # type: ignore[no-untyped-def]
+    """Once every stream started, SIGKILL the decode instance holding the most of them, at once
+    (they run in seconds); the streams are joined. Returns the victim's id."""
+    _wait_until(lambda: len(started) == num_streams, 60, "every stream started")
     loads = {load.instance_id: load for load in cluster.status()}
     victim = max(("decode-0", "decode-1"), key=lambda i: loads[i].num_running)
     assert loads[victim].num_running > 0, loads
     os.kill(cluster.workers[victim].pid, signal.SIGKILL)
     for thread in threads:
         thread.join(120)
+    return victim
+
+
+def test_streams_on_a_killed_decode_instance_migrate_and_equal_transformers(
+    cluster: LocalCluster, model_dir: str
+) -> None:
+    expected = hf_greedy(model_dir, LONG_PROMPTS, LONG_TOKENS)
+    results, started, threads = _start_all(cluster, LONG_PROMPTS, LONG_TOKENS)
+    victim = _kill_the_busiest_decode(cluster, started, threads, len(LONG_PROMPTS))
     assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(results)
     assert [r.token_ids for r in results] == expected
     migrated = [r.last.timings for r in results if r.last and r.last.timings.migrations]
@@ -216,13 +222,7 @@ def test_constrained_streams_migrate_and_retry_under_their_grammar(
     assert min(len(ids) for ids in expected) > 100  # long enough to be cut by the kill
     # mid-output: the decode instance holding the most streams dies
     results, started, threads = _start_all(cluster, LONG_PROMPTS, CONSTRAINED_TOKENS, True)
-    _wait_until(lambda: len(started) == len(LONG_PROMPTS), 60, "every stream started")
-    loads = {load.instance_id: load for load in cluster.status()}
-    victim = max(("decode-0", "decode-1"), key=lambda i: loads[i].num_running)
-    assert loads[victim].num_running > 0, loads
-    os.kill(cluster.workers[victim].pid, signal.SIGKILL)
-    for thread in threads:
-        thread.join(120)
+    _kill_the_busiest_decode(cluster, started, threads, len(LONG_PROMPTS))
     assert [(r.code, r.details) for r in results] == [(grpc.StatusCode.OK, "")] * len(results)
     assert [r.token_ids for r in results] == expected
     assert any(r.last and r.last.timings.migrations for r in results)
