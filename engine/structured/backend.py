@@ -3,8 +3,8 @@
 A backend compiles a StructuredOutput once into an opaque grammar, and makes matchers from it.
 A matcher follows one sequence token by token and fills that sequence's row of a token bitmask:
 32 tokens per int32 word, bit `t % 32` of word `t // 32` set when token t is allowed (xgrammar's
-and llguidance's layout alike). The engine applies the whole batch's bitmask in one step
-(grammars.py).
+and llguidance's layout alike). The engine fills one bitmask for the batch and the backend
+applies it in one call (grammars.py).
 """
 
 from __future__ import annotations
@@ -41,4 +41,8 @@ class GrammarBackend(Protocol):
     def matcher(self, compiled: object) -> Matcher: ...
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
-        """An int32 bitmask [num_rows, ceil(vocab_size / 32)] on the CPU."""
+        """An int32 bitmask [num_rows, ceil(vocab_size / 32)] on the CPU, every token allowed."""
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Set to -inf, in place, each token `bitmask` refuses in the `rows` of `logits`
+        [n, vocab] (bitmask row i masks logits row i)."""

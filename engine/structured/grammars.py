@@ -3,7 +3,7 @@
     grammars = Grammars(backend_factory)
     request.grammar = grammars.start(spec)      # at admission: a cached grammar, or a compile
     ...                                          # the scheduler admits it once `ready`
-    grammars.apply(logits, states, row_index)    # before sampling: one bitmask, one masked_fill
+    grammars.apply(logits, rows)                 # before sampling: one bitmask, one batched apply
 
 Compilation runs on a thread of its own; a request whose grammar is not compiled yet waits in
 the queue without holding the batch (the scheduler passes over it). Compiled grammars are kept
@@ -32,8 +32,6 @@ from engine.structured.spec import StructuredOutput
 
 if TYPE_CHECKING:
     from engine.request import Request
-
-_BIT = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarState:
@@ -131,19 +129,16 @@ class Grammars:
 
     def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, Request]]) -> None:
         """Mask `logits` [n, vocab] in place: for each (row index, request with a grammar), every
-        token the grammar does not allow next gets -inf. One bitmask for the batch, one fill."""
+        token the grammar does not allow next gets -inf. One bitmask for the batch (the rows of
+        unconstrained requests allow everything), one batched apply."""
         if not rows:
             return
-        bitmask = self.backend().allocate_bitmask(len(rows))
-        for i, (_, request) in enumerate(rows):
+        backend = self.backend()
+        bitmask = backend.allocate_bitmask(logits.shape[0])
+        for row, request in rows:
             assert request.grammar is not None
-            request.grammar.sync(request).fill_bitmask(bitmask, i)
-        index = torch.tensor([row for row, _ in rows], device=logits.device)
-        vocab_size = logits.shape[1]
-        allowed = ((bitmask.unsqueeze(-1) >> _BIT) & 1).flatten(1)[:, :vocab_size].bool()
-        selected = logits.index_select(0, index)
-        selected.masked_fill_(~allowed.to(logits.device), float("-inf"))
-        logits.index_copy_(0, index, selected)
+            request.grammar.sync(request).fill_bitmask(bitmask, row)
+        backend.apply_bitmask(logits, bitmask, [row for row, _ in rows])
 
     def shutdown(self) -> None:
         if self._pool is not None:

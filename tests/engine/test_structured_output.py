@@ -176,6 +176,28 @@ def test_logprobs_are_those_of_the_masked_logits(model_dir: str, llm) -> None:
         assert matcher.accept(token_id)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_batched_apply_masks_exactly_the_refused_tokens_of_the_listed_rows(
+    model_dir: str, dtype: torch.dtype
+) -> None:
+    backend = XGrammarBackend(AutoTokenizer.from_pretrained(model_dir), 512, [2])
+    generator = torch.Generator().manual_seed(0)
+    bitmask = backend.allocate_bitmask(5)
+    assert bitmask.shape == (5, 16) and bool((bitmask == -1).all())
+    bitmask[[1, 3]] = torch.randint(-(2**31), 2**31 - 1, (2, 16), generator=generator).int()
+    logits = torch.randn(5, 512, generator=generator).to(dtype)
+    masked = logits.clone()
+    backend.apply_bitmask(masked, bitmask, [1, 3])
+    bits = torch.tensor(
+        [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(512)] for r in range(5)]
+    )
+    for row in range(5):
+        refused = (bits[row] == 0) & torch.tensor(row in (1, 3))
+        assert torch.equal(masked[row][~refused], logits[row][~refused])
+        assert bool((masked[row][refused] == float("-inf")).all())
+    assert 0 < int((bits[1] == 0).sum()) < 512
+
+
 def test_a_schema_that_does_not_compile_ends_its_request_with_the_reason(llm) -> None:
     bad = StructuredOutput.json('{"type": "objekt"}')
     good, failed = llm.generate(
