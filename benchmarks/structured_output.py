@@ -16,8 +16,12 @@ The JSON's figures:
 - `valid_fraction`: answers that parse and validate, over `schemas`;
 - `tpot_overhead_b16`: mean TPOT of `--batch` concurrent constrained requests over the same
   prompts unconstrained, generating as many tokens each (ignore_eos, max_tokens = the
-  constrained answer's length), their prompts cached first, rounds interleaved; the router's
-  own timings;
+  constrained answer's length), their prompts cached first, `--tpot-rounds` rounds, each way
+  first in every other; the router's own timings. Colocated, a request's TPOT includes the
+  prefills that arrive while it decodes, which the arrival order decides: one round's ratio
+  spreads by 0.2 either way, grammar or not (`tpot_overhead_rounds`);
+- `itl_overhead_b16`: the same rounds token-weighted (decode time over decode tokens, vLLM's
+  mean ITL), which a short request's span does not dominate;
 - `first_token_ms_overhead`: the median paired TTFT difference, one request at a time, of a
   constrained request over the same prompt unconstrained, with the grammar and the prompt's
   blocks already cached (so the difference is the grammar's: the check, the mask, the matcher);
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=320)
     parser.add_argument("--any-whitespace", action="store_true")
-    parser.add_argument("--tpot-rounds", type=int, default=3)
+    parser.add_argument("--tpot-rounds", type=int, default=6)
     parser.add_argument("--ttft-pairs", type=int, default=20)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -178,13 +182,15 @@ def _measure(stub, suite, args, compact: bool) -> dict[str, Any]:  # type: ignor
         why = _valid(answer.text, suite[index][1])
         if why is not None:
             failures[index] = why
-    # TPOT: constrained and free rounds of `batch` requests, the same prompts and lengths
+    # TPOT: constrained and free rounds of `batch` requests, the same prompts and lengths; the
+    # rounds cycle over the sets of `batch` prompts the suite has
     tpots: dict[bool, list[float]] = {True: [], False: []}
+    spans: dict[bool, list[tuple[float, int]]] = {True: [], False: []}  # decode s, tokens
+    round_means: dict[bool, list[float]] = {True: [], False: []}
     usable = [i for i, a in enumerate(answers) if len(a.token_ids) >= 8]
-    for round_index in range(args.tpot_rounds):
-        chosen = usable[round_index * args.batch : (round_index + 1) * args.batch]
-        if len(chosen) < args.batch:
-            break
+    sets = [usable[k : k + args.batch] for k in range(0, len(usable) - args.batch + 1, args.batch)]
+    for round_index in range(args.tpot_rounds if sets else 0):
+        chosen = sets[round_index % len(sets)]
         # the prompts' blocks go into the prefix cache first, or the first round would prefill
         # them while decoding (colocated) and the second find them cached
         warm = []
@@ -195,7 +201,8 @@ def _measure(stub, suite, args, compact: bool) -> dict[str, Any]:  # type: ignor
             warm.append(request)
         with ThreadPoolExecutor(args.batch) as pool:
             list(pool.map(lambda r: _run(stub, r), warm))
-        for with_grammar in (True, False):
+        # the order alternates, so that neither way always follows the warm-up
+        for with_grammar in (True, False) if round_index % 2 == 0 else (False, True):
             requests = []
             for i in chosen:
                 request = constrained(i)
@@ -207,6 +214,10 @@ def _measure(stub, suite, args, compact: bool) -> dict[str, Any]:  # type: ignor
             with ThreadPoolExecutor(args.batch) as pool:
                 done = list(pool.map(lambda r: _run(stub, r), requests))
             tpots[with_grammar] += [d.timings.per_token_s for d in done]
+            round_means[with_grammar].append(statistics.mean(d.timings.per_token_s for d in done))
+            spans[with_grammar] += [
+                (d.timings.per_token_s * (len(d.token_ids) - 1), len(d.token_ids) - 1) for d in done
+            ]
     # TTFT, one request at a time: a first constrained run caches the grammar and the prompt's
     # blocks, then each way runs twice, in the order free, constrained, constrained, free
     differences = []
@@ -233,6 +244,10 @@ def _measure(stub, suite, args, compact: bool) -> dict[str, Any]:  # type: ignor
         "finish_reasons": _count(pb.FinishReason.Name(a.finish_reason) for a in answers),
         "mean_output_tokens": round(statistics.mean(len(a.token_ids) for a in answers), 1),
         "tpot_overhead_b16": None if tpot_ratio is None else round(tpot_ratio, 3),
+        "itl_overhead_b16": _per_token(spans[True], spans[False]),
+        "tpot_overhead_rounds": [
+            round(c / f, 3) for c, f in zip(round_means[True], round_means[False], strict=False)
+        ],
         "tpot_ms_constrained": _ms(tpots[True]),
         "tpot_ms_free": _ms(tpots[False]),
         "first_token_ms_overhead": round(statistics.median(differences), 2)
@@ -240,6 +255,16 @@ def _measure(stub, suite, args, compact: bool) -> dict[str, Any]:  # type: ignor
         else None,
         "batch": args.batch,
     }
+
+
+def _per_token(constrained: list[tuple[float, int]], free: list[tuple[float, int]]) -> float | None:
+    """Token-weighted: decode time over decode tokens, constrained over free (vLLM's mean ITL)."""
+    if not free:
+        return None
+    per_token = [
+        sum(s for s, _ in way) / max(1, sum(n for _, n in way)) for way in (constrained, free)
+    ]
+    return round(per_token[0] / per_token[1], 3)
 
 
 def _ms(values: list[float]) -> float | None:
