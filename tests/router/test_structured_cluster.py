@@ -1,5 +1,5 @@
 """Structured output through a served cluster, in each layout: disaggregated at TP 1, at TP 2
-(prefill and decode), and colocated. The first token is sampled on the prefill instance under the
+(prefill and decode) and with speculation, colocated, and adaptive. The first token is sampled on the prefill instance under the
 mask and the decode instance resumes the grammar from it; so outputs validate, the openai SDK's
 `parse` helper reads them into a pydantic model, and greedy under a grammar that admits the
 model's own answer is that answer, token for token.
@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from deploy.runtime.local.local_cluster import LocalCluster
 from router.tokenizer import RouterTokenizer
 from tests.deploy.ray_support import make_prompts, serve_spec
+from tests.deploy.test_adaptive_cluster import PROFILE
 from tests.engine.test_structured_output import SCHEMA, _before_special
 
 pytestmark = pytest.mark.slow  # starts worker processes, clusters or servers
@@ -36,6 +37,14 @@ LAYOUTS = {
         "decode": {"tensor_parallel_size": 2},
     },
     "colocated": {"mode": "colocated"},
+    # two instances that prefill and decode as the router places each request
+    "adaptive": {
+        "mode": "adaptive",
+        "adaptive": {"instances": 2},
+        "router": {"http_port": 0, "latency_profile": str(PROFILE)},
+    },
+    # a constrained request proposes no drafts: its greedy answer equals a speculated one
+    "disaggregated-speculative": {"speculative": {"method": "ngram", "num_tokens": 3}},
 }
 
 
@@ -51,9 +60,8 @@ def cluster(tiny_model_dir: str, request: pytest.FixtureRequest) -> Iterator[Loc
         tiny_model_dir,
         dtype="float64",
         kv_cache={"block_size": 8, "num_blocks": 128},
-        router={"http_port": 0},
         ray={"enabled": False},
-        **LAYOUTS[request.param],
+        **{"router": {"http_port": 0}, **LAYOUTS[request.param]},
     )
     with LocalCluster(spec) as running:
         running.start()
